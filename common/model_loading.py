@@ -1,0 +1,117 @@
+"""Loading a causal LM and its tokenizer from a local path: an HF directory (safetensors) or a GGUF file.
+
+GGUF files are dequantised by transformers, which takes minutes for a 1.5B model; the result is converted once
+into a safetensors directory in the cache folder and reloaded from there in seconds afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from common.tokenizer import tokenizer_fingerprint
+
+log = structlog.get_logger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel (…ForCausalLM)
+    tokenizer: Any
+    model_id: str
+    tokenizer_fingerprint: str
+    vocab_size: int  # rows of the logits
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECWIRE_CACHE_DIR", Path.home() / ".cache" / "specwire"))
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """An HF directory for `path`: the directory itself, or the safetensors conversion of a GGUF file."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"model path {p} does not exist (models load from local paths only)")
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            ganged = sorted(p.glob("*.gguf"))
+            if len(ganged) == 1:
+                return resolve_model_dir(ganged[0])
+            raise FileNotFoundError(f"{p} has no config.json and no single .gguf file")
+        return p
+    if p.suffix != ".gguf":
+        raise ValueError(f"{p}: expected an HF model directory or a .gguf file")
+    st = p.stat()
+    key = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "converted" / f"{p.stem}-{key}"
+    if not (out / "config.json").exists():
+        convert_gguf(p, out)
+    return out
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> None:
+    """Dequantise a GGUF file into a float32 safetensors directory (config, weights, tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("gguf_convert_start", gguf=str(gguf_path), out=str(out))
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    # NOTE: rebuild from the plain config so the saved directory carries no GGUF quantisation metadata.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    model.generation_config = quantized.generation_config
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, out)
+    log.info("gguf_convert_done", out=str(out))
+
+
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model.eval()
+    model_type = model.config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    eos = _eos_token_ids(model, tokenizer)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=getattr(model.config, "name_or_path", None) or Path(path).name,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        eos_token_ids=eos,
+        max_model_len=int(getattr(model.config, "max_position_embeddings", 2048)),
+    )
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is None:
+            continue
+        ids.extend(value if isinstance(value, list | tuple) else [value])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,0 +1,98 @@
+"""A Llama-family forward pass (Llama, Qwen2, Mistral) over a flattened batch of variable-length query chunks
+against the paged KV cache.
+
+The weights, norms, MLPs and rotary embedding are the transformers model's own modules, so RoPE scaling, biases
+and activations follow the config exactly; only attention and the cache are ours. Prefill chunks, verification
+blocks and draft steps of many sequences run in one pass: the projections and MLPs see all tokens at once, and
+attention runs per sequence through kernels.paged_attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from common.kv_cache import KVCache, KVCacheSpec
+from kernels.kv_cache_write import write_kv
+from kernels.paged_attention import paged_attention
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each token's K/V is written
+    query_start: list[int]  # [num_seqs + 1]
+    context_lens: list[int]  # [num_seqs], tokens in the cache once this batch is written
+    block_tables: list[list[int]]  # [num_seqs] block ids
+    logits_indices: torch.Tensor  # [num_logits] int64 rows of the batch whose logits are returned
+
+
+def kv_cache_spec(model: Any) -> KVCacheSpec:
+    config = model.config
+    num_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return KVCacheSpec(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        dtype=model.dtype,
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class PagedCausalLM:
+    def __init__(self, model: Any, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        spec = kv_cache.spec
+        config = model.config
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.layers = model.model.layers
+        self.embed_tokens = model.model.embed_tokens
+        self.norm = model.model.norm
+        self.rotary_emb = model.model.rotary_emb
+        self.lm_head = model.lm_head
+        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        window = getattr(config, "sliding_window", None)
+        self.sliding_windows = [window if t == "sliding_attention" and window else None for t in layer_types]
+        self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_logits, vocab_size] in the model's dtype
+        num_tokens = batch.input_ids.numel()
+        hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary_emb(hidden.unsqueeze(0), batch.positions.unsqueeze(0))  # [1, num_tokens, head_dim]
+        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(hidden)
+            q = attn.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)
+            k = attn.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = attn.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            key_cache, value_cache = self.kv_cache.key_caches[i], self.kv_cache.value_caches[i]
+            write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
+            o = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.query_start,
+                                batch.context_lens, self.scale, self.sliding_windows[i])
+            hidden = hidden + attn.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        if batch.logits_indices.numel() == 0:
+            return hidden.new_empty((0, self.vocab_size))
+        # NOTE: the final norm and lm_head run only on the rows whose logits are needed; prefill rows need none
+        # and lm_head is the largest matrix of a small model.
+        selected = self.norm(hidden[batch.logits_indices])
+        return self.lm_head(selected)

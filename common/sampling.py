@@ -1,0 +1,64 @@
+"""Sampling parameters of one request, validated once at the edge of each service."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass
+
+from common.errors import invalid_argument
+
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 16
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        validate_sampling(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def with_seed(self) -> SamplingParams:
+        """The same parameters with a seed drawn now if none was given: every sequence gets its own stream."""
+        if self.seed is not None:
+            return self
+        return SamplingParams(self.temperature, self.top_k, self.top_p, secrets.randbelow(MAX_SEED),
+                              self.max_tokens, self.ignore_eos)
+
+
+def validate_sampling(params: SamplingParams) -> None:
+    """Raise SpecwireError(INVALID_ARGUMENT) with a readable message for out-of-range parameters."""
+    t = params.temperature
+    if not (t == t) or t < 0 or t == float("inf"):
+        raise invalid_argument(f"temperature must be a finite number >= 0 (0 means greedy), got {t}")
+    if params.top_k < 0:
+        raise invalid_argument(f"top_k must be >= 0 (0 disables it), got {params.top_k}")
+    if not (0.0 < params.top_p <= 1.0):
+        raise invalid_argument(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.max_tokens < 1:
+        raise invalid_argument(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if params.seed is not None and not (0 <= params.seed <= MAX_SEED):
+        raise invalid_argument(f"seed must be in [0, 2^63 - 1], got {params.seed}")
+
+
+def validate_token_ids(token_ids: list[int], vocab_size: int, what: str = "prompt") -> None:
+    if not token_ids:
+        raise invalid_argument(f"{what} is empty: give at least one token")
+    bad = [t for t in token_ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise invalid_argument(f"{what} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence token or stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    CANCELLED = "cancelled"

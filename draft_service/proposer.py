@@ -1,0 +1,174 @@
+"""Drafting: the draft model proposes k tokens per sequence, batched across this process's sequences, with
+its own paged cache rolled back to the verified prefix without recomputation.
+
+Each draft token is sampled from q = the request's temperature/top-k/top-p applied to the draft logits,
+further truncated to its `q_max_support` most probable tokens and renormalised; that truncated q is exactly
+what is sent (sparse-q mode), so the verifier's rejection sampling stays lossless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from common import rng
+from common.block_manager import BlockManager
+from common.errors import ErrorCode, SpecwireError
+from common.paged_model import ForwardBatch, PagedCausalLM
+from common.sampling import SamplingParams
+from draft_service.types import DraftBlock, SparseQ
+from kernels.sampling_probs import compute_probs
+
+
+@dataclass(eq=False)
+class DraftSequence:
+    sampling: SamplingParams  # seeded
+    token_ids: list[int]  # verified tokens: prompt + generated
+    fed: list[int] = field(default_factory=list)  # tokens whose K/V is in the draft cache, in order
+
+
+class DraftModel:
+    """Synchronous; runs in the proposer's worker thread."""
+
+    def __init__(self, runner: PagedCausalLM, blocks: BlockManager, q_max_support: int) -> None:
+        self.runner = runner
+        self.blocks = blocks
+        self.q_max_support = q_max_support
+
+    def release(self, seq: DraftSequence) -> None:
+        self.blocks.free(seq)
+        seq.fed.clear()
+
+    def _rollback(self, seq: DraftSequence) -> None:
+        """Keep the cache for the longest prefix the draft fed that the verifier confirmed."""
+        n = 0
+        limit = min(len(seq.fed), len(seq.token_ids) - 1)  # at least one token must be fed to get logits
+        while n < limit and seq.fed[n] == seq.token_ids[n]:
+            n += 1
+        del seq.fed[n:]
+        self.blocks.truncate(seq, n)
+
+    @torch.inference_mode()
+    def draft(self, jobs: list[tuple[DraftSequence, int]]) -> list[DraftBlock]:
+        for seq, _ in jobs:
+            self._rollback(seq)
+        pending: list[list[int]] = [list(seq.token_ids[len(seq.fed):]) for seq, _ in jobs]
+        drafted: list[list[int]] = [[] for _ in jobs]
+        qs: list[list[SparseQ]] = [[] for _ in jobs]
+        for step in range(max(k for _, k in jobs)):
+            active = [i for i, (_, k) in enumerate(jobs) if step < k]
+            logits = self._forward([(jobs[i][0], pending[i]) for i in active])
+            samples = self._sample(logits, [jobs[i][0] for i in active], [len(jobs[i][0].token_ids) + step
+                                                                          for i in active])
+            for i, (token, q) in zip(active, samples, strict=True):
+                drafted[i].append(token)
+                if q is not None:
+                    qs[i].append(q)
+                pending[i] = [token]
+        return [DraftBlock(tuple(d), None if seq.sampling.is_greedy else tuple(q))
+                for (seq, _), d, q in zip(jobs, drafted, qs, strict=True)]
+
+    def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        for seq, tokens in feeds:
+            start = len(seq.fed)
+            end = start + len(tokens)
+            if not self.blocks.allocate(seq, end):
+                raise SpecwireError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full "
+                                    "(raise its --kv-cache-memory)")
+            input_ids.extend(tokens)
+            positions.extend(range(start, end))
+            slots.extend(self.blocks.slots(seq, start, end))
+            query_start.append(query_start[-1] + len(tokens))
+            seq.fed.extend(tokens)
+        batch = ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            query_start=query_start,
+            context_lens=[len(seq.fed) for seq, _ in feeds],
+            block_tables=[self.blocks.table(seq) for seq, _ in feeds],
+            logits_indices=torch.tensor([e - 1 for e in query_start[1:]], dtype=torch.int64),
+        )
+        return self.runner.forward(batch)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence],
+                positions: list[int]) -> list[tuple[int, SparseQ | None]]:
+        out: list[tuple[int, SparseQ | None]] = [(int(t), None) for t in logits.argmax(dim=1).tolist()]
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        if not sampled:
+            return out
+        params = [seqs[i].sampling for i in sampled]
+        probs = compute_probs(logits[sampled], torch.tensor([p.temperature for p in params]),
+                              torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                              torch.tensor([p.top_p for p in params]))
+        support = min(self.q_max_support, probs.shape[1])
+        top_probs, top_ids = probs.topk(support, dim=1)
+        top_probs = top_probs.to(torch.float64)
+        for row, i in enumerate(sampled):
+            keep = top_probs[row] > 0
+            q_probs = top_probs[row][keep]
+            q_probs = q_probs / q_probs.sum()
+            # NOTE: the wire carries float32; sample from the rounded q so the verifier sees exactly the q used.
+            q_probs = q_probs.to(torch.float32).to(torch.float64)
+            q_probs = q_probs / q_probs.sum()
+            q_ids = top_ids[row][keep]
+            noise = rng.exponential(seqs[i].sampling.seed, positions[i], rng.Stream.DRAFT_SAMPLE, q_ids.numel())
+            j = int(torch.argmax(q_probs / noise))
+            out[i] = (int(q_ids[j]), SparseQ(tuple(q_ids.tolist()), tuple(q_probs.tolist())))
+        return out
+
+
+class Proposer:
+    """Batches concurrent draft requests: while one batch drafts, new requests queue for the next."""
+
+    def __init__(self, model: DraftModel) -> None:
+        self.model = model
+        self._pending: list[tuple[DraftSequence, int, asyncio.Future]] = []
+        self._wakeup = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="draft-proposer")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._executor.shutdown(wait=True)
+
+    async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((seq, k, future))
+        self._wakeup.set()
+        return await future
+
+    async def release(self, seq: DraftSequence) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.model.release, seq)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            jobs = [(s, k, f) for s, k, f in self._pending if not f.cancelled()]
+            self._pending = []
+            if not jobs:
+                continue
+            try:
+                blocks = await loop.run_in_executor(self._executor, self.model.draft, [(s, k) for s, k, _ in jobs])
+            except Exception as err:  # noqa: BLE001 - every waiting request learns of it
+                for _, _, f in jobs:
+                    if not f.done():
+                        f.set_exception(err)
+                continue
+            for (_, _, f), block in zip(jobs, blocks, strict=True):
+                if not f.done():
+                    f.set_result(block)

@@ -1,0 +1,87 @@
+"""Builds the draft service (draft model, its KV cache, the verifier link) and serves Generate over gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.block_manager import BlockManager
+from common.config import parse_dtype
+from common.errors import ErrorCode, SpecwireError
+from common.kv_cache import KVCache, num_blocks_for_budget
+from common.model_loading import load_model
+from common.paged_model import PagedCausalLM, kv_cache_spec
+from draft_service.config import DraftConfig
+from draft_service.generation import Generator
+from draft_service.proposer import DraftModel, Proposer
+from draft_service.servicer import DraftServicer
+from draft_service.verifier_link import VerifierLink
+from specwire.v1 import draft_pb2, draft_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+class HandshakeRefused(RuntimeError):
+    """The verifier refused this draft (tokenizer or vocabulary mismatch): retrying cannot help."""
+
+
+async def connect_with_retry(link: VerifierLink, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await link.connect(timeout_s=min(10.0, max(1.0, deadline - time.monotonic())))
+            return
+        except SpecwireError as err:
+            if err.code is ErrorCode.FAILED_PRECONDITION:
+                raise HandshakeRefused(err.message) from err
+            if time.monotonic() > deadline:
+                raise
+            log.warning("verifier_not_ready", message=err.message)
+            await asyncio.sleep(1.0)
+
+
+async def serve(config: DraftConfig) -> None:
+    loaded = load_model(config.model, parse_dtype(config.dtype))
+    spec = kv_cache_spec(loaded.model)
+    num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
+    runner = PagedCausalLM(loaded.model, KVCache(spec, num_blocks, config.block_size))
+    proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
+    link = VerifierLink(config.verifier, draft_model_id=loaded.model_id, vocab_size=loaded.vocab_size,
+                        tokenizer_fingerprint=loaded.tokenizer_fingerprint)
+    await connect_with_retry(link, config.connect_timeout_s)
+    proposer.start()
+    generator = Generator(config, loaded.tokenizer, loaded.vocab_size, link, proposer)
+    server = grpc.aio.server()
+    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(generator), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("draft_ready", address=f"{config.host}:{port}", model=loaded.model_id, verifier=config.verifier,
+             num_speculative_tokens=config.num_speculative_tokens, wire_mode=config.wire_mode,
+             kv_blocks=num_blocks)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        log.info("draft_stopping")
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(grace=2.0)
+        await proposer.stop()
+        await link.close()

@@ -1,0 +1,85 @@
+"""Typed values inside the draft service (protobuf stays in servicer.py and verifier_link.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.errors import ErrorCode
+from common.sampling import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class SparseQ:
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class DraftBlock:
+    token_ids: tuple[int, ...]
+    q: tuple[SparseQ, ...] | None  # the distributions sampled from; None for greedy
+
+
+@dataclass(frozen=True)
+class VerdictEvent:
+    start_position: int
+    num_accepted: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class DroppedEvent:
+    start_position: int
+    num_verified: int
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    code: ErrorCode
+    message: str
+
+
+LinkEvent = VerdictEvent | DroppedEvent | ErrorEvent
+
+
+@dataclass(frozen=True)
+class VerifierIdentity:
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_draft_tokens: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_text: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    num_speculative_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass
+class GenerationStats:
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    wall_time_s: float = 0.0
+    time_to_first_token_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_wait_s: float = 0.0
+    num_speculative_tokens: int = 0

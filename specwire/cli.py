@@ -1,0 +1,169 @@
+"""The `specwire` command: run a verifier or a draft service, generate against a draft service, or run the demo.
+
+Every flag `--foo-bar` can also be set with the environment variable SPECWIRE_FOO_BAR. Service commands import
+their service lazily so `specwire generate` works with the client SDK alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from common.config import DTYPES, add_flag, parse_bytes
+
+
+def _verifier_parser(sub) -> None:
+    p = sub.add_parser("verifier", help="serve the target model (Verifier service)")
+    add_flag(p, "--model", required=False, help="target: HF model directory or .gguf file")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(p, "--port", default=50051, type=int, help="gRPC port")
+    add_flag(p, "--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    add_flag(p, "--max-draft-tokens", default=16, type=int, help="largest draft block accepted")
+    add_flag(p, "--block-size", default=16, type=int, help="tokens per KV block")
+    add_flag(p, "--kv-cache-memory", default="1GiB", help="bytes for the KV pool (units: K, M, G, GiB...)")
+    add_flag(p, "--num-blocks", default=None, type=int, help="KV blocks (overrides --kv-cache-memory)")
+    add_flag(p, "--max-num-batched-tokens", default=2048, type=int, help="token budget of one step")
+    add_flag(p, "--metrics-port", default=0, type=int, help="Prometheus /metrics port (0: off)")
+    add_flag(p, "--log-level", default="INFO", help="log level")
+    p.set_defaults(func=_run_verifier)
+
+
+def _draft_parser(sub) -> None:
+    p = sub.add_parser("draft", help="serve the draft model (Draft service, client-facing Generate)")
+    add_flag(p, "--model", required=False, help="draft: HF model directory or .gguf file")
+    add_flag(p, "--verifier", default="127.0.0.1:50051", help="verifier HOST:PORT")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
+    add_flag(p, "--port", default=50052, type=int, help="gRPC port")
+    add_flag(p, "--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
+    add_flag(p, "--num-speculative-tokens", default=4, type=int, help="draft tokens per round (0: target only)")
+    add_flag(p, "--wire-mode", default="sparse", choices=("sparse", "one-hot"), help="how sampled drafts send q")
+    add_flag(p, "--q-max-support", default=64, type=int, help="tokens of q kept and sent in sparse mode")
+    add_flag(p, "--block-size", default=16, type=int, help="tokens per KV block")
+    add_flag(p, "--kv-cache-memory", default="512MiB", help="bytes for the draft's KV pool")
+    add_flag(p, "--connect-timeout", default=60.0, type=float, help="seconds to wait for the verifier at start")
+    add_flag(p, "--log-level", default="INFO", help="log level")
+    p.set_defaults(func=_run_draft)
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream a generation from a draft service")
+    p.add_argument("prompt", help="prompt text")
+    add_flag(p, "--server", default="127.0.0.1:50052", help="draft service HOST:PORT")
+    add_flag(p, "--max-tokens", default=64, type=int, help="tokens to generate")
+    add_flag(p, "--temperature", default=1.0, type=float, help="0 for greedy")
+    add_flag(p, "--top-k", default=0, type=int, help="0: off")
+    add_flag(p, "--top-p", default=1.0, type=float, help="1: off")
+    add_flag(p, "--seed", default=None, type=int, help="seed for a reproducible sampled generation")
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="override the service's k")
+    p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
+    p.set_defaults(func=_run_generate)
+
+
+def _demo_parser(sub) -> None:
+    p = sub.add_parser("demo", help="start both services on loopback with the default pair and compare with k=0")
+    p.add_argument("--target", default=None, help="target model (default: .models/target from `make models`)")
+    p.add_argument("--draft", default=None, help="draft model (default: .models/draft)")
+    p.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--no-baseline", action="store_true", help="skip the k=0 run")
+    p.set_defaults(func=_run_demo)
+
+
+def _need_model(args) -> None:
+    if not args.model:
+        raise SystemExit("error: --model (or SPECWIRE_MODEL) is required")
+
+
+def _run_verifier(args) -> int:
+    _need_model(args)
+    from common.logging import configure_logging
+    from verifier_service.config import VerifierConfig
+    from verifier_service.server import serve
+
+    config = VerifierConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
+                            max_draft_tokens=args.max_draft_tokens, block_size=args.block_size,
+                            kv_cache_memory=parse_bytes(args.kv_cache_memory), num_blocks=args.num_blocks,
+                            max_num_batched_tokens=args.max_num_batched_tokens, metrics_port=args.metrics_port,
+                            log_level=args.log_level)
+    configure_logging(config.log_level, service="verifier")
+    asyncio.run(serve(config))
+    return 0
+
+
+def _run_draft(args) -> int:
+    _need_model(args)
+    from common.logging import configure_logging
+    from draft_service.config import DraftConfig
+    from draft_service.server import HandshakeRefused, serve
+
+    config = DraftConfig(model=args.model, verifier=args.verifier, host=args.host, port=args.port, dtype=args.dtype,
+                         num_speculative_tokens=args.num_speculative_tokens, wire_mode=args.wire_mode,
+                         q_max_support=args.q_max_support, block_size=args.block_size,
+                         kv_cache_memory=parse_bytes(args.kv_cache_memory), connect_timeout_s=args.connect_timeout,
+                         log_level=args.log_level)
+    configure_logging(config.log_level, service="draft")
+    try:
+        asyncio.run(serve(config))
+    except HandshakeRefused as err:
+        print(f"error: the verifier refused this draft: {err}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _run_generate(args) -> int:
+    from specwire import Client, Result, SpecwireError
+
+    result = Result()
+    try:
+        with Client(args.server) as client:
+            stream = client.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
+                                   top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
+                                   num_speculative_tokens=args.num_speculative_tokens, result=result)
+            for chunk in stream:
+                if not args.json:
+                    print(chunk.text, end="", flush=True)
+    except SpecwireError as err:
+        print(f"\nerror: {err}", file=sys.stderr)
+        return 1
+    s = result.stats
+    if args.json:
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, "stats": s.__dict__}, indent=2))
+    else:
+        print(f"\n[{s.num_generated_tokens} tokens, {s.tokens_per_second:.2f} tok/s, "
+              f"{s.mean_acceptance_length:.2f} tokens/round, finish={s.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _run_demo(args) -> int:
+    from specwire.demo import run_demo
+
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specwire", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _verifier_parser(sub)
+    _draft_parser(sub)
+    _generate_parser(sub)
+    _demo_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

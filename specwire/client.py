@@ -1,0 +1,198 @@
+"""The client SDK: `Client` (blocking) and `AsyncClient` (asyncio) for a draft service's Generate."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from specwire.errors import from_rpc_error
+from specwire.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+_FINISH = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Stats:
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    num_rounds: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    drafted_per_position: list[int]
+    wall_time_s: float
+    time_to_first_token_s: float
+    draft_time_s: float
+    verify_wait_s: float
+    num_speculative_tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification round (1 + accepted drafts per round)."""
+        return self.num_generated_tokens / self.num_rounds if self.num_rounds else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position,
+                                                    strict=False)]
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stats: Stats | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.stats.finish_reason if self.stats else None
+
+
+def _stats(msg: draft_pb2.Stats) -> Stats:
+    return Stats(_FINISH[msg.finish_reason], msg.num_prompt_tokens, msg.num_generated_tokens, msg.num_rounds,
+                 msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.accepted_per_position),
+                 list(msg.drafted_per_position), msg.wall_time_s, msg.time_to_first_token_s, msg.draft_time_s,
+                 msg.verify_wait_s, msg.num_speculative_tokens)
+
+
+def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, max_tokens: int,
+                  temperature: float, top_k: int, top_p: float, seed: int | None, stop: Sequence[str] | None,
+                  num_speculative_tokens: int | None, ignore_eos: bool) -> draft_pb2.GenerateRequest:
+    if (prompt is None) == (prompt_token_ids is None):
+        raise ValueError("give exactly one of prompt and prompt_token_ids")
+    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                                         ignore_eos=ignore_eos)
+    if seed is not None:
+        sampling.seed = seed
+    req = draft_pb2.GenerateRequest(sampling=sampling, stop=list(stop or ()))
+    if prompt is not None:
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt_token_ids)
+    if num_speculative_tokens is not None:
+        req.num_speculative_tokens = num_speculative_tokens
+    return req
+
+
+class _Accumulator:
+    def __init__(self) -> None:
+        self.result = Result()
+
+    def add(self, msg: draft_pb2.GenerateResponse) -> Chunk | None:
+        if msg.WhichOneof("kind") == "chunk":
+            chunk = Chunk(list(msg.chunk.token_ids), msg.chunk.text)
+            self.result.token_ids.extend(chunk.token_ids)
+            self.result.text += chunk.text
+            return chunk
+        self.result.stats = _stats(msg.stats)
+        return None
+
+
+class Client:
+    """Blocking client of a draft service. `target` is HOST:PORT."""
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._channel = (grpc.secure_channel(target, channel_credentials) if channel_credentials
+                         else grpc.insecure_channel(target))
+        self._stub = draft_pb2_grpc.DraftStub(self._channel)
+        self._timeout = timeout
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
+        try:
+            yield from self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+               max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, stop: Sequence[str] | None = None,
+               num_speculative_tokens: int | None = None, ignore_eos: bool = False,
+               result: Result | None = None) -> Iterator[Chunk]:
+        """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end."""
+        acc = _Accumulator()
+        if result is not None:
+            acc.result = result
+        req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
+                            num_speculative_tokens, ignore_eos)
+        for msg in self._responses(req):
+            chunk = acc.add(msg)
+            if chunk is not None:
+                yield chunk
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        result = Result()
+        for _ in self.stream(prompt, result=result, **kwargs):
+            pass
+        return result
+
+
+class AsyncClient:
+    """asyncio client of a draft service. `target` is HOST:PORT."""
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._channel = (grpc.aio.secure_channel(target, channel_credentials) if channel_credentials
+                         else grpc.aio.insecure_channel(target))
+        self._stub = draft_pb2_grpc.DraftStub(self._channel)
+        self._timeout = timeout
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                     max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     seed: int | None = None, stop: Sequence[str] | None = None,
+                     num_speculative_tokens: int | None = None, ignore_eos: bool = False,
+                     result: Result | None = None) -> AsyncIterator[Chunk]:
+        acc = _Accumulator()
+        if result is not None:
+            acc.result = result
+        req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
+                            num_speculative_tokens, ignore_eos)
+        try:
+            async for msg in self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True):
+                chunk = acc.add(msg)
+                if chunk is not None:
+                    yield chunk
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+
+    async def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        result = Result()
+        async for _ in self.stream(prompt, result=result, **kwargs):
+            pass
+        return result

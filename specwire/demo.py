@@ -1,0 +1,78 @@
+"""`specwire demo`: a verifier and a draft service on loopback with the default pair, one streamed generation
+with speculation and the same prompt at k = 0, then tokens/s, acceptance per position and the speedup."""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from specwire.client import Client, Result
+from specwire.launch import Stack
+
+DEFAULT_PROMPT = (
+    "<|im_start|>user\nWrite a Python function `is_prime(n)` that returns True when n is a prime number, "
+    "with a docstring.<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+def _default_model(name: str) -> Path:
+    for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
+        path = root / ".models" / name
+        if (path / "config.json").exists():
+            return path
+    raise SystemExit(f"error: no default {name} model in .models/{name}: run `make models` first "
+                     "(or pass --target/--draft)")
+
+
+def _run(client: Client, prompt: str, k: int, max_tokens: int, *, echo: bool) -> Result:
+    result = Result()
+    for chunk in client.stream(prompt, max_tokens=max_tokens, temperature=0.0, num_speculative_tokens=k,
+                               result=result):
+        if echo:
+            print(chunk.text, end="", flush=True)
+    if echo:
+        print()
+    return result
+
+
+def _report(label: str, result: Result) -> None:
+    s = result.stats
+    rates = " ".join(f"{r:.2f}" for r in s.acceptance_rate_per_position) or "-"
+    print(f"{label}: {s.num_generated_tokens} tokens in {s.wall_time_s:.2f}s = {s.tokens_per_second:.2f} tok/s; "
+          f"{s.num_rounds} rounds, {s.mean_acceptance_length:.2f} tokens/round; "
+          f"acceptance per position [{rates}]; time to first token {s.time_to_first_token_s:.2f}s; "
+          f"draft {s.draft_time_s:.2f}s, waiting on verifier {s.verify_wait_s:.2f}s")
+
+
+def run_demo(args) -> int:
+    target = Path(args.target) if args.target else _default_model("target")
+    draft = Path(args.draft) if args.draft else _default_model("draft")
+    prompt = args.prompt or DEFAULT_PROMPT
+    k = args.num_speculative_tokens
+    log_dir = Path(tempfile.mkdtemp(prefix="specwire-demo-"))
+    print(f"specwire demo: target {target}, draft {draft}, k = {k}, greedy, {args.max_tokens} tokens "
+          f"(service logs in {log_dir})", flush=True)
+    with Stack() as stack:
+        verifier = stack.start("verifier", ["verifier", "--model", str(target), "--dtype", args.dtype,
+                                            "--max-draft-tokens", str(max(k, 16))], log_dir=log_dir)
+        drafter = stack.start("draft", ["draft", "--model", str(draft), "--dtype", args.dtype,
+                                        "--verifier", verifier.address, "--num-speculative-tokens", str(k)],
+                              log_dir=log_dir)
+        print(f"verifier on {verifier.address}, draft service on {drafter.address}\n", flush=True)
+        with Client(drafter.address) as client:
+            print(f"--- speculative (k = {k}) ---", flush=True)
+            spec = _run(client, prompt, k, args.max_tokens, echo=True)
+            _report(f"k={k}", spec)
+            if args.no_baseline:
+                return 0
+            print("\n--- target alone (k = 0), same prompt ---", flush=True)
+            base = _run(client, prompt, 0, args.max_tokens, echo=False)
+            _report("k=0", base)
+    same = base.token_ids == spec.token_ids
+    speedup = spec.stats.tokens_per_second / base.stats.tokens_per_second
+    print(f"\nspeedup over k=0: {speedup:.2f}x; greedy outputs identical: {same}")
+    if not same:
+        print("error: speculative output differs from target-only output", file=sys.stderr)
+        return 1
+    return 0

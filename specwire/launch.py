@@ -1,0 +1,97 @@
+"""Start specwire services as child processes on loopback and wait until their health service says SERVING.
+Used by `specwire demo`, the benchmarks and the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"service for {address} exited with code {proc.returncode}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+
+
+@dataclass
+class Service:
+    name: str
+    address: str
+    proc: subprocess.Popen
+    log_path: Path | None = None
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
+
+
+@dataclass
+class Stack:
+    services: list[Service] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str], *, log_dir: Path | None = None, port: int | None = None,
+              timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Service:
+        port = port or free_port()
+        address = f"127.0.0.1:{port}"
+        log_path = None
+        out = subprocess.DEVNULL
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = log_dir / f"{name}.log"
+            out = open(log_path, "wb")  # noqa: SIM115 - closed when the process ends
+        proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, "--host", "127.0.0.1",
+                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})})
+        service = Service(name, address, proc, log_path)
+        self.services.append(service)
+        try:
+            wait_serving(address, timeout_s, proc)
+        except Exception as err:
+            raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
+        return service
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

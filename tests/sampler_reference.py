@@ -1,0 +1,46 @@
+"""The plain algorithm, one sequence and one position at a time, to check kernels.rejection_sampler against."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rejection_sample_loop(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs, is_greedy,
+                          is_one_hot, uniforms, sample_noise) -> list[list[int]]:
+    out = []
+    cu = cu_num_draft.tolist()
+    for i in range(len(cu) - 1):
+        start, k = cu[i], cu[i + 1] - cu[i]
+        row0 = start + i
+        tokens: list[int] = []
+        final = None
+        for j in range(k):
+            x = int(draft_token_ids[start + j])
+            if bool(is_greedy[i]):
+                ok = x == int(target_argmax[row0 + j])
+            else:
+                p_x = float(target_probs[row0 + j, x])
+                q_x = 1.0 if bool(is_one_hot[i]) else float(draft_probs[start + j, x])
+                ok = float(uniforms[start + j]) < p_x / q_x
+            if not ok:
+                if bool(is_greedy[i]):
+                    final = int(target_argmax[row0 + j])
+                else:
+                    p = target_probs[row0 + j].to(torch.float64).clone()
+                    if bool(is_one_hot[i]):
+                        p[x] = 0.0
+                    else:
+                        p = (p - draft_probs[start + j].to(torch.float64)).clamp_min(0.0)
+                    if float(p.sum()) == 0.0:
+                        p = target_probs[row0 + j].to(torch.float64)
+                    final = int(torch.argmax(p / sample_noise[i]))
+                break
+            tokens.append(x)
+        if final is None:
+            n = len(tokens)
+            if bool(is_greedy[i]):
+                final = int(target_argmax[row0 + n])
+            else:
+                final = int(torch.argmax(target_probs[row0 + n].to(torch.float64) / sample_noise[i]))
+        out.append(tokens + [final])
+    return out

@@ -1,0 +1,52 @@
+"""Packaging contracts: fresh generated stubs, transformers not fooled by our `kernels`, an SDK without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_generated_stubs_are_fresh(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from gen_protos import generate
+    finally:
+        sys.path.pop(0)
+    for fresh in generate(tmp_path):
+        committed = ROOT / fresh.relative_to(tmp_path)
+        assert committed.exists(), f"{committed} is missing: run python scripts/gen_protos.py"
+        assert committed.read_text() == fresh.read_text(), f"{committed} is stale: run python scripts/gen_protos.py"
+
+
+def test_transformers_does_not_believe_hf_kernels_is_installed():
+    code = ("import importlib.util, transformers.utils.import_utils as iu; "
+            "assert importlib.util.find_spec('kernels') is not None; "
+            "print(iu.is_kernels_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_client_sdk_imports_without_torch():
+    code = "import sys, specwire, specwire.client, specwire.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_layers_run_one_way():
+    """kernels/ and common/ import no service; neither service imports the other nor the SDK/CLI."""
+    forbidden = {
+        "kernels": ("common", "draft_service", "verifier_service", "specwire."),
+        "common": ("draft_service", "verifier_service", "specwire."),
+        "draft_service": ("verifier_service", "specwire.client", "specwire.cli"),
+        "verifier_service": ("draft_service", "specwire.client", "specwire.cli"),
+    }
+    for package, bad in forbidden.items():
+        for path in (ROOT / package).rglob("*.py"):
+            for line in path.read_text().splitlines():
+                stripped = line.strip()
+                if stripped.startswith(("import ", "from ")):
+                    module = stripped.split()[1]
+                    assert not module.startswith(bad), f"{path.relative_to(ROOT)} imports {module}"

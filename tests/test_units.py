@@ -1,0 +1,87 @@
+"""Small units: block manager, stop strings, incremental detokenisation, configs, counter-based RNG."""
+
+from __future__ import annotations
+
+import pytest
+
+from common import rng
+from common.block_manager import BlockManager
+from common.config import parse_bytes
+from common.errors import ErrorCode, SpecwireError
+from common.sampling import SamplingParams
+from common.tokenizer import IncrementalDetokenizer, tokenizer_fingerprint
+from draft_service.stop_strings import StopStringMatcher
+from tiny_models import byte_bpe_tokenizer, word_tokenizer
+
+
+def test_block_manager_allocate_truncate_free_keeps_the_pool_whole():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", 9)  # 3 blocks
+    assert bm.allocate("b", 16)  # 4 blocks
+    assert not bm.allocate("c", 8)  # 2 needed, 1 free: refused, nothing taken
+    assert bm.num_free_blocks == 1 and not bm.has("c") or bm.table("c") == []
+    bm.truncate("a", 5)  # rollback to 5 tokens: 2 blocks
+    assert len(bm.table("a")) == 2 and bm.num_free_blocks == 2
+    assert bm.slots("a", 3, 6) == [bm.table("a")[0] * 4 + 3, bm.table("a")[1] * 4, bm.table("a")[1] * 4 + 1]
+    bm.free("a")
+    bm.free("b")
+    bm.free("c")
+    assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0
+
+
+def test_stop_strings_hold_back_and_cut():
+    m = StopStringMatcher(("END", "\n\n"))
+    out = []
+    for delta in ["Hello E", "N", "D more"]:
+        text, stopped = m.feed(delta)
+        out.append(text)
+        if stopped:
+            break
+    assert "".join(out) == "Hello " and stopped
+
+
+def test_stop_strings_flush_on_final():
+    m = StopStringMatcher(("STOP",))
+    assert m.feed("abcST") == ("ab", False)
+    assert m.feed("", final=True) == ("cST", False)
+
+
+def test_detokenizer_holds_incomplete_characters():
+    tok = byte_bpe_tokenizer()
+    ids = tok.encode("Ça va, 日本語", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.add([i]) for i in ids]
+    assert "".join(pieces) == "Ça va, 日本語"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_tokenizer_fingerprint_tells_tokenizers_apart():
+    assert tokenizer_fingerprint(byte_bpe_tokenizer()) == tokenizer_fingerprint(byte_bpe_tokenizer())
+    assert tokenizer_fingerprint(byte_bpe_tokenizer()) != tokenizer_fingerprint(word_tokenizer(320))
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    ({"temperature": -0.1}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"),
+])
+def test_sampling_params_refuse_out_of_range(kwargs, fragment):
+    with pytest.raises(SpecwireError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT and fragment in err.value.message
+
+
+def test_parse_bytes():
+    assert parse_bytes("1GiB") == 1 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")
+
+
+def test_rng_is_keyed_by_seed_position_and_stream():
+    a = rng.uniform(7, 10, rng.Stream.ACCEPT)
+    assert a == rng.uniform(7, 10, rng.Stream.ACCEPT)
+    assert len({a, rng.uniform(7, 11, rng.Stream.ACCEPT), rng.uniform(8, 10, rng.Stream.ACCEPT),
+                rng.uniform(7, 10, rng.Stream.DRAFT_SAMPLE)}) == 4
+    assert 0.0 <= a < 1.0

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the verifier (names follow vLLM's spec-decode metrics where they overlap)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from verifier_service.types import StepStats
+
+
+class VerifierMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.num_drafts = Counter("specwire_spec_decode_num_drafts", "Verification rounds", registry=r)
+        self.num_draft_tokens = Counter("specwire_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
+        self.num_accepted_tokens = Counter("specwire_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           registry=r)
+        self.accepted_per_pos = Counter("specwire_spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the block", ["position"], registry=r)
+        self.emitted_tokens = Counter("specwire_generation_tokens", "Tokens emitted to sequences", registry=r)
+        self.prefill_tokens = Counter("specwire_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.steps = Counter("specwire_steps", "Forward passes", registry=r)
+        self.step_seconds = Histogram("specwire_step_seconds", "Wall time of one verification step", registry=r,
+                                      buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.batch_size = Histogram("specwire_step_batch_size", "Sequences per step", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.live_sequences = Gauge("specwire_live_sequences", "Open sequences", registry=r)
+        self.kv_blocks_used = Gauge("specwire_kv_blocks_used", "KV blocks held by sequences", registry=r)
+        self.kv_blocks_total = Gauge("specwire_kv_blocks_total", "KV blocks in the pool", registry=r)
+        self.streams = Gauge("specwire_verify_streams", "Open Verify streams", registry=r)
+
+    def observe_step(self, stats: StepStats) -> None:
+        self.steps.inc()
+        self.step_seconds.observe(stats.forward_s + stats.sample_s)
+        self.batch_size.observe(stats.num_seqs)
+        self.num_drafts.inc(stats.num_verifications)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        self.emitted_tokens.inc(stats.num_emitted_tokens)
+        self.prefill_tokens.inc(stats.num_prefill_tokens)
+        for pos, n in enumerate(stats.accepted_per_position):
+            self.accepted_per_pos.labels(position=str(pos)).inc(n)

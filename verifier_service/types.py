@@ -1,0 +1,96 @@
+"""Typed messages between the gRPC edge and the engine (no protobuf past the servicer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.errors import ErrorCode
+from common.sampling import FinishReason, SamplingParams
+
+
+@dataclass(frozen=True)
+class SeqKey:
+    stream_id: int
+    seq_id: int
+
+
+@dataclass(frozen=True)
+class SparseQ:
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class OpenCmd:
+    key: SeqKey
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class ProposeCmd:
+    key: SeqKey
+    start_position: int
+    draft_token_ids: tuple[int, ...]
+    draft_q: tuple[SparseQ, ...] | None  # None: one-hot wire mode
+
+
+@dataclass(frozen=True)
+class CloseCmd:
+    key: SeqKey
+
+
+@dataclass(frozen=True)
+class CloseStreamCmd:
+    stream_id: int
+
+
+Command = OpenCmd | ProposeCmd | CloseCmd | CloseStreamCmd
+
+
+@dataclass(frozen=True)
+class VerdictOut:
+    key: SeqKey
+    start_position: int
+    num_accepted: int
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class ErrorOut:
+    key: SeqKey
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class DroppedOut:
+    key: SeqKey
+    start_position: int
+    num_verified: int
+
+
+Outcome = VerdictOut | ErrorOut | DroppedOut
+
+
+@dataclass
+class StepStats:
+    num_seqs: int = 0
+    num_tokens: int = 0
+    num_prefill_tokens: int = 0
+    num_verifications: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+@dataclass
+class StepResult:
+    outcomes: list[Outcome]
+    stats: StepStats | None  # None when no forward pass ran
