@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import math
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import specwire
+
 from conftest import STAT_VOCAB
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Ça va très"]

@@ -50,3 +50,8 @@ def test_layers_run_one_way():
                 if stripped.startswith(("import ", "from ")):
                     module = stripped.split()[1]
                     assert not module.startswith(bad), f"{path.relative_to(ROOT)} imports {module}"
+
+
+def test_ruff_clean():
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]

@@ -8,6 +8,7 @@ import torch
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.paged_model import ForwardBatch, PagedCausalLM, kv_cache_spec
+
 from tiny_models import build_model, model_config
 
 CASES = [("llama", 4, 4), ("llama", 8, 2), ("qwen2", 4, 1), ("qwen2", 4, 2)]

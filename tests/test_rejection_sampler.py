@@ -10,6 +10,7 @@ import torch
 
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.rejection_sampler import rejection_sample
+
 from sampler_reference import rejection_sample_loop
 
 

