@@ -1,14 +1,37 @@
-"""Paged KV-cache bookkeeping in plain Python: a pool of fixed-size blocks and one block table per sequence.
+"""Paged KV-cache bookkeeping in plain Python (no torch): a pool of fixed-size blocks, one block table per
+sequence, reference counts, prefix caching and copy-on-write. The tensors live in common/kv_cache.py.
 
-No torch here: the tensors live in common/kv_cache.py and this module only decides which slots a sequence's
-tokens occupy. Invariant: every block is either free or in exactly one table, so
-num_free_blocks + num_used_blocks == num_blocks.
+Prefix caching: a block whose tokens are all *verified* (never drafts) and complete is registered under a
+chained hash, hash(parent block's hash, its token ids), so a hit means the whole prefix matches. Every hit is
+re-checked against the stored token ids, so a hash collision never reuses the wrong block. A freed block keeps its
+hash until it is handed out again: the free list doubles as an LRU prefix cache.
+
+Invariants (tests/test_block_manager.py checks them under random operation sequences):
+- num_free_blocks + num_used_blocks == num_blocks; a block is free iff its reference count is 0;
+- a block's reference count equals the number of tables that hold it; a block in two tables is a complete,
+  registered block, which nobody writes (writes go through copy_on_write first);
+- every registered hash maps to a block whose stored token ids are the ones hashed.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()  # set when registered
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # chained hashes of its leading registered blocks
 
 
 class BlockManager:
@@ -17,8 +40,13 @@ class BlockManager:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
-        self._tables: dict[Hashable, list[int]] = {}
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order: oldest first
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self._seqs: dict[Hashable, _SeqBlocks] = {}
+        self.num_prefix_hit_tokens = 0
+
+    # -- sizes ------------------------------------------------------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
@@ -35,43 +63,145 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # -- tables -----------------------------------------------------------------------------------------------
+
     def table(self, seq: Hashable) -> list[int]:
-        return self._tables.setdefault(seq, [])
+        return self._seq(seq).table
 
     def has(self, seq: Hashable) -> bool:
-        return seq in self._tables
+        return seq in self._seqs
 
     def sequences(self) -> list[Hashable]:
-        return list(self._tables)
+        return list(self._seqs)
+
+    def _seq(self, seq: Hashable) -> _SeqBlocks:
+        return self._seqs.setdefault(seq, _SeqBlocks())
+
+    def _take_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict the least recently freed cached block
+            if self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def can_allocate(self, seq: Hashable, num_tokens: int) -> bool:
-        held = len(self._tables.get(seq, ()))
+        held = len(self._seqs[seq].table) if seq in self._seqs else 0
         return self.blocks_for(num_tokens) - held <= len(self._free)
 
     def allocate(self, seq: Hashable, num_tokens: int) -> bool:
         """Grow `seq`'s table to hold `num_tokens` tokens. False (and nothing changed) when blocks are short."""
         if not self.can_allocate(seq, num_tokens):
             return False
-        table = self.table(seq)
+        table = self._seq(seq).table
         for _ in range(self.blocks_for(num_tokens) - len(table)):
-            table.append(self._free.popleft())
+            table.append(self._take_free())
         return True
 
     def truncate(self, seq: Hashable, num_tokens: int) -> None:
         """Shrink `seq` to its first `num_tokens` tokens (rollback after a verdict); freed blocks are reused."""
-        table = self._tables.get(seq)
-        if table is None:
+        s = self._seqs.get(seq)
+        if s is None:
             return
         keep = self.blocks_for(num_tokens)
-        while len(table) > keep:
-            self._free.append(table.pop())
+        while len(s.table) > keep:
+            self._release(s.table.pop())
+        del s.hashes[num_tokens // self.block_size:]
 
     def free(self, seq: Hashable) -> None:
-        table = self._tables.pop(seq, None)
-        if table:
-            self._free.extend(reversed(table))
+        s = self._seqs.pop(seq, None)
+        if s is not None:
+            # NOTE: release the tail first so the LRU evicts a sequence's last blocks before its shared prefix.
+            for block_id in reversed(s.table):
+                self._release(block_id)
+
+    def fork(self, parent: Hashable, child: Hashable) -> None:
+        """`child` shares every block of `parent` (read-only until copy_on_write)."""
+        if child in self._seqs and self._seqs[child].table:
+            raise ValueError(f"fork target {child!r} already holds blocks")
+        p = self._seqs[parent]
+        for block_id in p.table:
+            self.blocks[block_id].ref_count += 1
+        self._seqs[child] = _SeqBlocks(list(p.table), list(p.hashes))
+
+    def copy_on_write(self, seq: Hashable, start: int, end: int) -> list[tuple[int, int]] | None:
+        """Make the blocks covering positions [start, end) exclusively `seq`'s before it writes there.
+        Returns the (source, destination) block copies the caller must apply to the KV tensors, or None when
+        blocks are short (nothing changed)."""
+        s = self._seqs[seq]
+        first, last = start // self.block_size, min(self.blocks_for(end), len(s.table))
+        shared = [i for i in range(first, last) if self.blocks[s.table[i]].ref_count > 1]
+        if len(shared) > len(self._free):
+            return None
+        copies = []
+        for i in shared:
+            src = s.table[i]
+            dst = self._take_free()
+            self._release(src)
+            s.table[i] = dst
+            copies.append((src, dst))
+        del s.hashes[first:]
+        return copies
 
     def slots(self, seq: Hashable, start: int, end: int) -> list[int]:
         """Pool slots of positions [start, end) of `seq` (its table must already cover them)."""
-        table, bs = self._tables[seq], self.block_size
+        table, bs = self._seqs[seq].table, self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    # -- prefix caching ---------------------------------------------------------------------------------------
+
+    @staticmethod
+    def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+        return hash((parent, tuple(token_ids)))
+
+    def match_prefix(self, seq: Hashable, token_ids: Sequence[int], max_tokens: int) -> int:
+        """Attach to a new sequence the cached blocks that hold the longest prefix of `token_ids` made of
+        complete blocks within its first `max_tokens` tokens. Returns how many tokens they hold."""
+        s = self._seq(seq)
+        if s.table:
+            raise ValueError(f"match_prefix on {seq!r}, which already holds blocks")
+        bs, parent = self.block_size, None
+        for i in range(min(len(token_ids), max_tokens) // bs):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.chain_hash(parent, chunk)
+            block_id = self._cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # miss, or a hash collision
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self._free[block_id]
+            block.ref_count += 1
+            s.table.append(block_id)
+            s.hashes.append(h)
+            parent = h
+        matched = len(s.table) * bs
+        self.num_prefix_hit_tokens += matched
+        return matched
+
+    def commit(self, seq: Hashable, token_ids: Sequence[int], num_verified: int) -> None:
+        """Register the complete blocks among `seq`'s first `num_verified` tokens, which must be verified tokens
+        whose K/V is written (drafts are never registered)."""
+        s = self._seqs.get(seq)
+        if s is None:
+            return
+        bs = self.block_size
+        for i in range(len(s.hashes), min(num_verified // bs, len(s.table))):
+            chunk = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.chain_hash(s.hashes[-1] if s.hashes else None, chunk)
+            s.hashes.append(h)
+            block = self.blocks[s.table[i]]
+            if block.hash is None and h not in self._cached:
+                block.hash, block.token_ids = h, chunk
+                self._cached[h] = block.block_id
+
+    def cached_blocks(self) -> dict[int, int]:
+        return dict(self._cached)

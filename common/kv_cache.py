@@ -28,6 +28,15 @@ class KVCache:
         self.key_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (source, destination) in every layer: the tensor side of copy-on-write."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies])
+        dst = torch.tensor([c[1] for c in copies])
+        for cache in (*self.key_caches, *self.value_caches):
+            cache[dst] = cache[src]
+
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.block_size * self.spec.bytes_per_token

@@ -3,6 +3,35 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
+
+from kernels.platform import use_triton, warps
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr,  # [num_tokens, num_kv_heads * head_dim], contiguous rows
+    key_cache_ptr, value_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
+    slot_ptr,  # [num_tokens] int64
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, ROW, BLOCK):
+        mask = start + offs < ROW
+        src = token.to(tl.int64) * ROW + start + offs
+        dst = slot * ROW + start + offs
+        tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+        tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+
+
+def write_kv_reference(key, value, key_cache, value_cache, slot_mapping) -> None:
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def write_kv(
@@ -12,6 +41,16 @@ def write_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
 ) -> None:
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    if key.shape[0] == 0:
+        return
+    if not use_triton(key, key_cache):
+        return write_kv_reference(key, value, key_cache, value_cache, slot_mapping)
+    write_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+def write_kv_triton(key, value, key_cache, value_cache, slot_mapping) -> None:
+    row = key_cache.shape[2] * key_cache.shape[3]
+    key = key.to(key_cache.dtype).contiguous()
+    value = value.to(value_cache.dtype).contiguous()
+    write_kv_kernel[(key.shape[0],)](key, value, key_cache, value_cache, slot_mapping, ROW=row,
+                                     BLOCK=min(1024, triton.next_power_of_2(row)), num_warps=warps(4))

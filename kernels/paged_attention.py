@@ -1,10 +1,129 @@
 """Attention of variable-length multi-token queries against a paged KV cache (GQA, causal within the new
-tokens, full over the cached prefix, optional sliding window)."""
+tokens, full over the cached prefix, optional sliding window).
+
+The Triton kernel runs one program per (sequence, tile of BLOCK_M query rows, query head). It walks the keys
+in BLOCK_N steps, gathering each key's slot through the block table, with an online softmax in fp32: no score
+matrix larger than a [BLOCK_M, BLOCK_N] tile exists. Prefill chunks and verification blocks go through the same
+kernel; a verification block of k + 1 <= 16 rows is one tile.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.platform import ATTENTION_BLOCK_M, ATTENTION_BLOCK_N, ATTENTION_WARPS, use_triton, warps
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_ptr,  # [num_seqs + 1] int32
+    context_lens_ptr,  # [num_seqs] int32
+    scale,
+    max_blocks_per_seq,
+    sliding_window,  # 0: none
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # upcast tl.dot inputs (CPU interpreter only: its bf16 dot is wrong)
+):
+    seq = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_mask = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    q_pos = ctx - q_len + offs_m  # absolute positions of the query rows
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    last = tl.minimum(ctx, ctx - q_len + tile * BLOCK_M + BLOCK_M)  # no key past the tile's last query
+    first = 0
+    if sliding_window > 0:
+        first = tl.maximum(0, (ctx - q_len + tile * BLOCK_M - sliding_window + 1) // BLOCK_N * BLOCK_N)
+    for start in range(first, last, BLOCK_N):
+        k_pos = start + offs_n
+        n_mask = k_pos < last
+        page = tl.load(block_tables_ptr + seq.to(tl.int64) * max_blocks_per_seq + k_pos // PAGE_SIZE,
+                       mask=n_mask, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + k_pos % PAGE_SIZE
+        kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
+        allowed = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if sliding_window > 0:
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(out_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+def paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
+                              sliding_window=None) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    out = torch.empty_like(query)
+    for i, table in enumerate(block_tables):
+        q0, q1 = query_start[i], query_start[i + 1]
+        n, ctx = q1 - q0, context_lens[i]
+        if n == 0:
+            continue
+        blocks = torch.tensor(table[: (ctx + block_size - 1) // block_size], dtype=torch.long,
+                              device=key_cache.device)
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        q_pos = torch.arange(ctx - n, ctx, device=query.device).unsqueeze(1)  # [n, 1]
+        k_pos = torch.arange(ctx, device=query.device).unsqueeze(0)  # [1, ctx]
+        allowed = k_pos <= q_pos
+        if sliding_window is not None:
+            allowed &= k_pos > q_pos - sliding_window
+        o = F.scaled_dot_product_attention(
+            query[q0:q1].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
+            k.transpose(0, 1).unsqueeze(0),  # [1, KVH, ctx, D]
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=num_kv_heads != num_heads,
+        )
+        out[q0:q1] = o.squeeze(0).transpose(0, 1)
+    return out
 
 
 def paged_attention(
@@ -19,29 +138,44 @@ def paged_attention(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The new tokens of sequence i sit at positions context_lens[i] - n_i .. context_lens[i] - 1 and their
     K/V must already be written into the cache."""
+    if not use_triton(query, key_cache) or query.dtype == torch.float64:
+        return paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens,
+                                         scale, sliding_window)
+    device = query.device
+    num_seqs = len(block_tables)
+    width = max(1, max(len(t) for t in block_tables))
+    tables = torch.zeros((num_seqs, width), dtype=torch.int32)
+    for i, t in enumerate(block_tables):
+        tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    return paged_attention_tensors(query, key_cache, value_cache, tables.to(device),
+                                   torch.tensor(query_start, dtype=torch.int32, device=device),
+                                   torch.tensor(context_lens, dtype=torch.int32, device=device),
+                                   max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
+                                   scale, sliding_window)
+
+
+def paged_attention_tensors(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start: torch.Tensor,  # [num_seqs + 1] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The Triton launch with device-side metadata (what a CUDA-graph-friendly runner passes)."""
     num_tokens, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    num_kv_heads = key_cache.shape[2]
     out = torch.empty_like(query)
-    for i, table in enumerate(block_tables):
-        q0, q1 = query_start[i], query_start[i + 1]
-        n, ctx = q1 - q0, context_lens[i]
-        if n == 0:
-            continue
-        blocks = torch.tensor(table[: (ctx + block_size - 1) // block_size], dtype=torch.long)
-        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
-        q_pos = torch.arange(ctx - n, ctx).unsqueeze(1)  # [n, 1]
-        k_pos = torch.arange(ctx).unsqueeze(0)  # [1, ctx]
-        allowed = k_pos <= q_pos
-        if sliding_window is not None:
-            allowed &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(
-            query[q0:q1].transpose(0, 1).unsqueeze(0),  # [1, H, n, D]
-            k.transpose(0, 1).unsqueeze(0),  # [1, KVH, ctx, D]
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=allowed,
-            scale=scale,
-            enable_gqa=num_kv_heads != num_heads,
-        )
-        out[q0:q1] = o.squeeze(0).transpose(0, 1)
+    query = query.contiguous()
+    grid = (block_tables.shape[0], triton.cdiv(max_query_len, ATTENTION_BLOCK_M), num_heads)
+    paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
+        block_tables.shape[1], sliding_window or 0,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1],
+        BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N, DOT_FP32=not query.is_cuda,
+        num_warps=warps(ATTENTION_WARPS))
     return out

@@ -15,8 +15,122 @@ seeded: the services key it by sequence seed and position (common/rng.py).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from kernels import PLACEHOLDER_TOKEN_ID
+from kernels.platform import VOCAB_BLOCK, VOCAB_WARPS, use_triton, warps
+
+
+@triton.jit
+def sample_recovered_kernel(
+    out_ptr,  # [num_target_rows] int64: the token each row would emit if the round ended there
+    target_probs_ptr,  # [num_target_rows, vocab_size]
+    draft_token_ids_ptr,  # [num_draft_tokens] int64
+    draft_probs_ptr,  # [num_draft_tokens, vocab_size] (unused without HAS_DRAFT_PROBS)
+    cu_num_draft_ptr,  # [batch + 1] int64
+    is_greedy_ptr,  # [batch] bool
+    is_one_hot_ptr,  # [batch] bool
+    noise_ptr,  # [batch, vocab_size] float64 Exp(1)
+    vocab_size,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    j = tl.program_id(1)
+    start = tl.load(cu_num_draft_ptr + seq)
+    k = tl.load(cu_num_draft_ptr + seq + 1) - start
+    if j > k:
+        return
+    if tl.load(is_greedy_ptr + seq):
+        return
+    row = (start + seq + j).to(tl.int64)  # int64: row * vocab overflows int32 for large batches
+    one_hot = tl.load(is_one_hot_ptr + seq)
+    is_bonus = j == k
+    x = tl.load(draft_token_ids_ptr + start + j, mask=j < k, other=-1)
+    offs = tl.arange(0, BLOCK_V)
+    best_r = tl.full([], -1.0, tl.float64)
+    best_p = tl.full([], -1.0, tl.float64)
+    idx_r = tl.full([], 0, tl.int64)
+    idx_p = tl.full([], 0, tl.int64)
+    mass_r = tl.full([], 0.0, tl.float64)
+    for v0 in range(0, vocab_size, BLOCK_V):
+        cols = v0 + offs
+        mask = cols < vocab_size
+        p = tl.load(target_probs_ptr + row * vocab_size + cols, mask=mask, other=0.0).to(tl.float64)
+        residual = p
+        if not is_bonus:
+            if one_hot:
+                residual = tl.where(cols == x, 0.0, p)
+            elif HAS_DRAFT_PROBS:
+                q = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + cols, mask=mask,
+                            other=0.0).to(tl.float64)
+                residual = tl.maximum(p - q, 0.0)
+        e = tl.load(noise_ptr + seq.to(tl.int64) * vocab_size + cols, mask=mask, other=1.0)
+        score_r = tl.where(mask, residual / e, -1.0)
+        score_p = tl.where(mask, p / e, -1.0)
+        tile_r = tl.max(score_r, axis=0)
+        tile_p = tl.max(score_p, axis=0)
+        if tile_r > best_r:  # strict: the first maximum wins, as torch.argmax
+            best_r = tile_r
+            idx_r = v0 + tl.argmax(score_r, axis=0).to(tl.int64)
+        if tile_p > best_p:
+            best_p = tile_p
+            idx_p = v0 + tl.argmax(score_p, axis=0).to(tl.int64)
+        mass_r += tl.sum(residual, axis=0)
+    tl.store(out_ptr + row, tl.where(mass_r > 0.0, idx_r, idx_p))
+
+
+@triton.jit
+def rejection_sample_kernel(
+    out_ptr,  # [batch, max_k + 1] int64, prefilled with the placeholder
+    draft_token_ids_ptr,  # [num_draft_tokens] int64
+    cu_num_draft_ptr,  # [batch + 1] int64
+    target_probs_ptr,  # [num_target_rows, vocab_size]
+    target_argmax_ptr,  # [num_target_rows] int64
+    draft_probs_ptr,  # [num_draft_tokens, vocab_size] (unused without HAS_DRAFT_PROBS)
+    is_greedy_ptr,  # [batch] bool
+    is_one_hot_ptr,  # [batch] bool
+    uniforms_ptr,  # [num_draft_tokens] float64
+    recovered_ptr,  # [num_target_rows] int64 from sample_recovered_kernel
+    vocab_size,
+    out_stride,
+    HAS_DRAFT_PROBS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    start = tl.load(cu_num_draft_ptr + seq)
+    k = tl.load(cu_num_draft_ptr + seq + 1) - start
+    row0 = start + seq
+    greedy = tl.load(is_greedy_ptr + seq)
+    one_hot = tl.load(is_one_hot_ptr + seq)
+    out_row = out_ptr + seq.to(tl.int64) * out_stride
+    rejected = False
+    for j in range(0, k):
+        if not rejected:
+            x = tl.load(draft_token_ids_ptr + start + j)
+            row = (row0 + j).to(tl.int64)
+            if greedy:
+                accept = x == tl.load(target_argmax_ptr + row)
+                final = tl.load(target_argmax_ptr + row)
+            else:
+                p_x = tl.load(target_probs_ptr + row * vocab_size + x).to(tl.float64)
+                q_x = tl.full([], 1.0, tl.float64)
+                if HAS_DRAFT_PROBS:
+                    if not one_hot:
+                        q_x = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + x).to(tl.float64)
+                accept = tl.load(uniforms_ptr + start + j) * q_x < p_x
+                final = tl.load(recovered_ptr + row)
+            if accept:
+                tl.store(out_row + j, x)
+            else:
+                tl.store(out_row + j, final)
+                rejected = True
+    if not rejected:
+        row = (row0 + k).to(tl.int64)
+        if greedy:
+            tl.store(out_row + k, tl.load(target_argmax_ptr + row))
+        else:
+            tl.store(out_row + k, tl.load(recovered_ptr + row))
 
 
 def rejection_sample(
@@ -30,6 +144,48 @@ def rejection_sample(
     uniforms: torch.Tensor,  # [num_draft_tokens] float64 in [0, 1)
     sample_noise: torch.Tensor,  # [batch, vocab_size] float64 Exp(1) noise for the recovered/bonus sample
 ) -> torch.Tensor:  # [batch, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID
+    if use_triton(target_probs, sample_noise):
+        return rejection_sample_triton(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs,
+                                        is_greedy, is_one_hot, uniforms, sample_noise)
+    return rejection_sample_reference(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs,
+                                      is_greedy, is_one_hot, uniforms, sample_noise)
+
+
+def rejection_sample_triton(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs, is_greedy,
+                             is_one_hot, uniforms, sample_noise) -> torch.Tensor:
+    batch = cu_num_draft.numel() - 1
+    max_k = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if batch else 0
+    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=target_probs.device)
+    if batch == 0:
+        return out
+    vocab = target_probs.shape[1]
+    target_probs = target_probs.contiguous()
+    has_q = draft_probs is not None
+    q = draft_probs.contiguous() if has_q else target_probs  # a valid pointer the kernel never reads
+    drafts = draft_token_ids.to(torch.int64) if draft_token_ids.numel() else torch.zeros(1, dtype=torch.int64,
+                                                                                       device=out.device)
+    u = uniforms if uniforms.numel() else torch.zeros(1, dtype=torch.float64, device=out.device)
+    recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=out.device)
+    sample_recovered_kernel[(batch, max_k + 1)](
+        recovered, target_probs, drafts, q, cu_num_draft, is_greedy, is_one_hot, sample_noise.contiguous(), vocab,
+        HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK, num_warps=warps(VOCAB_WARPS))
+    rejection_sample_kernel[(batch,)](
+        out, drafts, cu_num_draft, target_probs, target_argmax, q, is_greedy, is_one_hot, u, recovered, vocab,
+        out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
+    return out
+
+
+def rejection_sample_reference(
+    target_probs: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]
+    target_argmax: torch.Tensor,  # [num_draft_tokens + batch] int64
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64
+    cu_num_draft: torch.Tensor,  # [batch + 1] int64
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens, vocab_size]
+    is_greedy: torch.Tensor,  # [batch] bool
+    is_one_hot: torch.Tensor,  # [batch] bool
+    uniforms: torch.Tensor,  # [num_draft_tokens] float64
+    sample_noise: torch.Tensor,  # [batch, vocab_size] float64
+) -> torch.Tensor:  # [batch, max_k + 1] int64
     """Torch reference, vectorised over the batch (drafts padded to max_k)."""
     batch = cu_num_draft.numel() - 1
     num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [batch]

@@ -124,3 +124,14 @@ def test_sampled_tokens_follow_the_target_distribution(stat_stack):
     control = 0.5 * float((emp1 - q1).abs().sum())
     assert control > bound, f"the test could not tell the draft's distribution apart: {control} <= {bound}"
     assert stat_stack.metric("specwire_kv_blocks_used") == 0
+
+
+def test_shared_prompt_prefix_is_served_from_the_cache(text_stack):
+    system = "You are a careful Python programmer. Answer with code only. " * 3
+    before = text_stack.metric("specwire_prefix_cache_hit_tokens_total")
+    with specwire.Client(text_stack.draft) as client:
+        a = client.generate(system + "def fibonacci(n):", max_tokens=6, temperature=0.0, ignore_eos=True)
+        b = client.generate(system + "import numpy as np", max_tokens=6, temperature=0.0, ignore_eos=True)
+    assert a.stats.num_generated_tokens == b.stats.num_generated_tokens == 6
+    hits = text_stack.metric("specwire_prefix_cache_hit_tokens_total") - before
+    assert hits >= 16, f"the second request recomputed the shared prompt ({hits} cached tokens)"

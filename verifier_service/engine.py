@@ -50,6 +50,7 @@ class Sequence:
     sampling: SamplingParams
     num_cached: int = 0  # tokens whose K/V is in the cache (always < len(token_ids))
     proposals: deque[ProposeCmd] = field(default_factory=deque)
+    running: bool = False  # admitted: holds KV blocks
 
     @property
     def num_generated(self) -> int:
@@ -76,7 +77,10 @@ class VerifierEngine:
         self.max_model_len = loaded.max_model_len
         self.eos_token_ids = frozenset(loaded.eos_token_ids)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
-        self.sequences: dict[SeqKey, Sequence] = {}
+        self.sequences: dict[SeqKey, Sequence] = {}  # every open sequence
+        self.running: dict[SeqKey, Sequence] = {}  # admitted, in admission order
+        self.waiting: deque[Sequence] = deque()  # not admitted (new, or preempted), first come first served
+        self.num_preemptions = 0
 
     # -- called from any thread -------------------------------------------------------------------------------
 
@@ -92,34 +96,37 @@ class VerifierEngine:
         outcomes: list[Outcome] = []
         while not self._commands.empty():
             self._apply(self._commands.get_nowait(), outcomes)
-        work = self._schedule(outcomes)
+        stats = StepStats()
+        work = self._schedule(outcomes, stats)
         if not work:
             return StepResult(outcomes, None)
-        stats = StepStats(num_seqs=len(work))
+        stats.num_seqs = len(work)
         t0 = time.perf_counter()
-        batch, items, logits_rows = self._build_batch(work)
+        batch, items = self._build_batch(work)
         stats.num_tokens = batch.input_ids.numel()
         logits = self.runner.forward(batch)
         t1 = time.perf_counter()
         stats.forward_s = t1 - t0
-        verify_work = [w for w in work if w.proposal is not None]
-        results = verify_batch(logits, items) if items else []
+        results = iter(verify_batch(logits, items) if items else [])
         stats.sample_s = time.perf_counter() - t1
         for w in work:
+            seq = w.seq
             if w.proposal is None:
-                w.seq.num_cached = w.end
+                seq.num_cached = w.end
                 stats.num_prefill_tokens += w.end - w.start
-        for w, tokens in zip(verify_work, results, strict=True):
-            stats.num_prefill_tokens += len(w.seq.token_ids) - 1 - w.start
-            outcomes.append(self._finish_round(w, tokens, len(work), stats))
-        del logits_rows
+            else:
+                stats.num_prefill_tokens += len(seq.token_ids) - 1 - w.start
+                outcomes.append(self._finish_round(w, next(results), len(work), stats))
+            if seq.key in self.running:  # only verified tokens are registered, never drafts
+                self.blocks.commit(seq.key, seq.token_ids, seq.num_cached)
         return StepResult(outcomes, stats)
 
     def num_live_sequences(self) -> int:
         return len(self.sequences)
 
     def has_runnable_work(self) -> bool:
-        return any(s.proposals or s.num_cached < len(s.token_ids) - 1 for s in self.sequences.values())
+        return bool(self.waiting) or any(s.proposals or s.num_cached < len(s.token_ids) - 1
+                                         for s in self.running.values())
 
     # -- commands ---------------------------------------------------------------------------------------------
 
@@ -153,7 +160,9 @@ class VerifierEngine:
             raise SpecwireError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt of {len(prompt)} tokens plus a draft block "
                                 f"needs {self.blocks.blocks_for(needed)} KV blocks; the verifier's pool has "
                                 f"{self.blocks.num_blocks} (raise --kv-cache-memory or --num-blocks)")
-        self.sequences[cmd.key] = Sequence(cmd.key, prompt, len(prompt), cmd.sampling)
+        seq = Sequence(cmd.key, prompt, len(prompt), cmd.sampling)
+        self.sequences[cmd.key] = seq
+        self.waiting.append(seq)
 
     def _propose(self, cmd: ProposeCmd) -> None:
         seq = self.sequences.get(cmd.key)
@@ -196,15 +205,21 @@ class VerifierEngine:
                                     "under it, so it cannot be the distribution the draft sampled from")
 
     def _release(self, key: SeqKey) -> None:
-        self.sequences.pop(key, None)
+        seq = self.sequences.pop(key, None)
+        if seq is not None and not seq.running:
+            self.waiting.remove(seq)
+        self.running.pop(key, None)
         self.blocks.free(key)
 
     # -- scheduling -------------------------------------------------------------------------------------------
 
-    def _schedule(self, outcomes: list[Outcome]) -> list[_Work]:
+    def _schedule(self, outcomes: list[Outcome], stats: StepStats) -> list[_Work]:
+        self._admit(stats)
         budget = self.max_num_batched_tokens
         work: list[_Work] = []
-        for seq in self.sequences.values():
+        for seq in list(self.running.values()):
+            if not seq.running:  # preempted earlier in this loop
+                continue
             while seq.proposals and seq.proposals[0].start_position != len(seq.token_ids):
                 stale = seq.proposals.popleft()
                 outcomes.append(DroppedOut(seq.key, stale.start_position, len(seq.token_ids)))
@@ -214,22 +229,74 @@ class VerifierEngine:
                 room = self.max_model_len - len(seq.token_ids)
                 end = len(seq.token_ids) + min(len(proposal.draft_token_ids), room - 1)
                 if end - seq.num_cached <= budget or not work:
-                    if self.blocks.allocate(seq.key, end):
+                    if self._reserve(seq, seq.num_cached, end, work, outcomes, stats):
                         seq.proposals.popleft()
                         if end - len(seq.token_ids) < len(proposal.draft_token_ids):
                             proposal = _truncate(proposal, end - len(seq.token_ids))
                         work.append(_Work(seq, seq.num_cached, end, proposal))
                         budget -= end - seq.num_cached
                         continue
+                    if not seq.running:
+                        continue
             prefill_end = min(len(seq.token_ids) - 1, seq.num_cached + budget)
-            if prefill_end > seq.num_cached and self.blocks.allocate(seq.key, prefill_end):
+            if prefill_end > seq.num_cached and self._reserve(seq, seq.num_cached, prefill_end, work, outcomes, stats):
                 work.append(_Work(seq, seq.num_cached, prefill_end, None))
                 budget -= prefill_end - seq.num_cached
             if budget <= 0:
                 break
         return work
 
-    def _build_batch(self, work: list[_Work]) -> tuple[ForwardBatch, list[VerifyItem], list[int]]:
+    def _admit(self, stats: StepStats) -> None:
+        """Admit waiting sequences in order while the pool has room for their tokens and one full draft block;
+        their longest cached prefix comes from the prefix cache instead of being recomputed."""
+        while self.waiting:
+            seq = self.waiting[0]
+            before = self.blocks.num_prefix_hit_tokens
+            matched = self.blocks.match_prefix(seq.key, seq.token_ids, len(seq.token_ids) - 1)
+            if not self.blocks.can_allocate(seq.key, len(seq.token_ids) + self.max_draft_tokens):
+                self.blocks.free(seq.key)
+                self.blocks.num_prefix_hit_tokens = before
+                return
+            self.waiting.popleft()
+            seq.num_cached = matched
+            seq.running = True
+            self.running[seq.key] = seq
+            stats.num_prefix_hit_tokens += matched
+
+    def _reserve(self, seq: Sequence, start: int, end: int, work: list[_Work], outcomes: list[Outcome],
+                 stats: StepStats) -> bool:
+        """Blocks for positions [start, end) of `seq`, exclusively its own. When the pool is short, preempt the
+        most recently admitted sequence that has no work in this step (it is recomputed later)."""
+        while True:
+            copies = self.blocks.copy_on_write(seq.key, start, end)
+            if copies is not None and self.blocks.allocate(seq.key, end):
+                self.runner.kv_cache.copy_blocks(copies)
+                return True
+            if copies:
+                self.runner.kv_cache.copy_blocks(copies)
+            busy = {w.seq.key for w in work}
+            victims = [s for s in reversed(self.running.values()) if s.key not in busy]
+            if not victims or victims[0] is seq and len(victims) == 1:
+                if self.blocks.blocks_for(end) > self.blocks.num_blocks:
+                    self._release(seq.key)
+                    outcomes.append(ErrorOut(seq.key, ErrorCode.RESOURCE_EXHAUSTED, f"the sequence reached {end} "
+                                             f"tokens, more than the verifier's KV pool holds "
+                                             f"({self.blocks.capacity_tokens}); raise --kv-cache-memory"))
+                return False
+            victim = victims[0] if victims[0] is not seq else victims[1]
+            self._preempt(victim)
+            stats.num_preempted += 1
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.key)
+        del self.running[seq.key]
+        seq.running = False
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        log.info("preempted", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id, tokens=len(seq.token_ids))
+
+    def _build_batch(self, work: list[_Work]) -> tuple[ForwardBatch, list[VerifyItem]]:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -256,7 +323,7 @@ class VerifierEngine:
             block_tables=[self.blocks.table(w.seq.key) for w in work],
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
         )
-        return batch, items, logits_rows
+        return batch, items
 
     def _finish_round(self, w: _Work, tokens: list[int], batch_size: int, stats: StepStats) -> VerdictOut:
         seq = w.seq

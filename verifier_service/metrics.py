@@ -19,6 +19,10 @@ class VerifierMetrics:
                                         "Accepted draft tokens by position in the block", ["position"], registry=r)
         self.emitted_tokens = Counter("specwire_generation_tokens", "Tokens emitted to sequences", registry=r)
         self.prefill_tokens = Counter("specwire_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prefix_hit_tokens = Counter("specwire_prefix_cache_hit_tokens",
+                                         "Prompt tokens served from the prefix cache instead of computed", registry=r)
+        self.preemptions = Counter("specwire_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.waiting_sequences = Gauge("specwire_waiting_sequences", "Sequences queued for KV blocks", registry=r)
         self.steps = Counter("specwire_steps", "Forward passes", registry=r)
         self.step_seconds = Histogram("specwire_step_seconds", "Wall time of one verification step", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
@@ -38,5 +42,7 @@ class VerifierMetrics:
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
         self.emitted_tokens.inc(stats.num_emitted_tokens)
         self.prefill_tokens.inc(stats.num_prefill_tokens)
+        self.prefix_hit_tokens.inc(stats.num_prefix_hit_tokens)
+        self.preemptions.inc(stats.num_preempted)
         for pos, n in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)

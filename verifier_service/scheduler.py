@@ -80,12 +80,14 @@ class Scheduler:
     def _record(self, result: StepResult) -> None:
         engine = self.engine
         self.metrics.live_sequences.set(engine.num_live_sequences())
+        self.metrics.waiting_sequences.set(len(engine.waiting))
         self.metrics.kv_blocks_used.set(engine.blocks.num_used_blocks)
         s = result.stats
         if s is None:
             return
         self.metrics.observe_step(s)
         log.info("verify_step", num_seqs=s.num_seqs, num_tokens=s.num_tokens, prefill_tokens=s.num_prefill_tokens,
+                 prefix_hit_tokens=s.num_prefix_hit_tokens, preempted=s.num_preempted,
                  verifications=s.num_verifications, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
                  emitted=s.num_emitted_tokens, forward_ms=round(s.forward_s * 1e3, 2),
                  sample_ms=round(s.sample_s * 1e3, 2), kv_blocks_used=engine.blocks.num_used_blocks)

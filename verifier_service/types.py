@@ -79,7 +79,9 @@ Outcome = VerdictOut | ErrorOut | DroppedOut
 class StepStats:
     num_seqs: int = 0
     num_tokens: int = 0
-    num_prefill_tokens: int = 0
+    num_prefill_tokens: int = 0  # prompt (or recomputed) tokens computed in this step
+    num_prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache at admission
+    num_preempted: int = 0
     num_verifications: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

@@ -1,0 +1,146 @@
+"""Property tests of the block manager: random allocate / commit / rollback / fork / copy-on-write / free /
+prefix-match sequences keep every invariant of common/block_manager.py."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from common.block_manager import BlockManager
+
+BS, POOL = 4, 24
+# few distinct token values so prefixes repeat and the cache gets hits
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=30)
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm = BlockManager(POOL, BS)
+        self.tokens: dict[int, list[int]] = {}  # verified tokens of each live sequence
+        self.verified: dict[int, int] = {}  # tokens whose K/V is committed
+        self.next_id = 0
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    @rule(tokens=TOKENS)
+    def open_with_prefix_match(self, tokens):
+        seq = self._new_id()
+        matched = self.bm.match_prefix(seq, tokens, len(tokens) - 1)
+        assert matched % BS == 0 and matched <= len(tokens) - 1
+        for i in range(matched // BS):  # hits hold exactly the tokens asked for
+            assert self.bm.blocks[self.bm.table(seq)[i]].token_ids == tuple(tokens[i * BS:(i + 1) * BS])
+        self.tokens[seq] = tokens
+        self.verified[seq] = matched
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), num_drafts=st.integers(0, 6))
+    def verify_round(self, data, num_drafts):
+        """Write K/V for the unverified tokens plus drafts, accept some, roll back, commit the verified part."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[seq]
+        end = len(tokens) + num_drafts
+        copies = self.bm.copy_on_write(seq, self.verified[seq], end)
+        if copies is None or not self.bm.allocate(seq, end):
+            return
+        for src, dst in copies:
+            assert src != dst and self.bm.blocks[dst].ref_count == 1
+        for b in self._blocks_touched(seq, self.verified[seq], end):  # nobody else may see our writes
+            assert self.bm.blocks[b].ref_count == 1
+        accepted = data.draw(st.integers(0, num_drafts))
+        new_tokens = tokens + data.draw(st.lists(st.integers(0, 2), min_size=accepted + 1, max_size=accepted + 1))
+        self.verified[seq] = len(tokens) + accepted
+        self.bm.truncate(seq, self.verified[seq])
+        self.bm.commit(seq, new_tokens, self.verified[seq])
+        self.tokens[seq] = new_tokens
+
+    def _blocks_touched(self, seq, start, end):
+        table = self.bm.table(seq)
+        return {table[p // BS] for p in range(start, end)}
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def rollback(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        keep = data.draw(st.integers(0, self.verified[seq]))
+        self.bm.truncate(seq, keep)
+        self.verified[seq] = keep
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.truncate(parent, self.verified[parent])
+        child = self._new_id()
+        self.bm.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self.verified[child] = self.verified[parent]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.bm.free(seq)
+        del self.tokens[seq], self.verified[seq]
+
+    @invariant()
+    def pool_is_whole(self):
+        assert self.bm.num_free_blocks + self.bm.num_used_blocks == POOL
+
+    @invariant()
+    def ref_counts_match_tables(self):
+        held = Counter(b for seq in self.bm.sequences() for b in self.bm.table(seq))
+        for block in self.bm.blocks:
+            assert block.ref_count == held.get(block.block_id, 0)
+            assert (block.ref_count == 0) == (block.block_id in self.bm._free)
+
+    @invariant()
+    def shared_blocks_hold_verified_tokens_only(self):
+        """A block in two tables starts inside every holder's verified tokens (a fork may share a partial last
+        block; verify_round checks that no write reaches a shared block before copy_on_write)."""
+        for seq in self.bm.sequences():
+            for i, b in enumerate(self.bm.table(seq)):
+                if self.bm.blocks[b].ref_count > 1:
+                    assert i * BS < self.verified[seq], "a shared block holds none of its holder's verified tokens"
+
+    @invariant()
+    def cached_hashes_match_tokens(self):
+        for h, b in self.bm.cached_blocks().items():
+            block = self.bm.blocks[b]
+            assert block.hash == h and len(block.token_ids) == BS
+        for seq in self.bm.sequences():
+            for i, b in enumerate(self.bm.table(seq)):
+                block = self.bm.blocks[b]
+                if block.hash is not None and (i + 1) * BS <= self.verified[seq]:
+                    assert block.token_ids == tuple(self.tokens[seq][i * BS:(i + 1) * BS])
+
+
+TestBlockManager = BlockManagerMachine.TestCase
+TestBlockManager.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_hit_survives_free_until_evicted():
+    bm = BlockManager(4, 2)
+    assert bm.allocate("a", 5)
+    bm.commit("a", [1, 2, 3, 4, 5], 4)
+    bm.free("a")
+    assert bm.num_free_blocks == 4
+    assert bm.match_prefix("b", [1, 2, 3, 4, 9], 4) == 4  # both blocks came back from the free list
+    bm.free("b")
+    assert bm.allocate("c", 8)  # takes every block: the cached ones are evicted
+    bm.free("c")
+    assert bm.match_prefix("d", [1, 2, 3, 4, 9], 4) == 0
+
+
+def test_hash_collision_is_rejected_by_token_check(monkeypatch):
+    bm = BlockManager(4, 2)
+    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda parent, tokens: 7))  # everything collides
+    assert bm.allocate("a", 3)
+    bm.commit("a", [1, 2, 3], 2)
+    assert bm.match_prefix("b", [5, 6, 7], 2) == 0
+    assert bm.match_prefix("c", [1, 2, 7], 2) == 2

@@ -1,0 +1,127 @@
+"""The verifier engine in-process: prefix sharing, preemption by recompute, queueing when the pool is short,
+refusal of what can never fit, and no leaked blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.errors import ErrorCode
+from common.sampling import SamplingParams
+from tiny_models import make_text_pair
+from verifier_service.config import VerifierConfig
+from verifier_service.server import build_engine
+from verifier_service.types import CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_text_pair(tmp_path_factory.mktemp("engine"), "qwen2")
+
+
+def _engine(target, **kwargs):
+    config = VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4, **kwargs)
+    return build_engine(config)
+
+
+def _greedy(target, prompt, n):
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _run(engine, prompts, n, *, k=4, oracle=None, max_steps=2000):
+    """Greedy generation of n tokens per prompt, proposing k drafts per round (from `oracle` if given, else
+    a fixed wrong guess). Returns the outputs and every step's stats."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    keys = [SeqKey(1, i) for i in range(len(prompts))]
+    out = {key: [] for key in keys}
+    pending = set()
+    for key, prompt in zip(keys, prompts, strict=True):
+        engine.submit(OpenCmd(key, tuple(prompt), greedy.with_seed()))
+    done, all_stats = set(), []
+    for _ in range(max_steps):
+        for i, key in enumerate(keys):
+            if key not in done and key not in pending:
+                pos = len(prompts[i]) + len(out[key])
+                drafts = oracle[i][len(out[key]):len(out[key]) + k] if oracle else [7] * k
+                engine.submit(ProposeCmd(key, pos, tuple(drafts), None))
+                pending.add(key)
+        result = engine.step()
+        if result.stats:
+            all_stats.append(result.stats)
+        for o in result.outcomes:
+            assert not isinstance(o, ErrorOut), o
+            if isinstance(o, VerdictOut):
+                pending.discard(o.key)
+                out[o.key].extend(o.token_ids)
+                if o.finish_reason:
+                    done.add(o.key)
+        if len(done) == len(keys):
+            return [out[k] for k in keys], all_stats
+    raise AssertionError("generation did not finish")
+
+
+def test_shared_system_prompt_is_computed_once(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    system = list(range(3, 43))  # 40 tokens = 10 blocks of 4
+    (first,), stats1 = _run(engine, [system + [50, 51]], 4)
+    (second,), stats2 = _run(engine, [system + [60, 61, 62]], 4)
+    computed1 = sum(s.num_prefill_tokens for s in stats1)
+    computed2 = sum(s.num_prefill_tokens for s in stats2)
+    hits2 = sum(s.num_prefix_hit_tokens for s in stats2)
+    assert computed1 == len(system) + 1  # every prompt token but the last, which the first verify block feeds
+    assert hits2 == 40 and computed2 == 2  # only the new tokens (but the last) are computed
+    assert second == _greedy(target, system + [60, 61, 62], 4)
+    assert first == _greedy(target, system + [50, 51], 4)
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_preemption_by_recompute_keeps_outputs_exact(pair):
+    target, _ = pair
+    prompts = [[5 + i, 9, 11 + i, 4, 8] for i in range(6)]
+    oracle = [_greedy(target, p, 24) for p in prompts]
+    # 6 sequences of up to 5 + 24 + 4 tokens need 48 blocks of 4; the pool has 20
+    engine = _engine(target, num_blocks=20)
+    outputs, stats = _run(engine, prompts, 24, oracle=oracle)
+    assert outputs == oracle
+    assert engine.num_preemptions > 0 and sum(s.num_preempted for s in stats) == engine.num_preemptions
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_new_sequences_wait_for_blocks_instead_of_failing(pair):
+    target, _ = pair
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11] for _ in range(5)]
+    engine = _engine(target, num_blocks=8)  # room for about two sequences at a time
+    outputs, stats = _run(engine, prompts, 8)
+    expected = _greedy(target, prompts[0], 8)
+    assert all(o == expected for o in outputs)
+    assert max(s.num_seqs for s in stats) < 5
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_a_sequence_that_can_never_fit_is_resource_exhausted(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=4)  # 16 tokens
+    key = SeqKey(1, 1)
+    engine.submit(OpenCmd(key, tuple(range(3, 20)), SamplingParams(temperature=0.0).with_seed()))
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert errors and errors[0].code is ErrorCode.RESOURCE_EXHAUSTED and "KV blocks" in errors[0].message
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_closing_a_stream_frees_its_sequences(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=32)
+    for i in range(3):
+        engine.submit(OpenCmd(SeqKey(9, i), (3, 4, 5, 6, 7, 8), SamplingParams(temperature=0.0).with_seed()))
+    engine.step()
+    assert engine.blocks.num_used_blocks > 0
+    engine.submit(CloseStreamCmd(9))
+    engine.step()
+    assert engine.blocks.num_used_blocks == 0 and not engine.sequences

@@ -1,0 +1,119 @@
+"""Every Triton kernel, run on CPU under TRITON_INTERPRET=1 (set in conftest.py before any @triton.jit),
+against its torch reference: exactly for sampling, within float tolerance for attention."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels import PLACEHOLDER_TOKEN_ID
+from kernels.kv_cache_write import write_kv_reference, write_kv_triton
+from kernels.paged_attention import paged_attention_reference, paged_attention_tensors
+from kernels.rejection_sampler import rejection_sample_reference, rejection_sample_triton
+from kernels.sampling_probs import compute_probs_reference, compute_probs_triton
+from test_rejection_sampler import _random_inputs
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+def test_write_kv_matches_reference():
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(7, 2, 8, generator=gen), torch.randn(7, 2, 8, generator=gen)
+    slots = torch.tensor([3, 0, 17, 5, 30, 31, 16])
+    caches = [torch.zeros(8, 4, 2, 8) for _ in range(4)]
+    write_kv_reference(key, value, caches[0], caches[1], slots)
+    write_kv_triton(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def _attention_case(gen, num_heads, num_kv_heads, head_dim, page, q_lens, ctx_lens, dtype):
+    num_blocks = sum(-(-c // page) for c in ctx_lens) + 3
+    k_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, page, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
+    tables, qs = [], [0]
+    for c, n in zip(ctx_lens, q_lens, strict=True):
+        tables.append([perm.pop() for _ in range(-(-c // page))])
+        qs.append(qs[-1] + n)
+    query = torch.randn(qs[-1], num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, tables, qs
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_reference(num_heads, num_kv_heads, dtype, tol, window):
+    gen = torch.Generator().manual_seed(num_heads * 10 + num_kv_heads)
+    # a verify block (5 rows), a prefill chunk crossing tiles (20), one decode row, block-boundary contexts
+    q_lens, ctx_lens = [5, 20, 1, 4], [37, 20, 16, 64]
+    query, k_cache, v_cache, tables, qs = _attention_case(gen, num_heads, num_kv_heads, 32, 16, q_lens, ctx_lens,
+                                                          dtype)
+    ref = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), tables, qs, ctx_lens, 0.17,
+                                    window)
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    out = paged_attention_tensors(query, k_cache, v_cache, table_t, torch.tensor(qs, dtype=torch.int32),
+                                  torch.tensor(ctx_lens, dtype=torch.int32), max(q_lens), 0.17, window)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_paged_attention_reference_matches_transformers_sdpa():
+    """The reference against transformers' own eager attention on a dense, unpaged layout."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, dim, ctx = 8, 2, 16, 11
+    q = torch.randn(1, heads, ctx, dim, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, kv_heads, ctx, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, ctx, dim, generator=gen, dtype=torch.float64)
+    mask = torch.full((ctx, ctx), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+
+    class Module:
+        num_key_value_groups = heads // kv_heads
+        training = False
+
+    expected, _ = eager_attention_forward(Module(), q, k, v, mask, scaling=dim**-0.5)  # [1, ctx, H, D]
+    k_cache = k[0].transpose(0, 1).reshape(ctx, kv_heads, dim).unsqueeze(0)  # one block of ctx tokens
+    v_cache = v[0].transpose(0, 1).reshape(ctx, kv_heads, dim).unsqueeze(0)
+    out = paged_attention_reference(q[0].transpose(0, 1).contiguous(), k_cache, v_cache, [[0]], [0, ctx], [ctx],
+                                    dim**-0.5)
+    # transformers computes its softmax in float32
+    torch.testing.assert_close(out, expected[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [100, 8193, 151936])
+def test_rejection_sampler_triton_matches_reference_exactly(vocab):
+    gen = torch.Generator().manual_seed(vocab + 1)
+    num_draft = [0, 1, 4, 3, 2] if vocab < 100_000 else [2, 0, 3]  # empty drafts included
+    greedy = [False, True, False, False, True][: len(num_draft)]
+    one_hot = [False, False, True, False, False][: len(num_draft)]
+    inputs = _random_inputs(gen, num_draft, vocab, greedy_mask=greedy, one_hot_mask=one_hot)
+    inputs["target_probs"] = inputs["target_probs"].float()
+    inputs["draft_probs"] = inputs["draft_probs"].float()
+    ref = rejection_sample_reference(**inputs)
+    out = rejection_sample_triton(**inputs)
+    assert torch.equal(out, ref), (out, ref)
+    assert (out[torch.tensor(num_draft) == 0, 1:] == PLACEHOLDER_TOKEN_ID).all()
+
+
+def test_rejection_sampler_triton_one_hot_only():
+    gen = torch.Generator().manual_seed(9)
+    inputs = _random_inputs(gen, [3, 2], 50, greedy_mask=[False, False], one_hot_mask=[True, True])
+    inputs["draft_probs"] = None
+    assert torch.equal(rejection_sample_triton(**inputs), rejection_sample_reference(**inputs))
+
+
+@pytest.mark.parametrize("vocab", [100, 8193])
+def test_sampling_probs_triton_matches_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=gen) * 3
+    temperature = torch.tensor([1.0, 0.7, 1.3, 0.5, 2.0])
+    top_k = torch.tensor([0, 5, 0, 40, 1])
+    top_p = torch.tensor([1.0, 1.0, 0.8, 0.9, 0.3])
+    ref = compute_probs_reference(logits, temperature, top_k, top_p)
+    out = compute_probs_triton(logits, temperature, top_k, top_p)
+    assert torch.equal(out > 1e-30, ref > 1e-30), "different kept sets"  # (ignoring fp32 underflow)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
