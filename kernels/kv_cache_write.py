@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.platform import use_triton, warps
+from kernels.platform import elementwise_warps, use_triton
 
 
 @triton.jit
@@ -53,4 +53,4 @@ def write_kv_triton(key, value, key_cache, value_cache, slot_mapping) -> None:
     key = key.to(key_cache.dtype).contiguous()
     value = value.to(value_cache.dtype).contiguous()
     write_kv_kernel[(key.shape[0],)](key, value, key_cache, value_cache, slot_mapping, ROW=row,
-                                     BLOCK=min(1024, triton.next_power_of_2(row)), num_warps=warps(4))
+                                     BLOCK=min(1024, triton.next_power_of_2(row)), num_warps=elementwise_warps())

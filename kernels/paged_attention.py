@@ -9,12 +9,15 @@ kernel; a verification block of k + 1 <= 16 rows is one tile.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.platform import ATTENTION_BLOCK_M, ATTENTION_BLOCK_N, ATTENTION_WARPS, use_triton, warps
+from kernels.platform import ATTENTION_AUTOTUNE, attention_tiles, is_rocm, use_triton
 
 
 @triton.jit
@@ -49,7 +52,6 @@ def paged_attention_kernel(
     ctx = tl.load(context_lens_ptr + seq)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     m_mask = offs_m < q_len
     d_mask = offs_d < HEAD_DIM
     q_pos = ctx - q_len + offs_m  # absolute positions of the query rows
@@ -63,36 +65,51 @@ def paged_attention_kernel(
     first = 0
     if sliding_window > 0:
         first = tl.maximum(0, (ctx - q_len + tile * BLOCK_M - sliding_window + 1) // BLOCK_N * BLOCK_N)
+    # NOTE: BLOCK_N spans BLOCK_N // PAGE_SIZE whole pages. Each page is contiguous, so its K/V tile is a scalar
+    # int64 base plus a loop-invariant int32 offset tile; a [BLOCK_N, BLOCK_D] tensor of 64-bit gather pointers
+    # instead cost Hopper 255 registers and spills.
+    PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
+    offs_t = tl.arange(0, PAGE_SIZE)
+    tile_off = offs_t[:, None] * (NUM_KV_HEADS * HEAD_DIM) + offs_d[None, :]  # int32 [PAGE_SIZE, BLOCK_D]
+    table = block_tables_ptr + seq.to(tl.int64) * max_blocks_per_seq
     for start in range(first, last, BLOCK_N):
-        k_pos = start + offs_n
-        n_mask = k_pos < last
-        page = tl.load(block_tables_ptr + seq.to(tl.int64) * max_blocks_per_seq + k_pos // PAGE_SIZE,
-                       mask=n_mask, other=0).to(tl.int64)
-        slot = page * PAGE_SIZE + k_pos % PAGE_SIZE
-        kv_off = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + offs_d[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if DOT_FP32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
-        else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, BLOCK_N]
-        allowed = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        if sliding_window > 0:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_off, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        if DOT_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+        for j in tl.static_range(PAGES):
+            page_start = start + j * PAGE_SIZE
+            k_pos = page_start + offs_t
+            n_mask = k_pos < last
+            page = tl.load(table + page_start // PAGE_SIZE, mask=page_start < last, other=0).to(tl.int64)
+            base = page * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, PAGE_SIZE]
+            allowed = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
+            if sliding_window > 0:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@functools.cache
+def _autotuned_kernel():
+    configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps)
+               for t in ATTENTION_AUTOTUNE["hip" if is_rocm() else "cuda"]]
+    return triton.autotune(configs, key=["NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM"])(paged_attention_kernel)
 
 
 def paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
@@ -167,15 +184,22 @@ def paged_attention_tensors(
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """The Triton launch with device-side metadata (what a CUDA-graph-friendly runner passes)."""
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads, page_size = key_cache.shape[2], key_cache.shape[1]
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"the Triton paged attention needs a power-of-two block size >= 16, got {page_size}")
     out = torch.empty_like(query)
     query = query.contiguous()
-    grid = (block_tables.shape[0], triton.cdiv(max_query_len, ATTENTION_BLOCK_M), num_heads)
+    common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+                  BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda)
+    args = (out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale, block_tables.shape[1],
+            sliding_window or 0)
+    if os.environ.get("SPECWIRE_AUTOTUNE") == "1" and query.is_cuda:  # opt-in: the first launch per shape tunes
+        grid = lambda meta: (block_tables.shape[0], triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads)  # noqa: E731
+        _autotuned_kernel()[grid](*args, **common)
+        return out
+    tiles = attention_tiles()
+    tiles = type(tiles)(tiles.block_m, max(tiles.block_n, page_size), tiles.num_warps)
+    grid = (block_tables.shape[0], triton.cdiv(max_query_len, tiles.block_m), num_heads)
     paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
-        block_tables.shape[1], sliding_window or 0,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1],
-        BLOCK_M=ATTENTION_BLOCK_M, BLOCK_N=ATTENTION_BLOCK_N, DOT_FP32=not query.is_cuda,
-        num_warps=warps(ATTENTION_WARPS))
+        *args, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps)
     return out

@@ -4,11 +4,20 @@ Dispatch: a wrapper launches Triton when its tensors are on a GPU (CUDA or ROCm:
 "cuda" in torch); on CPU tensors it runs the torch reference, which is the CPU product path. Each module also
 exposes its `*_triton` launcher, which the tests call on CPU tensors under TRITON_INTERPRET=1.
 
-Tiles: AMD CDNA GPUs (MI250X gfx90a, MI300X gfx942) execute 64-lane wavefronts and NVIDIA 32-lane warps. A
-Triton `num_warps` counts hardware warps, so the same value means twice the threads on CDNA. We keep the *thread
-count* per program comparable: half the num_warps on ROCm. `tl.dot` tiles stay multiples of 16, which map to MFMA
-32x32x8 / 16x16x16 on CDNA and to mma/wgmma on Hopper. Registers: CDNA has 512 VGPRs per lane (for one wave per
-SIMD), so a 64x64 fp32 accumulator tile costs 64 VGPRs per lane and leaves room for the K/V tiles without spills.
+Tiles. AMD CDNA GPUs (MI250X gfx90a, MI300X gfx942) execute 64-lane wavefronts, NVIDIA GPUs 32-lane warps, and
+Triton's `num_warps` counts hardware warps/wavefronts. Choices, from the compiler's own resource lines
+(bench/kernels_compile.py; bf16, 32 heads, 8 KV heads, head_dim 128, 16-token pages):
+- paged attention walks the cache one page at a time, so each K/V tile is a scalar int64 base plus a
+  loop-invariant int32 offset tile. An earlier version gathered [BLOCK_N, head_dim] 64-bit pointers and needed
+  255 registers with 240 bytes of spill stores on sm_90, and hundreds of SGPR spills on gfx942. With pages, at
+  BLOCK_M 16 / BLOCK_N 64 / 4 warps: sm_90 185 registers, no spill; gfx942 114 VGPRs, occupancy 4; gfx90a 106
+  VGPRs, occupancy 4; 40 v_mfma per kernel on both CDNA targets, no spill, no scratch. 4 warps are 128 threads on
+  Hopper and 256 on CDNA: the 64-lane wavefront halves the VGPRs each lane needs for the same tiles, which is why
+  CDNA gets away with the same num_warps. BLOCK_M = 16: a verification block (k + 1 <= 16 rows) is one tile, and
+  16 is the smallest MFMA / MMA edge.
+- row-wise vocabulary kernels (sampling probs, recovered tokens): reductions, no tl.dot; the same 256 threads
+  per program on both, i.e. 8 warps of 32 or 4 wavefronts of 64.
+No CUDA-only intrinsics are used anywhere (no inline PTX, no tl.inline_asm_elementwise).
 """
 
 from __future__ import annotations
@@ -27,19 +36,30 @@ def is_rocm() -> bool:
 
 
 @dataclass(frozen=True)
-class LaunchConfig:
+class AttentionTiles:
+    block_m: int
+    block_n: int
     num_warps: int
-    num_stages: int = 1
 
 
-def warps(nvidia: int) -> int:
-    """num_warps for a kernel tuned with `nvidia` 32-lane warps: the same thread count on a 64-lane wavefront GPU."""
-    return max(1, nvidia // 2) if is_rocm() else nvidia
+def attention_tiles(rocm: bool | None = None) -> AttentionTiles:  # noqa: ARG001 - the same on both, see above
+    return AttentionTiles(block_m=16, block_n=64, num_warps=4)
 
 
-# Serving configurations, shared by the launch wrappers and the ahead-of-time compile report.
-ATTENTION_BLOCK_M = 16  # query rows per program: a verification block (k + 1 <= 16) fits in one tile
-ATTENTION_BLOCK_N = 64  # keys per inner step
-ATTENTION_WARPS = 4
-VOCAB_BLOCK = 1024  # vocabulary tile of the row-wise sampling kernels
-VOCAB_WARPS = 8
+def vocab_warps(rocm: bool | None = None) -> int:
+    rocm = is_rocm() if rocm is None else rocm
+    return 4 if rocm else 8
+
+
+def elementwise_warps(rocm: bool | None = None) -> int:
+    rocm = is_rocm() if rocm is None else rocm
+    return 2 if rocm else 4
+
+
+VOCAB_BLOCK = 1024  # vocabulary tile of the row-wise kernels
+
+# Candidate tiles for `SPECWIRE_AUTOTUNE=1` (see paged_attention.py): the defaults above are the first entry.
+ATTENTION_AUTOTUNE = {
+    "cuda": [AttentionTiles(16, 64, 4), AttentionTiles(16, 128, 4), AttentionTiles(32, 64, 4), AttentionTiles(16, 64, 8)],
+    "hip": [AttentionTiles(16, 64, 4), AttentionTiles(16, 64, 8), AttentionTiles(16, 128, 4), AttentionTiles(32, 64, 4)],
+}

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.platform import VOCAB_BLOCK, VOCAB_WARPS, use_triton, warps
+from kernels.platform import VOCAB_BLOCK, use_triton, vocab_warps
 
 
 @triton.jit
@@ -168,7 +168,7 @@ def rejection_sample_triton(target_probs, target_argmax, draft_token_ids, cu_num
     recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=out.device)
     sample_recovered_kernel[(batch, max_k + 1)](
         recovered, target_probs, drafts, q, cu_num_draft, is_greedy, is_one_hot, sample_noise.contiguous(), vocab,
-        HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK, num_warps=warps(VOCAB_WARPS))
+        HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
     rejection_sample_kernel[(batch,)](
         out, drafts, cu_num_draft, target_probs, target_argmax, q, is_greedy, is_one_hot, u, recovered, vocab,
         out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)

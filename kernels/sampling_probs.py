@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.platform import VOCAB_BLOCK, VOCAB_WARPS, use_triton, warps
+from kernels.platform import VOCAB_BLOCK, use_triton, vocab_warps
 
 
 @triton.jit
@@ -108,7 +108,7 @@ def compute_probs_triton(logits, temperature, top_k, top_p) -> torch.Tensor:  # 
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     sampling_probs_kernel[(logits.shape[0],)](
         out, logits.contiguous(), temperature.to(torch.float32), top_k.to(torch.int64), top_p.to(torch.float32),
-        logits.shape[1], BLOCK_V=VOCAB_BLOCK, num_warps=warps(VOCAB_WARPS))
+        logits.shape[1], BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
     return out
 
 

@@ -9,10 +9,11 @@ from transformers import AutoModelForCausalLM
 
 from common.errors import ErrorCode
 from common.sampling import SamplingParams
-from tiny_models import make_text_pair
 from verifier_service.config import VerifierConfig
 from verifier_service.server import build_engine
 from verifier_service.types import CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
+
+from tiny_models import make_text_pair
 
 
 @pytest.fixture(scope="module")

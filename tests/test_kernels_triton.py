@@ -7,13 +7,13 @@ import os
 
 import pytest
 import torch
+from test_rejection_sampler import _random_inputs
 
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.kv_cache_write import write_kv_reference, write_kv_triton
 from kernels.paged_attention import paged_attention_reference, paged_attention_tensors
 from kernels.rejection_sampler import rejection_sample_reference, rejection_sample_triton
 from kernels.sampling_probs import compute_probs_reference, compute_probs_triton
-from test_rejection_sampler import _random_inputs
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
@@ -117,3 +117,15 @@ def test_sampling_probs_triton_matches_reference(vocab):
     out = compute_probs_triton(logits, temperature, top_k, top_p)
     assert torch.equal(out > 1e-30, ref > 1e-30), "different kept sets"  # (ignoring fp32 underflow)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
+
+
+def test_gpu_check_script_runs_its_smoke_mode():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
+    out = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert '"rejection_sample_exact": true' in out.stdout and '"write_kv_exact": true' in out.stdout
