@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from common.cpu_linear import PackedLinear, onednn_available
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels.kv_cache_write import write_kv
 from kernels.paged_attention import paged_attention
@@ -48,7 +49,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedCausalLM:
-    def __init__(self, model: Any, kv_cache: KVCache) -> None:
+    def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
+                 release_unpacked: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         spec = kv_cache.spec
@@ -65,6 +67,16 @@ class PagedCausalLM:
         window = getattr(config, "sliding_window", None)
         self.sliding_windows = [window if t == "sliding_attention" and window else None for t in layer_types]
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+        self.packed = (pack_weights and model.device.type == "cpu" and model.dtype == torch.float32
+                       and onednn_available())
+        if self.packed:
+            self.qkv = [PackedLinear(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj) for la in self.layers]
+            self.o_proj = [PackedLinear(la.self_attn.o_proj) for la in self.layers]
+            self.gate_up = [PackedLinear(la.mlp.gate_proj, la.mlp.up_proj) for la in self.layers]
+            self.down = [PackedLinear(la.mlp.down_proj) for la in self.layers]
+            self.head = PackedLinear(self.lm_head)
+            if release_unpacked:  # the services own their model: keep one copy of each weight, not two
+                _release_linear_weights(model)
 
     @property
     def vocab_size(self) -> int:
@@ -76,23 +88,44 @@ class PagedCausalLM:
         hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), batch.positions.unsqueeze(0))  # [1, num_tokens, head_dim]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
-            q = attn.q_proj(h).view(num_tokens, self.num_heads, self.head_dim)
-            k = attn.k_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
-            v = attn.v_proj(h).view(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.packed:
+                q, k, v = self.qkv[i](h).split([q_size, kv_size, kv_size], dim=1)
+            else:
+                q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+            k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             key_cache, value_cache = self.kv_cache.key_caches[i], self.kv_cache.value_caches[i]
             write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
             o = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.query_start,
                                 batch.context_lens, self.scale, self.sliding_windows[i])
-            hidden = hidden + attn.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            o = o.reshape(num_tokens, q_size)
+            hidden = hidden + (self.o_proj[i](o) if self.packed else attn.o_proj(o))
+            h = layer.post_attention_layernorm(hidden)
+            if self.packed:
+                gate, up = self.gate_up[i](h).chunk(2, dim=1)
+                hidden = hidden + self.down[i](layer.mlp.act_fn(gate) * up)
+            else:
+                hidden = hidden + layer.mlp(h)
         if batch.logits_indices.numel() == 0:
             return hidden.new_empty((0, self.vocab_size))
         # NOTE: the final norm and lm_head run only on the rows whose logits are needed; prefill rows need none
         # and lm_head is the largest matrix of a small model.
         selected = self.norm(hidden[batch.logits_indices])
-        return self.lm_head(selected)
+        return self.head(selected) if self.packed else self.lm_head(selected)
+
+
+def _release_linear_weights(model: Any) -> None:
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                    layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)

@@ -52,7 +52,7 @@ async def serve(config: DraftConfig) -> None:
     loaded = load_model(config.model, parse_dtype(config.dtype))
     spec = kv_cache_spec(loaded.model)
     num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
-    runner = PagedCausalLM(loaded.model, KVCache(spec, num_blocks, config.block_size))
+    runner = PagedCausalLM(loaded.model, KVCache(spec, num_blocks, config.block_size), release_unpacked=True)
     proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
     link = VerifierLink(config.verifier, draft_model_id=loaded.model_id, vocab_size=loaded.vocab_size,
                         tokenizer_fingerprint=loaded.tokenizer_fingerprint)

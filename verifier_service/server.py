@@ -39,7 +39,7 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     kv = KVCache(spec, num_blocks, config.block_size)
     log.info("kv_cache", num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
              bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size)
-    return VerifierEngine(loaded, PagedCausalLM(loaded.model, kv), BlockManager(num_blocks, config.block_size),
+    return VerifierEngine(loaded, PagedCausalLM(loaded.model, kv, release_unpacked=True), BlockManager(num_blocks, config.block_size),
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens)
 
