@@ -19,10 +19,21 @@ def env_name(flag: str) -> str:
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, default=None, type=str, help: str = "", **kwargs) -> None:
     """Add `--flag`, whose default comes from SPECWIRE_FLAG when that is set."""
     env = env_name(flag)
+    if type is bool:
+        type = parse_bool
     raw = os.environ.get(env)
     if raw is not None:
-        default = type(raw) if type is not bool else raw.lower() in ("1", "true", "yes", "on")
+        default = type(raw)
     parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default {default}]", **kwargs)
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
 
 
 def parse_bytes(text: str) -> int:

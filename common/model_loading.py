@@ -83,6 +83,12 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     log.info("gguf_convert_done", out=str(out))
 
 
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(path))
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

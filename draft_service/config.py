@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from common.config import DTYPES
 
 WIRE_MODES = ("sparse", "one-hot")
+PROPOSERS = ("model", "ngram")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,10 @@ class DraftConfig:
     host: str = "127.0.0.1"
     port: int = 50052
     dtype: str = "float32"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4  # k, or the largest k when adaptive
+    proposer: str = "model"  # "model": the draft model; "ngram": prompt lookup, no model weights used
+    adaptive_k: bool = False  # choose k per sequence and round from its acceptance and the measured timings
+    draft_confidence_threshold: float = 0.0  # stop a block early when the draft's top probability falls below
     wire_mode: str = "sparse"  # how sampled drafts send q: "sparse" (top-q_max_support of q) or "one-hot"
     q_max_support: int = 64
     block_size: int = 16
@@ -31,6 +35,10 @@ class DraftConfig:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.wire_mode not in WIRE_MODES:
             raise ValueError(f"wire_mode must be one of {', '.join(WIRE_MODES)}, got {self.wire_mode!r}")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
+        if not 0.0 <= self.draft_confidence_threshold < 1.0:
+            raise ValueError(f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold}")
         if self.q_max_support < 1:
             raise ValueError(f"q_max_support must be >= 1, got {self.q_max_support}")
         if ":" not in self.verifier:

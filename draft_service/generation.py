@@ -12,7 +12,9 @@ import structlog
 from common.errors import ErrorCode, SpecwireError, invalid_argument
 from common.sampling import FinishReason, validate_token_ids
 from common.tokenizer import IncrementalDetokenizer
+from draft_service.adaptive import AdaptiveDraftLength
 from draft_service.config import DraftConfig
+from draft_service.ngram import propose_ngram
 from draft_service.proposer import DraftSequence, Proposer
 from draft_service.stop_strings import StopStringMatcher
 from draft_service.types import (
@@ -30,7 +32,7 @@ log = structlog.get_logger(__name__)
 
 class Generator:
     def __init__(self, config: DraftConfig, tokenizer: Any, vocab_size: int, link: VerifierLink,
-                 proposer: Proposer) -> None:
+                 proposer: Proposer | None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -58,7 +60,9 @@ class Generator:
             raise invalid_argument(f"num_speculative_tokens {k} is above the verifier's maximum "
                                    f"{identity.max_draft_tokens}")
         sampling = req.sampling.with_seed()
-        send_q = self.config.wire_mode == "sparse"
+        ngram = self.config.proposer == "ngram"
+        send_q = self.config.wire_mode == "sparse" and not ngram  # n-gram drafts are one-hot
+        adaptive = AdaptiveDraftLength(k) if self.config.adaptive_k and k and not ngram else None
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         seq = DraftSequence(sampling, list(prompt))
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -70,12 +74,19 @@ class Generator:
             while not finished:
                 start = len(seq.token_ids)
                 t_draft = time.perf_counter()
-                block = await self.proposer.draft(seq, k) if k else DraftBlock((), None)
+                k_round = adaptive.next_k() if adaptive else k
+                if ngram:
+                    block = DraftBlock(tuple(propose_ngram(seq.token_ids, k)), None)
+                elif k_round:
+                    block = await self.proposer.draft(seq, k_round, self.config.draft_confidence_threshold)
+                else:
+                    block = DraftBlock((), None)
                 t_sent = time.perf_counter()
                 stats.draft_time_s += t_sent - t_draft
                 self.link.propose(seq_id, start, block, send_q=send_q)
                 event = await self.link.next_event(seq_id)
-                stats.verify_wait_s += time.perf_counter() - t_sent
+                wait = time.perf_counter() - t_sent
+                stats.verify_wait_s += wait
                 if isinstance(event, ErrorEvent):
                     finished = True  # the verifier has already freed the sequence
                     raise SpecwireError(event.code, event.message)
@@ -83,6 +94,9 @@ class Generator:
                     raise SpecwireError(ErrorCode.INTERNAL, f"verifier dropped a proposal at {event.start_position}; "
                                         f"it has {event.num_verified} verified tokens")
                 stats.num_rounds += 1
+                stats.verify_time_s += event.step_time_s
+                if adaptive:
+                    adaptive.observe(len(block.token_ids), event.num_accepted, t_sent - t_draft, wait)
                 stats.num_draft_tokens += len(block.token_ids)
                 stats.num_accepted_tokens += event.num_accepted
                 _count(stats.drafted_per_position, len(block.token_ids))
@@ -105,7 +119,8 @@ class Generator:
                 self.link.release(seq_id, cancel=True)
             else:
                 self.link.release(seq_id, cancel=False)
-            await self.proposer.release(seq)
+            if self.proposer is not None:
+                await self.proposer.release(seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         stats.wall_time_s = time.perf_counter() - t0
         log.info("generation_done", prompt_tokens=stats.num_prompt_tokens, generated=stats.num_generated_tokens,

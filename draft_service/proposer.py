@@ -52,24 +52,32 @@ class DraftModel:
         self.blocks.truncate(seq, n)
 
     @torch.inference_mode()
-    def draft(self, jobs: list[tuple[DraftSequence, int]]) -> list[DraftBlock]:
-        for seq, _ in jobs:
+    def draft(self, jobs: list[tuple[DraftSequence, int, float]]) -> list[DraftBlock]:
+        """jobs: (sequence, k, min_confidence). A sequence stops drafting early when the draft's own probability
+        of its next token (the max of its q) falls below min_confidence; the first token is always drafted."""
+        for seq, _, _ in jobs:
             self._rollback(seq)
-        pending: list[list[int]] = [list(seq.token_ids[len(seq.fed):]) for seq, _ in jobs]
+        pending: list[list[int]] = [list(seq.token_ids[len(seq.fed):]) for seq, _, _ in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
         qs: list[list[SparseQ]] = [[] for _ in jobs]
-        for step in range(max(k for _, k in jobs)):
-            active = [i for i, (_, k) in enumerate(jobs) if step < k]
+        stopped = [k == 0 for _, k, _ in jobs]
+        for step in range(max(k for _, k, _ in jobs)):
+            active = [i for i, (_, k, _) in enumerate(jobs) if step < k and not stopped[i]]
+            if not active:
+                break
             logits = self._forward([(jobs[i][0], pending[i]) for i in active])
-            samples = self._sample(logits, [jobs[i][0] for i in active], [len(jobs[i][0].token_ids) + step
-                                                                          for i in active])
-            for i, (token, q) in zip(active, samples, strict=True):
+            samples = self._sample(logits, [jobs[i][0] for i in active],
+                                   [len(jobs[i][0].token_ids) + step for i in active])
+            for i, (token, q, confidence) in zip(active, samples, strict=True):
+                if step > 0 and confidence < jobs[i][2]:
+                    stopped[i] = True
+                    continue
                 drafted[i].append(token)
                 if q is not None:
                     qs[i].append(q)
                 pending[i] = [token]
         return [DraftBlock(tuple(d), None if seq.sampling.is_greedy else tuple(q))
-                for (seq, _), d, q in zip(jobs, drafted, qs, strict=True)]
+                for (seq, _, _), d, q in zip(jobs, drafted, qs, strict=True)]
 
     def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
         input_ids: list[int] = []
@@ -99,8 +107,11 @@ class DraftModel:
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence],
-                positions: list[int]) -> list[tuple[int, SparseQ | None]]:
-        out: list[tuple[int, SparseQ | None]] = [(int(t), None) for t in logits.argmax(dim=1).tolist()]
+                positions: list[int]) -> list[tuple[int, SparseQ | None, float]]:
+        """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution)."""
+        confidence = logits.float().softmax(dim=1).max(dim=1).values.tolist()
+        out: list[tuple[int, SparseQ | None, float]] = [
+            (int(t), None, c) for t, c in zip(logits.argmax(dim=1).tolist(), confidence, strict=True)]
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
         if not sampled:
             return out
@@ -121,7 +132,7 @@ class DraftModel:
             q_ids = top_ids[row][keep]
             noise = rng.exponential(seqs[i].sampling.seed, positions[i], rng.Stream.DRAFT_SAMPLE, q_ids.numel())
             j = int(torch.argmax(q_probs / noise))
-            out[i] = (int(q_ids[j]), SparseQ(tuple(q_ids.tolist()), tuple(q_probs.tolist())))
+            out[i] = (int(q_ids[j]), SparseQ(tuple(q_ids.tolist()), tuple(q_probs.tolist())), float(q_probs.max()))
         return out
 
 
@@ -130,7 +141,7 @@ class Proposer:
 
     def __init__(self, model: DraftModel) -> None:
         self.model = model
-        self._pending: list[tuple[DraftSequence, int, asyncio.Future]] = []
+        self._pending: list[tuple[DraftSequence, int, float, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
         self._task: asyncio.Task | None = None
@@ -144,9 +155,9 @@ class Proposer:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
-    async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
+    async def draft(self, seq: DraftSequence, k: int, min_confidence: float = 0.0) -> DraftBlock:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((seq, k, future))
+        self._pending.append((seq, k, min_confidence, future))
         self._wakeup.set()
         return await future
 
@@ -158,17 +169,17 @@ class Proposer:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            jobs = [(s, k, f) for s, k, f in self._pending if not f.cancelled()]
+            jobs = [job for job in self._pending if not job[3].cancelled()]
             self._pending = []
             if not jobs:
                 continue
             try:
-                blocks = await loop.run_in_executor(self._executor, self.model.draft, [(s, k) for s, k, _ in jobs])
+                blocks = await loop.run_in_executor(self._executor, self.model.draft, [j[:3] for j in jobs])
             except Exception as err:  # noqa: BLE001 - every waiting request learns of it
-                for _, _, f in jobs:
+                for *_, f in jobs:
                     if not f.done():
                         f.set_exception(err)
                 continue
-            for (_, _, f), block in zip(jobs, blocks, strict=True):
+            for (*_, f), block in zip(jobs, blocks, strict=True):
                 if not f.done():
                     f.set_result(block)

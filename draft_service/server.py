@@ -15,8 +15,9 @@ from common.block_manager import BlockManager
 from common.config import parse_dtype
 from common.errors import ErrorCode, SpecwireError
 from common.kv_cache import KVCache, num_blocks_for_budget
-from common.model_loading import load_model
+from common.model_loading import load_model, load_tokenizer
 from common.paged_model import PagedCausalLM, kv_cache_spec
+from common.tokenizer import tokenizer_fingerprint
 from draft_service.config import DraftConfig
 from draft_service.generation import Generator
 from draft_service.proposer import DraftModel, Proposer
@@ -49,16 +50,24 @@ async def connect_with_retry(link: VerifierLink, timeout_s: float) -> None:
 
 
 async def serve(config: DraftConfig) -> None:
-    loaded = load_model(config.model, parse_dtype(config.dtype))
-    spec = kv_cache_spec(loaded.model)
-    num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
-    runner = PagedCausalLM(loaded.model, KVCache(spec, num_blocks, config.block_size), release_unpacked=True)
-    proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
-    link = VerifierLink(config.verifier, draft_model_id=loaded.model_id, vocab_size=loaded.vocab_size,
-                        tokenizer_fingerprint=loaded.tokenizer_fingerprint)
+    proposer: Proposer | None = None
+    if config.proposer == "ngram":  # prompt lookup: the tokenizer is all it needs
+        tokenizer = load_tokenizer(config.model)
+        model_id, vocab_size, fingerprint = f"ngram:{config.model}", None, tokenizer_fingerprint(tokenizer)
+    else:
+        loaded = load_model(config.model, parse_dtype(config.dtype))
+        spec = kv_cache_spec(loaded.model)
+        num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
+        runner = PagedCausalLM(loaded.model, KVCache(spec, num_blocks, config.block_size), release_unpacked=True)
+        proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
+        tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
+        fingerprint = loaded.tokenizer_fingerprint
+    link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
+                        tokenizer_fingerprint=fingerprint)
     await connect_with_retry(link, config.connect_timeout_s)
-    proposer.start()
-    generator = Generator(config, loaded.tokenizer, loaded.vocab_size, link, proposer)
+    if proposer is not None:
+        proposer.start()
+    generator = Generator(config, tokenizer, link.identity.vocab_size, link, proposer)
     server = grpc.aio.server()
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(generator), server)
     health_servicer = health.aio.HealthServicer()
@@ -70,9 +79,9 @@ async def serve(config: DraftConfig) -> None:
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("draft_ready", address=f"{config.host}:{port}", model=loaded.model_id, verifier=config.verifier,
-             num_speculative_tokens=config.num_speculative_tokens, wire_mode=config.wire_mode,
-             kv_blocks=num_blocks)
+    log.info("draft_ready", address=f"{config.host}:{port}", model=model_id, verifier=config.verifier,
+             proposer=config.proposer, num_speculative_tokens=config.num_speculative_tokens,
+             adaptive_k=config.adaptive_k, wire_mode=config.wire_mode)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -83,5 +92,6 @@ async def serve(config: DraftConfig) -> None:
         log.info("draft_stopping")
         await health_servicer.enter_graceful_shutdown()
         await server.stop(grace=2.0)
-        await proposer.stop()
+        if proposer is not None:
+            await proposer.stop()
         await link.close()

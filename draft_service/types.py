@@ -27,6 +27,7 @@ class VerdictEvent:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     batch_size: int
+    step_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -83,3 +84,4 @@ class GenerationStats:
     draft_time_s: float = 0.0
     verify_wait_s: float = 0.0
     num_speculative_tokens: int = 0
+    verify_time_s: float = 0.0

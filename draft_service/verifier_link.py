@@ -40,9 +40,10 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
 
 
 class VerifierLink:
-    def __init__(self, target: str, *, draft_model_id: str, vocab_size: int, tokenizer_fingerprint: str) -> None:
+    def __init__(self, target: str, *, draft_model_id: str, vocab_size: int | None, tokenizer_fingerprint: str) -> None:
+        """vocab_size None: a proposer without logits (n-gram) takes the verifier's."""
         self._target = target
-        self._hello = verifier_pb2.Hello(draft_model_id=draft_model_id, vocab_size=vocab_size,
+        self._hello = verifier_pb2.Hello(draft_model_id=draft_model_id, vocab_size=vocab_size or 0,
                                          tokenizer_fingerprint=tokenizer_fingerprint,
                                          protocol_version=PROTOCOL_VERSION)
         self._channel: grpc.aio.Channel | None = None
@@ -97,6 +98,8 @@ class VerifierLink:
                                 f"{self._hello.tokenizer_fingerprint[:12]}… (draft) and "
                                 f"{info.tokenizer_fingerprint[:12]}… (target); draft and target must share one "
                                 "tokenizer")
+        if not self._hello.vocab_size:
+            self._hello.vocab_size = info.vocab_size
         if info.vocab_size != self._hello.vocab_size:
             raise SpecwireError(ErrorCode.FAILED_PRECONDITION, f"vocabulary mismatch: the draft has "
                                 f"{self._hello.vocab_size} logits rows, the target {info.model_id!r} {info.vocab_size}")
@@ -179,7 +182,7 @@ class VerifierLink:
         if kind == "verdict":
             v = msg.verdict
             event: LinkEvent = VerdictEvent(v.start_position, v.num_accepted, tuple(v.token_ids),
-                                            _FINISH[v.finish_reason], v.batch_size)
+                                            _FINISH[v.finish_reason], v.batch_size, v.step_time_s)
             seq_id = v.seq_id
         elif kind == "error":
             e = msg.error

@@ -37,7 +37,14 @@ def _draft_parser(sub) -> None:
     add_flag(p, "--host", default="127.0.0.1", help="address to bind")
     add_flag(p, "--port", default=50052, type=int, help="gRPC port")
     add_flag(p, "--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
-    add_flag(p, "--num-speculative-tokens", default=4, type=int, help="draft tokens per round (0: target only)")
+    add_flag(p, "--num-speculative-tokens", default=4, type=int,
+             help="draft tokens per round, the largest with --adaptive-k (0: target only)")
+    add_flag(p, "--proposer", default="model", choices=("model", "ngram"),
+             help="model: the draft model; ngram: prompt lookup (--model then only supplies the tokenizer)")
+    add_flag(p, "--adaptive-k", default=False, type=bool, nargs="?", const=True,
+             help="choose k per sequence and round from its acceptance and measured draft/verify times")
+    add_flag(p, "--draft-confidence-threshold", default=0.0, type=float,
+             help="stop a draft block when the draft's top probability falls below this")
     add_flag(p, "--wire-mode", default="sparse", choices=("sparse", "one-hot"), help="how sampled drafts send q")
     add_flag(p, "--q-max-support", default=64, type=int, help="tokens of q kept and sent in sparse mode")
     add_flag(p, "--block-size", default=16, type=int, help="tokens per KV block")
@@ -102,7 +109,9 @@ def _run_draft(args) -> int:
     from draft_service.server import HandshakeRefused, serve
 
     config = DraftConfig(model=args.model, verifier=args.verifier, host=args.host, port=args.port, dtype=args.dtype,
-                         num_speculative_tokens=args.num_speculative_tokens, wire_mode=args.wire_mode,
+                         num_speculative_tokens=args.num_speculative_tokens, proposer=args.proposer,
+                         adaptive_k=args.adaptive_k, draft_confidence_threshold=args.draft_confidence_threshold,
+                         wire_mode=args.wire_mode,
                          q_max_support=args.q_max_support, block_size=args.block_size,
                          kv_cache_memory=parse_bytes(args.kv_cache_memory), connect_timeout_s=args.connect_timeout,
                          log_level=args.log_level)

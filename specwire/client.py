@@ -39,6 +39,12 @@ class Stats:
     draft_time_s: float
     verify_wait_s: float
     num_speculative_tokens: int
+    verify_time_s: float = 0.0
+
+    @property
+    def network_time_s(self) -> float:
+        """Waiting on the verifier minus its compute: network, queueing, (de)serialisation."""
+        return max(0.0, self.verify_wait_s - self.verify_time_s)
 
     @property
     def tokens_per_second(self) -> float:
@@ -70,7 +76,7 @@ def _stats(msg: draft_pb2.Stats) -> Stats:
     return Stats(_FINISH[msg.finish_reason], msg.num_prompt_tokens, msg.num_generated_tokens, msg.num_rounds,
                  msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.accepted_per_position),
                  list(msg.drafted_per_position), msg.wall_time_s, msg.time_to_first_token_s, msg.draft_time_s,
-                 msg.verify_wait_s, msg.num_speculative_tokens)
+                 msg.verify_wait_s, msg.num_speculative_tokens, msg.verify_time_s)
 
 
 def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, max_tokens: int,

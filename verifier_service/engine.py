@@ -109,6 +109,7 @@ class VerifierEngine:
         stats.forward_s = t1 - t0
         results = iter(verify_batch(logits, items) if items else [])
         stats.sample_s = time.perf_counter() - t1
+        step_time = stats.forward_s + stats.sample_s
         for w in work:
             seq = w.seq
             if w.proposal is None:
@@ -116,7 +117,7 @@ class VerifierEngine:
                 stats.num_prefill_tokens += w.end - w.start
             else:
                 stats.num_prefill_tokens += len(seq.token_ids) - 1 - w.start
-                outcomes.append(self._finish_round(w, next(results), len(work), stats))
+                outcomes.append(self._finish_round(w, next(results), len(work), stats, step_time))
             if seq.key in self.running:  # only verified tokens are registered, never drafts
                 self.blocks.commit(seq.key, seq.token_ids, seq.num_cached)
         return StepResult(outcomes, stats)
@@ -325,7 +326,8 @@ class VerifierEngine:
         )
         return batch, items
 
-    def _finish_round(self, w: _Work, tokens: list[int], batch_size: int, stats: StepStats) -> VerdictOut:
+    def _finish_round(self, w: _Work, tokens: list[int], batch_size: int, stats: StepStats,
+                      step_time: float) -> VerdictOut:
         seq = w.seq
         start = len(seq.token_ids)
         k = len(w.proposal.draft_token_ids)
@@ -353,7 +355,8 @@ class VerifierEngine:
             # the K/V of the accepted drafts stays; the slots past them are reused by the next block
             seq.num_cached = start + num_accepted
             self.blocks.truncate(seq.key, seq.num_cached)
-        return VerdictOut(seq.key, start, min(num_accepted, len(emitted)), tuple(emitted), finish, batch_size)
+        return VerdictOut(seq.key, start, min(num_accepted, len(emitted)), tuple(emitted), finish, batch_size,
+                          step_time)
 
 
 def _truncate(p: ProposeCmd, k: int) -> ProposeCmd:

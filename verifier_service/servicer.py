@@ -53,7 +53,7 @@ def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
         return verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(
             seq_id=outcome.key.seq_id, start_position=outcome.start_position, num_accepted=outcome.num_accepted,
             token_ids=outcome.token_ids, finish_reason=FINISH_TO_PROTO[outcome.finish_reason],
-            batch_size=outcome.batch_size))
+            batch_size=outcome.batch_size, step_time_s=outcome.step_time_s))
     if isinstance(outcome, ErrorOut):
         return verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
             seq_id=outcome.key.seq_id, code=outcome.code.value, message=outcome.message))

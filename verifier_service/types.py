@@ -56,6 +56,7 @@ class VerdictOut:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None
     batch_size: int
+    step_time_s: float = 0.0
 
 
 @dataclass(frozen=True)

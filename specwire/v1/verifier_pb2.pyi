@@ -108,20 +108,22 @@ class Welcome(_message.Message):
     def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size")
+    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     num_accepted: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     batch_size: int
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ...) -> None: ...
+    step_time_s: float
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class ProposalDropped(_message.Message):
     __slots__ = ("seq_id", "start_position", "num_verified")

@@ -1,0 +1,69 @@
+"""Adaptive draft length, confidence early stop and n-gram drafting: units, and end-to-end exactness through
+extra draft services attached to the same verifier."""
+
+from __future__ import annotations
+
+import pytest
+
+import specwire
+from draft_service.adaptive import AdaptiveDraftLength
+from draft_service.ngram import propose_ngram
+from specwire.launch import Stack
+from test_e2e import PROMPTS, _greedy_reference
+
+
+def test_ngram_proposes_what_followed_the_longest_recent_match():
+    seq = [1, 2, 3, 4, 5, 9, 9, 1, 2, 3]
+    assert propose_ngram(seq, 3) == [4, 5, 9]
+    assert propose_ngram([7, 8, 7], 2) == [8, 7]  # falls back to a 1-gram
+    assert propose_ngram([1, 2, 3], 4) == []
+    assert propose_ngram(seq, 0) == []
+
+
+def test_adaptive_k_follows_acceptance_and_costs():
+    high = AdaptiveDraftLength(k_max=8)
+    low = AdaptiveDraftLength(k_max=8)
+    for _ in range(20):
+        high.observe(4, 4, draft_s=0.04, wait_s=0.25)
+        low.observe(4, 0, draft_s=0.04, wait_s=0.25)
+    assert high.acceptance > 0.9 and low.acceptance < 0.2
+    assert high.next_k() > low.next_k()
+    slow_network = AdaptiveDraftLength(k_max=8, accepted=3.0, rejected=1.0, t_draft=0.05, t_verify=0.05)
+    fast_network = AdaptiveDraftLength(k_max=8, accepted=3.0, rejected=1.0, t_draft=0.05, t_verify=2.0)
+    assert fast_network.next_k() > slow_network.next_k()  # a costly round makes longer drafts worth it
+
+
+@pytest.fixture(scope="module")
+def extra_drafts(text_stack):
+    with Stack() as stack:
+        common = ["draft", "--model", str(text_stack.draft_dir), "--dtype", "float64", "--verifier",
+                  text_stack.verifier, "--block-size", "4"]
+        ngram = stack.start("ngram", [*common, "--proposer", "ngram", "--num-speculative-tokens", "4"],
+                            log_dir=text_stack.log_dir, timeout_s=120)
+        adaptive = stack.start("adaptive", [*common, "--adaptive-k", "--num-speculative-tokens", "8",
+                                            "--draft-confidence-threshold", "0.3"], log_dir=text_stack.log_dir,
+                               timeout_s=120)
+        yield {"ngram": ngram.address, "adaptive": adaptive.address}
+
+
+@pytest.mark.parametrize("kind", ["ngram", "adaptive"])
+def test_greedy_output_is_exact(text_stack, extra_drafts, kind):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(text_stack.target_dir)
+    prompts = [*PROMPTS[:2], "for i in range(10):\n    for i in range(10):\n        for i in range("]
+    with specwire.Client(extra_drafts[kind]) as client:
+        for prompt in prompts:
+            r = client.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
+            assert r.token_ids == _greedy_reference(text_stack.target_dir, tok.encode(prompt), 20), (kind, prompt)
+    assert text_stack.metric("specwire_kv_blocks_used") == 0
+
+
+def test_ngram_sampling_is_seeded_and_drafts_get_accepted(text_stack, extra_drafts):
+    prompt = "a b c d e a b c d e a b c d e a b c d e"
+    with specwire.Client(extra_drafts["ngram"]) as client:
+        one = client.generate(prompt, max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)
+        two = client.generate(prompt, max_tokens=16, temperature=0.7, seed=5, ignore_eos=True)
+        greedy = client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert one.token_ids == two.token_ids
+    assert greedy.stats.num_draft_tokens > 0
