@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import structlog
 
@@ -57,13 +59,31 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         self._generator = generator
 
     async def Generate(self, request: draft_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        # NOTE: the generation runs in its own task and hands events over a queue, so drafting the next round
+        # does not wait for the client's copy of the last chunk to be written.
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def produce() -> None:
+            try:
+                async for event in self._generator.generate(request_from_proto(request)):
+                    events.put_nowait(event)
+                events.put_nowait(None)
+            except Exception as err:  # noqa: BLE001 - handed to the consumer, which reports it
+                events.put_nowait(err)
+
+        task = asyncio.create_task(produce())
         try:
-            req = request_from_proto(request)
-            async for event in self._generator.generate(req):
+            while (event := await events.get()) is not None:
+                if isinstance(event, SpecwireError):
+                    log.info("generate_refused", code=event.code.name, message=event.message)
+                    await context.abort(grpc.StatusCode[event.code.name], event.message)
+                if isinstance(event, Exception):
+                    raise event
                 if isinstance(event, TextChunk):
                     yield draft_pb2.GenerateResponse(chunk=draft_pb2.Chunk(token_ids=event.token_ids, text=event.text))
                 else:
                     yield draft_pb2.GenerateResponse(stats=stats_to_proto(event))
-        except SpecwireError as err:
-            log.info("generate_refused", code=err.code.name, message=err.message)
-            await context.abort(grpc.StatusCode[err.code.name], err.message)
+        finally:
+            if not task.done():  # the client went away: cancelling frees the sequence on both services
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

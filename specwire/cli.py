@@ -81,6 +81,28 @@ def _demo_parser(sub) -> None:
     p.set_defaults(func=_run_demo)
 
 
+def _bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="measure speculation against target-only and transformers on a prompt set")
+    p.add_argument("--target", default=None, help="target model (default: .models/target)")
+    p.add_argument("--draft", default=None, help="draft model (default: .models/draft)")
+    p.add_argument("--prompts", default=None, help="JSON {category: [prompts]} (default: the shipped set)")
+    p.add_argument("--categories", default="code,prose,chat")
+    p.add_argument("--num-prompts", type=int, default=2, help="prompts per category (the shipped set has 12)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--k-list", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--temperatures", default="0,0.8")
+    p.add_argument("--default-k", type=int, default=4, help="k of the variants and the concurrency run")
+    p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--out", default="bench/out", help="folder for bench.json, bench.png and service logs")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from specwire.bench import run_bench
+
+    return run_bench(args)
+
+
 def _need_model(args) -> None:
     if not args.model:
         raise SystemExit("error: --model (or SPECWIRE_MODEL) is required")
@@ -162,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _draft_parser(sub)
     _generate_parser(sub)
     _demo_parser(sub)
+    _bench_parser(sub)
     return parser
 
 

@@ -4,12 +4,12 @@ extra draft services attached to the same verifier."""
 from __future__ import annotations
 
 import pytest
+from test_e2e import PROMPTS, _greedy_reference
 
 import specwire
 from draft_service.adaptive import AdaptiveDraftLength
 from draft_service.ngram import propose_ngram
 from specwire.launch import Stack
-from test_e2e import PROMPTS, _greedy_reference
 
 
 def test_ngram_proposes_what_followed_the_longest_recent_match():

@@ -74,7 +74,9 @@ class Scheduler:
             for outcome in result.outcomes:
                 self.send(outcome)
             self._record(result)
-            if result.stats is not None or self.engine.has_pending_commands():
+            # NOTE: no step is running here, so reading the engine's state from the loop is safe; an empty step
+            # would cost a thread hop that a proposal arriving meanwhile has to wait for.
+            if self.engine.has_pending_commands() or (result.stats is not None and self.engine.has_runnable_work()):
                 self._wakeup.set()
 
     def _record(self, result: StepResult) -> None:
