@@ -62,3 +62,11 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # end-of-sequence token or stop string
     LENGTH = "length"  # max_tokens or the model's context length
     CANCELLED = "cancelled"
+
+
+def count_positions(counts: list[int], n: int) -> None:
+    """Add one to counts[0..n) (per-position drafted / accepted statistics), growing the list as needed."""
+    if len(counts) < n:
+        counts.extend([0] * (n - len(counts)))
+    for i in range(n):
+        counts[i] += 1

@@ -10,7 +10,7 @@ from typing import Any
 import structlog
 
 from common.errors import ErrorCode, SpecwireError, invalid_argument
-from common.sampling import FinishReason, validate_token_ids
+from common.sampling import FinishReason, count_positions, validate_token_ids
 from common.tokenizer import IncrementalDetokenizer
 from draft_service.adaptive import AdaptiveDraftLength
 from draft_service.config import DraftConfig
@@ -99,8 +99,9 @@ class Generator:
                     adaptive.observe(len(block.token_ids), event.num_accepted, t_sent - t_draft, wait)
                 stats.num_draft_tokens += len(block.token_ids)
                 stats.num_accepted_tokens += event.num_accepted
-                _count(stats.drafted_per_position, len(block.token_ids))
-                _count(stats.accepted_per_position, event.num_accepted)
+                stats.num_rejected_rounds += event.num_accepted < len(block.token_ids)
+                count_positions(stats.drafted_per_position, len(block.token_ids))
+                count_positions(stats.accepted_per_position, event.num_accepted)
                 seq.token_ids.extend(event.token_ids)
                 stats.num_generated_tokens += len(event.token_ids)
                 if stats.num_rounds == 1:
@@ -127,10 +128,3 @@ class Generator:
                  rounds=stats.num_rounds, drafted=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
                  k=k, wall_s=round(stats.wall_time_s, 3), finish=stats.finish_reason and stats.finish_reason.value)
         yield stats
-
-
-def _count(counts: list[int], n: int) -> None:
-    if len(counts) < n:
-        counts.extend([0] * (n - len(counts)))
-    for i in range(n):
-        counts[i] += 1

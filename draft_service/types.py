@@ -85,3 +85,4 @@ class GenerationStats:
     verify_wait_s: float = 0.0
     num_speculative_tokens: int = 0
     verify_time_s: float = 0.0
+    num_rejected_rounds: int = 0

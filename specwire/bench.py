@@ -41,6 +41,7 @@ class Cell:
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rejected_rounds: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     wait_s: float = 0.0
@@ -55,6 +56,7 @@ class Cell:
         self.rounds += s.num_rounds
         self.drafted += s.num_draft_tokens
         self.accepted += s.num_accepted_tokens
+        self.rejected_rounds += s.num_rejected_rounds
         self.draft_s += s.draft_time_s
         self.verify_s += s.verify_time_s
         self.wait_s += s.verify_wait_s
@@ -71,7 +73,12 @@ class Cell:
             "mode": self.mode, "k": self.k, "category": self.category, "tokens": self.tokens,
             "tokens_per_s": self.tokens / self.wall_s if self.wall_s else 0.0,
             "mean_acceptance_length": self.tokens / rounds,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted,
+            "rejected_rounds": self.rejected_rounds,
+            # per-token acceptance: accepted drafts over accepted drafts plus rejections (the truncated-geometric
+            # estimate; accepted / drafted would understate it, since drafts after a rejection are never tried)
+            "acceptance_rate": (self.accepted / (self.accepted + self.rejected_rounds)
+                                if self.accepted + self.rejected_rounds else None),
             "acceptance_per_position": [a / d if d else 0.0 for a, d in
                                         zip(self.accepted_per_position, self.drafted_per_position, strict=False)],
             "round_ms": {"draft": 1e3 * self.draft_s / rounds, "verify": 1e3 * self.verify_s / rounds,
@@ -146,7 +153,7 @@ def run_bench(args) -> int:
     with Stack() as stack:
         verifier = stack.start("verifier", ["verifier", "--model", str(target), "--max-draft-tokens",
                                             str(max(k_list + [16]))], log_dir=log_dir)
-        base = ["draft", "--model", str(draft), "--verifier", verifier.address]
+        base = ["draft", "--model", str(draft), "--verifier", verifier.address, "--dtype", args.draft_dtype]
         drafter = stack.start("draft", [*base, "--num-speculative-tokens", str(default_k)], log_dir=log_dir)
         with Client(drafter.address) as client:
             client.generate("warm up", max_tokens=4, temperature=0.0)
@@ -157,11 +164,11 @@ def run_bench(args) -> int:
                     run(client, mode, k, temperature)
                     print(f"  {mode} k={k}: {time.perf_counter() - t0:.0f}s", flush=True)
             print("  concurrency: 8 streams vs 1", flush=True)
-            code = (prompts.get("code") or next(iter(prompts.values())))[:1] * 8
-            concurrency = {"one_stream_tok_s": asyncio.run(_concurrent(drafter.address, code[:1], default_k,
-                                                                       args.max_tokens)),
-                           "eight_streams_tok_s": asyncio.run(_concurrent(drafter.address, code, default_k,
-                                                                          args.max_tokens))}
+            code = load_prompts(args.prompts, ["code"], 8)["code"]
+            n = args.concurrency_tokens  # long enough that decoding, not the 8 prefills, dominates
+            concurrency = {"one_stream_tok_s": asyncio.run(_concurrent(drafter.address, code[:1], default_k, n)),
+                           "eight_streams_tok_s": asyncio.run(_concurrent(drafter.address, code, default_k, n)),
+                           "tokens_per_stream": n, "k": default_k}
             concurrency["ratio"] = concurrency["eight_streams_tok_s"] / concurrency["one_stream_tok_s"]
         for variant, flags in (("adaptive", ["--adaptive-k", "--num-speculative-tokens", "8",
                                              "--draft-confidence-threshold", "0.4"]),
@@ -175,7 +182,8 @@ def run_bench(args) -> int:
             service.stop()
     hf = {} if args.skip_hf else _hf_baselines(target, draft, prompts, args.max_tokens)
     report = _report(cells, k_list, temperatures, prompts, hf, concurrency)
-    report["config"] = {"target": str(target), "draft": str(draft), "k_list": k_list, "temperatures": temperatures,
+    report["config"] = {"target": str(target), "draft": str(draft), "draft_dtype": args.draft_dtype,
+                        "k_list": k_list, "temperatures": temperatures,
                         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "categories": categories,
                         "default_k": default_k, "wall_s": time.time() - started}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
@@ -230,7 +238,8 @@ def _report(cells, k_list, temperatures, prompts, hf, concurrency) -> dict:
             table += (f"\n| {cat} | {b['k']} | {b['tokens_per_s']:.2f} | {hf[cat]['hf_generate']:.2f} | "
                       f"{hf[cat]['hf_assisted']:.2f} | {b['vs_hf_generate']:.2f}x | {b['vs_hf_assisted']:.2f}x |")
     if concurrency:
-        table += (f"\n\nconcurrency (greedy, code): 1 stream {concurrency['one_stream_tok_s']:.2f} tok/s, 8 streams "
+        table += (f"\n\nconcurrency (greedy, code, k={concurrency.get('k')}, {concurrency['tokens_per_stream']} tokens "
+                  f"per stream): 1 stream {concurrency['one_stream_tok_s']:.2f} tok/s, 8 streams "
                   f"{concurrency['eight_streams_tok_s']:.2f} tok/s aggregate = {concurrency['ratio']:.2f}x")
     table += f"\ngreedy outputs identical to k=0 for every k and variant: {identical}"
     return {"cells": summaries, "best_greedy": best, "hf": hf, "concurrency": concurrency,

@@ -76,7 +76,9 @@ def _demo_parser(sub) -> None:
     p.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--dtype", default="float32", choices=DTYPES)
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
+    p.add_argument("--draft-dtype", default="bfloat16", choices=DTYPES,
+                   help="the draft's dtype: bfloat16 halves its memory traffic; outputs stay exact either way")
     p.add_argument("--no-baseline", action="store_true", help="skip the k=0 run")
     p.set_defaults(func=_run_demo)
 
@@ -92,6 +94,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--k-list", default="1,2,3,4,5,6,7,8")
     p.add_argument("--temperatures", default="0,0.8")
     p.add_argument("--default-k", type=int, default=4, help="k of the variants and the concurrency run")
+    p.add_argument("--draft-dtype", default="bfloat16", choices=DTYPES,
+                   help="the draft's dtype (the target runs in float32)")
+    p.add_argument("--concurrency-tokens", type=int, default=128, help="tokens per stream in the 8-vs-1 run")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
     p.add_argument("--out", default="bench/out", help="folder for bench.json, bench.png and service logs")
     p.set_defaults(func=_run_bench)

@@ -51,12 +51,13 @@ def run_demo(args) -> int:
     prompt = args.prompt or DEFAULT_PROMPT
     k = args.num_speculative_tokens
     log_dir = Path(tempfile.mkdtemp(prefix="specwire-demo-"))
-    print(f"specwire demo: target {target}, draft {draft}, k = {k}, greedy, {args.max_tokens} tokens "
+    print(f"specwire demo: target {target} ({args.dtype}), draft {draft} ({args.draft_dtype}), k = {k}, greedy, "
+          f"{args.max_tokens} tokens "
           f"(service logs in {log_dir})", flush=True)
     with Stack() as stack:
         verifier = stack.start("verifier", ["verifier", "--model", str(target), "--dtype", args.dtype,
                                             "--max-draft-tokens", str(max(k, 16))], log_dir=log_dir)
-        drafter = stack.start("draft", ["draft", "--model", str(draft), "--dtype", args.dtype,
+        drafter = stack.start("draft", ["draft", "--model", str(draft), "--dtype", args.draft_dtype,
                                         "--verifier", verifier.address, "--num-speculative-tokens", str(k)],
                               log_dir=log_dir)
         print(f"verifier on {verifier.address}, draft service on {drafter.address}\n", flush=True)

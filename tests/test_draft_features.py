@@ -4,12 +4,14 @@ extra draft services attached to the same verifier."""
 from __future__ import annotations
 
 import pytest
-from test_e2e import PROMPTS, _greedy_reference
+from test_e2e import PROMPTS
 
 import specwire
 from draft_service.adaptive import AdaptiveDraftLength
 from draft_service.ngram import propose_ngram
 from specwire.launch import Stack
+
+from tiny_models import greedy_continuation
 
 
 def test_ngram_proposes_what_followed_the_longest_recent_match():
@@ -55,7 +57,7 @@ def test_greedy_output_is_exact(text_stack, extra_drafts, kind):
     with specwire.Client(extra_drafts[kind]) as client:
         for prompt in prompts:
             r = client.generate(prompt, max_tokens=20, temperature=0.0, ignore_eos=True)
-            assert r.token_ids == _greedy_reference(text_stack.target_dir, tok.encode(prompt), 20), (kind, prompt)
+            assert r.token_ids == greedy_continuation(text_stack.target_dir, tok.encode(prompt), 20), (kind, prompt)
     assert text_stack.metric("specwire_kv_blocks_used") == 0
 
 

@@ -11,17 +11,9 @@ from transformers import AutoModelForCausalLM
 import specwire
 
 from conftest import STAT_VOCAB
+from tiny_models import greedy_continuation
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import numpy as np\n", "Ça va très"]
-
-
-def _greedy_reference(model_dir, prompt_ids: list[int], n: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
-    ids = list(prompt_ids)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt_ids):]
 
 
 def test_greedy_equals_target_only_for_every_k_with_concurrent_sequences(text_stack):
@@ -39,7 +31,7 @@ def test_greedy_equals_target_only_for_every_k_with_concurrent_sequences(text_st
     results = asyncio.run(run_all())
     accepted = 0
     for i, prompt in enumerate(PROMPTS):
-        expected = _greedy_reference(text_stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
+        expected = greedy_continuation(text_stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
         for j, k in enumerate((0, 1, 4, 8)):
             r = results[i * 4 + j]
             assert r.token_ids == expected, f"prompt {prompt!r}, k={k}"

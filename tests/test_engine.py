@@ -4,8 +4,6 @@ refusal of what can never fit, and no leaked blocks."""
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from common.errors import ErrorCode
 from common.sampling import SamplingParams
@@ -13,7 +11,7 @@ from verifier_service.config import VerifierConfig
 from verifier_service.server import build_engine
 from verifier_service.types import CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
 
-from tiny_models import make_text_pair
+from tiny_models import greedy_continuation, make_text_pair
 
 
 @pytest.fixture(scope="module")
@@ -24,15 +22,6 @@ def pair(tmp_path_factory):
 def _engine(target, **kwargs):
     config = VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4, **kwargs)
     return build_engine(config)
-
-
-def _greedy(target, prompt, n):
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float64).eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def _run(engine, prompts, n, *, k=4, oracle=None, max_steps=2000):
@@ -78,15 +67,15 @@ def test_shared_system_prompt_is_computed_once(pair):
     hits2 = sum(s.num_prefix_hit_tokens for s in stats2)
     assert computed1 == len(system) + 1  # every prompt token but the last, which the first verify block feeds
     assert hits2 == 40 and computed2 == 2  # only the new tokens (but the last) are computed
-    assert second == _greedy(target, system + [60, 61, 62], 4)
-    assert first == _greedy(target, system + [50, 51], 4)
+    assert second == greedy_continuation(target, system + [60, 61, 62], 4)
+    assert first == greedy_continuation(target, system + [50, 51], 4)
     assert engine.blocks.num_used_blocks == 0
 
 
 def test_preemption_by_recompute_keeps_outputs_exact(pair):
     target, _ = pair
     prompts = [[5 + i, 9, 11 + i, 4, 8] for i in range(6)]
-    oracle = [_greedy(target, p, 24) for p in prompts]
+    oracle = [greedy_continuation(target, p, 24) for p in prompts]
     # 6 sequences of up to 5 + 24 + 4 tokens need 48 blocks of 4; the pool has 20
     engine = _engine(target, num_blocks=20)
     outputs, stats = _run(engine, prompts, 24, oracle=oracle)
@@ -100,7 +89,7 @@ def test_new_sequences_wait_for_blocks_instead_of_failing(pair):
     prompts = [[3, 4, 5, 6, 7, 8, 9, 10, 11] for _ in range(5)]
     engine = _engine(target, num_blocks=8)  # room for about two sequences at a time
     outputs, stats = _run(engine, prompts, 8)
-    expected = _greedy(target, prompts[0], 8)
+    expected = greedy_continuation(target, prompts[0], 8)
     assert all(o == expected for o in outputs)
     assert max(s.num_seqs for s in stats) < 5
     assert engine.blocks.num_used_blocks == 0

@@ -86,3 +86,33 @@ def test_rng_is_keyed_by_seed_position_and_stream():
     assert len({a, rng.uniform(7, 11, rng.Stream.ACCEPT), rng.uniform(8, 10, rng.Stream.ACCEPT),
                 rng.uniform(7, 10, rng.Stream.DRAFT_SAMPLE)}) == 4
     assert 0.0 <= a < 1.0
+
+
+def test_gguf_path_is_converted_once_and_cached(tmp_path, monkeypatch):
+    """The GGUF route: a .gguf file resolves to a converted directory in the cache, converted only once
+    (the conversion itself ran on the real pair through `make models`; here it is stubbed)."""
+    from common import model_loading
+
+    monkeypatch.setenv("SPECWIRE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(gguf, out):
+        calls.append(gguf)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_loading, "convert_gguf", fake_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    first = model_loading.resolve_model_dir(gguf)
+    second = model_loading.resolve_model_dir(gguf)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "only.gguf").write_bytes(b"GGUF")
+    assert first == second and first.parent == tmp_path / "cache" / "converted" and len(calls) == 1
+    assert model_loading.resolve_model_dir(folder).name.startswith("only-")
+    with pytest.raises(FileNotFoundError):
+        model_loading.resolve_model_dir(tmp_path / "missing")
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ValueError):
+        model_loading.resolve_model_dir(tmp_path / "model.bin")

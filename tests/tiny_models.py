@@ -83,3 +83,15 @@ def make_text_pair(root: Path, family: str, *, noise: float = 0.03, dtype=torch.
     target = build_model(config, seed, dtype)
     draft = perturbed(target, seed + 1, noise)
     return save(target, tok, root / f"{family}-target"), save(draft, tok, root / f"{family}-draft")
+
+
+def greedy_continuation(model_dir, prompt_ids: list[int], n: int) -> list[int]:
+    """The target-only reference: n argmax steps of transformers' own forward over the full sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]

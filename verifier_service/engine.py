@@ -19,7 +19,7 @@ from common.block_manager import BlockManager
 from common.errors import ErrorCode, SpecwireError
 from common.model_loading import LoadedModel
 from common.paged_model import ForwardBatch, PagedCausalLM
-from common.sampling import FinishReason, SamplingParams, validate_token_ids
+from common.sampling import FinishReason, SamplingParams, count_positions, validate_token_ids
 from verifier_service.types import (
     CloseCmd,
     CloseStreamCmd,
@@ -335,8 +335,8 @@ class VerifierEngine:
         stats.num_verifications += 1
         stats.num_draft_tokens += k
         stats.num_accepted_tokens += num_accepted
-        _add_positions(stats.drafted_per_position, k)
-        _add_positions(stats.accepted_per_position, num_accepted)
+        count_positions(stats.drafted_per_position, k)
+        count_positions(stats.accepted_per_position, num_accepted)
         emitted: list[int] = []
         finish: FinishReason | None = None
         for t in tokens:
@@ -361,10 +361,3 @@ class VerifierEngine:
 
 def _truncate(p: ProposeCmd, k: int) -> ProposeCmd:
     return ProposeCmd(p.key, p.start_position, p.draft_token_ids[:k], p.draft_q[:k] if p.draft_q else p.draft_q)
-
-
-def _add_positions(counts: list[int], n: int) -> None:
-    if len(counts) < n:
-        counts.extend([0] * (n - len(counts)))
-    for i in range(n):
-        counts[i] += 1

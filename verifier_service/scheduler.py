@@ -25,6 +25,7 @@ class Scheduler:
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
         self._task: asyncio.Task | None = None
+        self._last_step_s = 0.0
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)
 
     def start(self) -> None:
@@ -65,12 +66,16 @@ class Scheduler:
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
+            # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
+            await asyncio.sleep(min(0.002, 0.02 * self._last_step_s))
             self._wakeup.clear()
             try:
                 result = await self.run_step()
             except Exception:  # a bug in a step must not take the server down silently
                 log.exception("engine_step_failed")
                 continue
+            if result.stats is not None:
+                self._last_step_s = result.stats.forward_s + result.stats.sample_s
             for outcome in result.outcomes:
                 self.send(outcome)
             self._record(result)
