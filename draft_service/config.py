@@ -26,6 +26,7 @@ class DraftConfig:
     block_size: int = 16
     kv_cache_memory: int = 512 << 20
     connect_timeout_s: float = 60.0
+    metrics_port: int = 0  # 0: no Prometheus endpoint
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -43,5 +44,5 @@ class DraftConfig:
             raise ValueError(f"q_max_support must be >= 1, got {self.q_max_support}")
         if ":" not in self.verifier:
             raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
-        if not 0 <= self.port < 65536:
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")

@@ -3,6 +3,7 @@ was verified, stream the verified text; until the verifier ends the sequence or 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,7 @@ from common.sampling import FinishReason, count_positions, validate_token_ids
 from common.tokenizer import IncrementalDetokenizer
 from draft_service.adaptive import AdaptiveDraftLength
 from draft_service.config import DraftConfig
+from draft_service.metrics import DraftMetrics
 from draft_service.ngram import propose_ngram
 from draft_service.proposer import DraftSequence, Proposer
 from draft_service.stop_strings import StopStringMatcher
@@ -32,12 +34,13 @@ log = structlog.get_logger(__name__)
 
 class Generator:
     def __init__(self, config: DraftConfig, tokenizer: Any, vocab_size: int, link: VerifierLink,
-                 proposer: Proposer | None) -> None:
+                 proposer: Proposer | None, metrics: DraftMetrics | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.link = link
         self.proposer = proposer
+        self.metrics = metrics or DraftMetrics()
 
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -50,6 +53,22 @@ class Generator:
         return ids
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
+        self.metrics.active.inc()
+        outcome = "error"
+        try:
+            async for event in self._generate(req):
+                if isinstance(event, GenerationStats):
+                    outcome = "ok"
+                    self.metrics.observe(event)
+                yield event
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.active.dec()
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+    async def _generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         t0 = time.perf_counter()
         prompt = self._prompt_ids(req)
         identity = self.link.identity if self.link.connected else await self.link.connect()

@@ -10,6 +10,7 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
 from common.config import parse_dtype
@@ -20,6 +21,7 @@ from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.tokenizer import tokenizer_fingerprint
 from draft_service.config import DraftConfig
 from draft_service.generation import Generator
+from draft_service.metrics import DraftMetrics
 from draft_service.proposer import DraftModel, Proposer
 from draft_service.servicer import DraftServicer
 from draft_service.verifier_link import VerifierLink
@@ -67,7 +69,10 @@ async def serve(config: DraftConfig) -> None:
     await connect_with_retry(link, config.connect_timeout_s)
     if proposer is not None:
         proposer.start()
-    generator = Generator(config, tokenizer, link.identity.vocab_size, link, proposer)
+    metrics = DraftMetrics()
+    generator = Generator(config, tokenizer, link.identity.vocab_size, link, proposer, metrics)
+    if config.metrics_port:
+        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
     server = grpc.aio.server()
     draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(generator), server)
     health_servicer = health.aio.HealthServicer()

@@ -66,7 +66,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
         async def produce() -> None:
             try:
-                async for event in self._generator.generate(request_from_proto(request)):
+                try:
+                    req = request_from_proto(request)
+                except SpecwireError:
+                    self._generator.metrics.requests.labels(outcome="error").inc()
+                    raise
+                async for event in self._generator.generate(req):
                     events.put_nowait(event)
                 events.put_nowait(None)
             except Exception as err:  # noqa: BLE001 - handed to the consumer, which reports it

@@ -50,6 +50,7 @@ def _draft_parser(sub) -> None:
     add_flag(p, "--block-size", default=16, type=int, help="tokens per KV block")
     add_flag(p, "--kv-cache-memory", default="512MiB", help="bytes for the draft's KV pool")
     add_flag(p, "--connect-timeout", default=60.0, type=float, help="seconds to wait for the verifier at start")
+    add_flag(p, "--metrics-port", default=0, type=int, help="Prometheus /metrics port (0: off)")
     add_flag(p, "--log-level", default="INFO", help="log level")
     p.set_defaults(func=_run_draft)
 
@@ -141,7 +142,7 @@ def _run_draft(args) -> int:
                          wire_mode=args.wire_mode,
                          q_max_support=args.q_max_support, block_size=args.block_size,
                          kv_cache_memory=parse_bytes(args.kv_cache_memory), connect_timeout_s=args.connect_timeout,
-                         log_level=args.log_level)
+                         metrics_port=args.metrics_port, log_level=args.log_level)
     configure_logging(config.log_level, service="draft")
     try:
         asyncio.run(serve(config))

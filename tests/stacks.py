@@ -16,13 +16,15 @@ class RunningStack:
     verifier: str
     draft: str
     metrics_url: str
+    draft_metrics_url: str
     target_dir: Path
     draft_dir: Path
     log_dir: Path
 
-    def metric(self, name: str) -> float:
-        text = urllib.request.urlopen(self.metrics_url, timeout=5).read().decode()
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    def metric(self, name: str, *, draft: bool = False) -> float:
+        url = self.draft_metrics_url if draft else self.metrics_url
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
         assert m, f"{name} not in metrics"
         return float(m.group(1))
 
@@ -30,16 +32,17 @@ class RunningStack:
 def start_stack(target_dir: Path, draft_dir: Path, log_dir: Path, *, k: int = 4, dtype: str = "float64",
                 extra_verifier: list[str] = (), extra_draft: list[str] = ()) -> RunningStack:
     stack = Stack()
-    metrics_port = free_port()
+    metrics_port, draft_metrics_port = free_port(), free_port()
     try:
         v = stack.start("verifier", ["verifier", "--model", str(target_dir), "--dtype", dtype, "--max-draft-tokens",
                                      "8", "--metrics-port", str(metrics_port), "--num-blocks", "256",
                                      "--block-size", "4", *extra_verifier], log_dir=log_dir, timeout_s=120)
         d = stack.start("draft", ["draft", "--model", str(draft_dir), "--dtype", dtype, "--verifier", v.address,
-                                  "--num-speculative-tokens", str(k), "--block-size", "4", *extra_draft],
+                                  "--num-speculative-tokens", str(k), "--block-size", "4", "--metrics-port",
+                                  str(draft_metrics_port), *extra_draft],
                         log_dir=log_dir, timeout_s=120)
     except Exception:
         stack.stop()
         raise
-    return RunningStack(stack, v.address, d.address, f"http://127.0.0.1:{metrics_port}/metrics", target_dir,
-                        draft_dir, log_dir)
+    return RunningStack(stack, v.address, d.address, f"http://127.0.0.1:{metrics_port}/metrics",
+                        f"http://127.0.0.1:{draft_metrics_port}/metrics", target_dir, draft_dir, log_dir)

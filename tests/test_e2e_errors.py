@@ -120,3 +120,16 @@ def test_grpcurl_lists_services_and_gets_serving(text_stack):
     described = subprocess.run([_grpcurl(), "-plaintext", text_stack.verifier, "describe", "specwire.v1.Verifier"],
                                capture_output=True, text=True, timeout=30, check=True).stdout
     assert "rpc Verify ( stream .specwire.v1.DraftMessage )" in described
+
+
+def test_draft_metrics_count_generations_and_refusals(text_stack):
+    ok = 'specwire_draft_requests_total{outcome="ok"}'
+    error = 'specwire_draft_requests_total{outcome="error"}'
+    with specwire.Client(text_stack.draft) as client:
+        client.generate("def", max_tokens=3, temperature=0.0)
+        with pytest.raises(specwire.InvalidArgumentError):
+            client.generate("def", max_tokens=3, temperature=-1.0)
+    assert text_stack.metric(ok, draft=True) >= 1
+    assert text_stack.metric(error, draft=True) >= 1
+    assert text_stack.metric("specwire_draft_generated_tokens_total", draft=True) >= 3
+    assert text_stack.metric("specwire_draft_active_generations", draft=True) == 0
