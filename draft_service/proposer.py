@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common import rng
+from common.aio import coalesce
 from common.block_manager import BlockManager
 from common.errors import ErrorCode, SpecwireError
 from common.paged_model import ForwardBatch, PagedCausalLM
@@ -174,7 +175,7 @@ class Proposer:
             # draft in one batch instead of a batch of one followed by the rest. Fragmented batches also make
             # drafting overlap verification, which on a shared host makes both slower. The window is 2 % of the
             # last batch's time, at most 2 ms: nothing for tiny models, nothing against a 100 ms draft step.
-            await asyncio.sleep(min(0.002, 0.02 * self._last_batch_s))
+            await coalesce(min(0.002, 0.02 * self._last_batch_s))
             self._wakeup.clear()
             jobs = [job for job in self._pending if not job[3].cancelled()]
             self._pending = []

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
+from common.aio import coalesce
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.types import CloseStreamCmd, Command, Outcome, StepResult
@@ -67,7 +68,7 @@ class Scheduler:
         while True:
             await self._wakeup.wait()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
-            await asyncio.sleep(min(0.002, 0.02 * self._last_step_s))
+            await coalesce(min(0.002, 0.02 * self._last_step_s))
             self._wakeup.clear()
             try:
                 result = await self.run_step()
