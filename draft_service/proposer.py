@@ -69,7 +69,8 @@ class DraftModel:
                 break
             logits = self._forward([(jobs[i][0], pending[i]) for i in active])
             samples = self._sample(logits, [jobs[i][0] for i in active],
-                                   [len(jobs[i][0].token_ids) + step for i in active])
+                                   [len(jobs[i][0].token_ids) + step for i in active],
+                                   need_confidence=any(jobs[i][2] > 0 for i in active))
             for i, (token, q, confidence) in zip(active, samples, strict=True):
                 if step > 0 and confidence < jobs[i][2]:
                     stopped[i] = True
@@ -108,10 +109,12 @@ class DraftModel:
         )
         return self.runner.forward(batch)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence],
-                positions: list[int]) -> list[tuple[int, SparseQ | None, float]]:
-        """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution)."""
-        confidence = logits.float().softmax(dim=1).max(dim=1).values.tolist()
+    def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,
+                need_confidence: bool = False) -> list[tuple[int, SparseQ | None, float]]:
+        """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution;
+        1.0 unless need_confidence, which costs a softmax over the vocabulary per row)."""
+        confidence = (logits.float().softmax(dim=1).max(dim=1).values.tolist() if need_confidence
+                      else [1.0] * logits.shape[0])
         out: list[tuple[int, SparseQ | None, float]] = [
             (int(t), None, c) for t, c in zip(logits.argmax(dim=1).tolist(), confidence, strict=True)]
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]

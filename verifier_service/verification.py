@@ -61,7 +61,8 @@ def verify_batch(
     uniforms = torch.tensor(
         [rng.uniform(it.sampling.seed, it.start_position + j, rng.Stream.ACCEPT) if not it.sampling.is_greedy else 0.0
          for it in items for j in range(len(it.draft_token_ids))], dtype=torch.float64)
-    noise = torch.ones((len(items), vocab), dtype=torch.float64)
+    # greedy rows never read the noise: an all-greedy step needs none of [batch, vocab]
+    noise = torch.ones((len(items), vocab if sampled_rows else 1), dtype=torch.float64)
     for i, it in enumerate(items):
         if not it.sampling.is_greedy:
             noise[i] = rng.exponential(it.sampling.seed, it.start_position, rng.Stream.TARGET_SAMPLE, vocab)
