@@ -129,3 +129,42 @@ def test_gpu_check_script_runs_its_smoke_mode():
                          env={**os.environ, "TRITON_INTERPRET": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     assert '"rejection_sample_exact": true' in out.stdout and '"write_kv_exact": true' in out.stdout
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the torch reference ran where the Triton path was expected")
+
+
+def test_paged_runner_through_the_triton_path_matches_transformers(monkeypatch):
+    """The runner's GPU wiring (device metadata built once per forward, Triton slot writes and attention), run
+    on CPU through the interpreter by pretending the tensors are on a GPU."""
+    from common import paged_model
+    from common.block_manager import BlockManager
+    from common.kv_cache import KVCache
+    from common.paged_model import ForwardBatch, PagedCausalLM, kv_cache_spec
+    from kernels import kv_cache_write, platform
+
+    from tiny_models import build_model, model_config
+
+    monkeypatch.setattr(platform, "use_triton", lambda *t: True)
+    monkeypatch.setattr(kv_cache_write, "use_triton", lambda *t: True)
+    monkeypatch.setattr(kv_cache_write, "write_kv_reference", _must_not_run)
+    monkeypatch.setattr(paged_model, "paged_attention", _must_not_run)  # the CPU path
+    model = build_model(model_config("qwen2", 97, eos_token_id=None, heads=4, kv_heads=2), seed=2,
+                        dtype=torch.float32)
+    blocks = BlockManager(8, 16)
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 8, 16), pack_weights=False)
+    assert paged_model.platform.use_triton(torch.zeros(1))
+    seqs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (21, 6)]
+    ids, pos, slots, qs = [], [], [], [0]
+    for si, s in enumerate(seqs):
+        assert blocks.allocate(si, len(s))
+        ids += s.tolist()
+        pos += list(range(len(s)))
+        slots += blocks.slots(si, 0, len(s))
+        qs.append(qs[-1] + len(s))
+    out = runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), qs,
+                                      [len(s) for s in seqs], [blocks.table(i) for i in range(2)], torch.arange(qs[-1])))
+    with torch.no_grad():
+        ref = torch.cat([model(s.unsqueeze(0)).logits[0] for s in seqs])
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
