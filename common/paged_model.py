@@ -18,7 +18,7 @@ from common.cpu_linear import PackedLinear, onednn_available
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels import platform
 from kernels.kv_cache_write import write_kv
-from kernels.paged_attention import paged_attention, paged_attention_tensors
+from kernels.paged_attention import attention_metadata, paged_attention, paged_attention_tensors
 
 
 @dataclass
@@ -91,7 +91,8 @@ class PagedCausalLM:
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), batch.positions.unsqueeze(0))  # [1, num_tokens, head_dim]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        device_meta = _device_metadata(batch, hidden) if platform.use_triton(hidden) else None
+        device_meta = (attention_metadata(batch.block_tables, batch.query_start, batch.context_lens, hidden.device)
+                       if platform.use_triton(hidden) else None)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
@@ -126,19 +127,6 @@ class PagedCausalLM:
         # and lm_head is the largest matrix of a small model.
         selected = self.norm(hidden[batch.logits_indices])
         return self.head(selected) if self.packed else self.lm_head(selected)
-
-
-def _device_metadata(batch: ForwardBatch, like: torch.Tensor) -> tuple:
-    """(block_tables [num_seqs, max_blocks] int32, query_start int32, context_lens int32, max_query_len) on the
-    device of `like`, for the Triton attention."""
-    width = max(1, max(len(t) for t in batch.block_tables))
-    tables = torch.zeros((len(batch.block_tables), width), dtype=torch.int32)
-    for i, t in enumerate(batch.block_tables):
-        tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    qs = batch.query_start
-    return (tables.to(like.device), torch.tensor(qs, dtype=torch.int32, device=like.device),
-            torch.tensor(batch.context_lens, dtype=torch.int32, device=like.device),
-            max(b - a for a, b in zip(qs, qs[1:], strict=False)))
 
 
 def _release_linear_weights(model: Any) -> None:

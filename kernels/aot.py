@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 from kernels.kv_cache_write import write_kv_kernel
 from kernels.paged_attention import paged_attention_kernel
-from kernels.platform import VOCAB_BLOCK, attention_tiles, elementwise_warps, vocab_warps
+from kernels.platform import ATTENTION_TILES, VOCAB_BLOCK, elementwise_warps, vocab_warps
 from kernels.rejection_sampler import rejection_sample_kernel, sample_recovered_kernel
 from kernels.sampling_probs import sampling_probs_kernel
 
@@ -55,7 +55,7 @@ class CompileReport:
 
 def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
     """(spec, num_warps) at serving shapes: 32 heads, 8 KV heads, head_dim 128, 16-token pages."""
-    tiles = attention_tiles(rocm)
+    tiles = ATTENTION_TILES
     specs: list[tuple[KernelSpec, int]] = []
     for dt in ("bf16", "fp16"):
         attn_sig = {"out_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",

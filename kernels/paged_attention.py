@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.platform import ATTENTION_AUTOTUNE, attention_tiles, is_rocm, use_triton
+from kernels.platform import ATTENTION_AUTOTUNE, ATTENTION_TILES, is_rocm, use_triton
 
 
 @triton.jit
@@ -158,17 +158,22 @@ def paged_attention(
     if not use_triton(query, key_cache) or query.dtype == torch.float64:
         return paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens,
                                          scale, sliding_window)
-    device = query.device
-    num_seqs = len(block_tables)
+    return paged_attention_tensors(query, key_cache, value_cache,
+                                   *attention_metadata(block_tables, query_start, context_lens, query.device),
+                                   scale, sliding_window)
+
+
+def attention_metadata(block_tables: list[list[int]], query_start: list[int], context_lens: list[int],
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The Triton launch's metadata on `device`: block tables [num_seqs, max_blocks] int32 (zero-padded),
+    query_start int32, context_lens int32, and the longest query. Build it once per forward pass."""
     width = max(1, max(len(t) for t in block_tables))
-    tables = torch.zeros((num_seqs, width), dtype=torch.int32)
+    tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
     for i, t in enumerate(block_tables):
         tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return paged_attention_tensors(query, key_cache, value_cache, tables.to(device),
-                                   torch.tensor(query_start, dtype=torch.int32, device=device),
-                                   torch.tensor(context_lens, dtype=torch.int32, device=device),
-                                   max(b - a for a, b in zip(query_start, query_start[1:], strict=False)),
-                                   scale, sliding_window)
+    return (tables.to(device), torch.tensor(query_start, dtype=torch.int32, device=device),
+            torch.tensor(context_lens, dtype=torch.int32, device=device),
+            max(b - a for a, b in zip(query_start, query_start[1:], strict=False)))
 
 
 def paged_attention_tensors(
@@ -197,7 +202,7 @@ def paged_attention_tensors(
         grid = lambda meta: (block_tables.shape[0], triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads)  # noqa: E731
         _autotuned_kernel()[grid](*args, **common)
         return out
-    tiles = attention_tiles()
+    tiles = ATTENTION_TILES
     tiles = type(tiles)(tiles.block_m, max(tiles.block_n, page_size), tiles.num_warps)
     grid = (block_tables.shape[0], triton.cdiv(max_query_len, tiles.block_m), num_heads)
     paged_attention_kernel[grid](

@@ -42,8 +42,7 @@ class AttentionTiles:
     num_warps: int
 
 
-def attention_tiles(rocm: bool | None = None) -> AttentionTiles:  # noqa: ARG001 - the same on both, see above
-    return AttentionTiles(block_m=16, block_n=64, num_warps=4)
+ATTENTION_TILES = AttentionTiles(block_m=16, block_n=64, num_warps=4)  # the same on both vendors, see above
 
 
 def vocab_warps(rocm: bool | None = None) -> int:

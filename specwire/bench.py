@@ -286,9 +286,4 @@ def _plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def bench_summary(path: Path) -> dict:  # for tests and scripts: the saved report without the outputs
-    data = json.loads(path.read_text())
-    return {k: v for k, v in data.items() if k != "cells"}
-
-
 

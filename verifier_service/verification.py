@@ -45,7 +45,8 @@ def verify_batch(
             torch.tensor([s.top_p for s in params]),
         )
     draft_ids = torch.tensor([t for it in items for t in it.draft_token_ids], dtype=torch.int64)
-    cu = torch.tensor([0, *torch.tensor([n - 1 for n in rows_per_item]).cumsum(0).tolist()], dtype=torch.int64)
+    cu = torch.zeros(len(items) + 1, dtype=torch.int64)
+    cu[1:] = torch.tensor([len(it.draft_token_ids) for it in items], dtype=torch.int64).cumsum(0)
     is_one_hot = torch.tensor([it.draft_q is None for it in items], dtype=torch.bool)
     draft_probs = None
     if any(it.draft_q is not None and not it.sampling.is_greedy for it in items):
