@@ -42,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     bandwidth = read_bandwidth(args.repeats)
     engine = build_engine(VerifierConfig(model=args.model))
-    runner = engine.runner
+    runner = engine.runner.model
     weight_bytes = sum(p.packed.numel() * p.packed.element_size()
                        for p in [*runner.qkv, *runner.o_proj, *runner.gate_up, *runner.down, runner.head]) \
         if runner.packed else sum(p.numel() * p.element_size() for n, p in engine.loaded.model.named_parameters()

@@ -98,7 +98,7 @@ def main() -> int:
         outs, wall, _ = run_rounds(engine, prompts, lambda i, n: oracle[i][n:n + k], args.tokens, stream=400 + r)
         assert all(o == oracle[i][:args.tokens] for i, o in enumerate(outs))
         eight.append(8 * args.tokens / wall)
-    for key in list(engine.sequences):
+    for key in list(engine.scheduler.sequences):
         engine.submit(CloseCmd(key))
     engine.step()
     res = {

@@ -19,7 +19,12 @@ import torch  # noqa: E402
 
 from kernels.kv_cache_write import write_kv_reference, write_kv_triton  # noqa: E402
 from kernels.paged_attention import paged_attention_reference, paged_attention_tensors  # noqa: E402
-from kernels.rejection_sampler import rejection_sample_reference, rejection_sample_triton  # noqa: E402
+from kernels.rejection_sampler import (  # noqa: E402
+    SamplingMetadata,
+    SpecDecodeMetadata,
+    rejection_sample_reference,
+    rejection_sample_triton,
+)
 from kernels.sampling_probs import compute_probs_reference, compute_probs_triton  # noqa: E402
 
 
@@ -69,16 +74,16 @@ def main() -> int:
     vocab, rows = s["vocab"], seqs * (q - 1)
     target_probs = torch.rand(rows + seqs, vocab, generator=gen, device=device).softmax(1)
     draft_probs = torch.rand(rows, vocab, generator=gen, device=device).softmax(1)
-    inputs = dict(target_probs=target_probs, target_argmax=target_probs.argmax(1),
-                  draft_token_ids=torch.multinomial(draft_probs, 1, generator=gen).squeeze(1),
-                  cu_num_draft=torch.arange(0, rows + 1, q - 1, device=device), draft_probs=draft_probs,
-                  is_greedy=torch.zeros(seqs, dtype=torch.bool, device=device),
-                  is_one_hot=torch.zeros(seqs, dtype=torch.bool, device=device),
-                  uniforms=torch.rand(rows, generator=gen, device=device, dtype=torch.float64),
-                  sample_noise=torch.empty(seqs, vocab, device=device, dtype=torch.float64).exponential_(generator=gen))
-    results["rejection_sample_exact"] = bool(torch.equal(rejection_sample_triton(**inputs),
-                                                        rejection_sample_reference(**{k: v.cpu() if v is not None else v
-                                                                                      for k, v in inputs.items()}).to(device)))
+    spec = SpecDecodeMetadata(torch.multinomial(draft_probs, 1, generator=gen).squeeze(1),
+                              torch.arange(0, rows + 1, q - 1, device=device), draft_probs,
+                              torch.zeros(seqs, dtype=torch.bool, device=device))
+    sampling = SamplingMetadata(torch.zeros(seqs, dtype=torch.bool, device=device),
+                                torch.rand(rows, generator=gen, device=device, dtype=torch.float64),
+                                torch.empty(seqs, vocab, device=device, dtype=torch.float64).exponential_(generator=gen))
+    inputs = dict(target_probs=target_probs, target_argmax=target_probs.argmax(1), spec=spec, sampling=sampling)
+    ref = rejection_sample_reference(target_probs.cpu(), target_probs.argmax(1).cpu(), spec.to("cpu"),
+                                     sampling.to("cpu"))
+    results["rejection_sample_exact"] = bool(torch.equal(rejection_sample_triton(**inputs), ref.to(device)))
     logits = torch.randn(seqs, vocab, generator=gen, device=device) * 3
     t, k, p = (torch.full((seqs,), 0.8, device=device), torch.full((seqs,), 50, device=device, dtype=torch.int64),
                torch.full((seqs,), 0.9, device=device))

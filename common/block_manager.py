@@ -163,27 +163,41 @@ class BlockManager:
     def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
         return hash((parent, tuple(token_ids)))
 
-    def match_prefix(self, seq: Hashable, token_ids: Sequence[int], max_tokens: int) -> int:
-        """Attach to a new sequence the cached blocks that hold the longest prefix of `token_ids` made of
-        complete blocks within its first `max_tokens` tokens. Returns how many tokens they hold."""
-        s = self._seq(seq)
-        if s.table:
-            raise ValueError(f"match_prefix on {seq!r}, which already holds blocks")
-        bs, parent = self.block_size, None
+    def cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The registered blocks that hold the longest prefix of `token_ids` made of complete blocks within its
+        first `max_tokens` tokens. A lookup: nothing changes."""
+        bs, parent, found = self.block_size, None, []
         for i in range(min(len(token_ids), max_tokens) // bs):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, chunk)
             block_id = self._cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != chunk:  # miss, or a hash collision
                 break
+            found.append(block_id)
+            parent = h
+        return found
+
+    def can_admit(self, token_ids: Sequence[int], max_prefix_tokens: int, num_tokens: int) -> bool:
+        """Whether a new sequence whose first tokens are `token_ids` can hold `num_tokens` tokens, counting the
+        cached prefix match_prefix would attach (cached blocks on the free list stop being free when attached)."""
+        hits = self.cached_prefix(token_ids, max_prefix_tokens)
+        free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_for(num_tokens) - len(hits) <= len(self._free) - free_hits
+
+    def match_prefix(self, seq: Hashable, token_ids: Sequence[int], max_tokens: int) -> int:
+        """Attach to a new sequence the blocks of cached_prefix(token_ids, max_tokens). Returns how many tokens
+        they hold."""
+        s = self._seq(seq)
+        if s.table:
+            raise ValueError(f"match_prefix on {seq!r}, which already holds blocks")
+        for block_id in self.cached_prefix(token_ids, max_tokens):
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
             block.ref_count += 1
             s.table.append(block_id)
-            s.hashes.append(h)
-            parent = h
-        matched = len(s.table) * bs
+            s.hashes.append(block.hash)
+        matched = len(s.table) * self.block_size
         self.num_prefix_hit_tokens += matched
         return matched
 

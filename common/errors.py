@@ -18,8 +18,12 @@ class ErrorCode(enum.Enum):
     CANCELLED = 1
 
 
-class SpecwireError(Exception):
-    """A request-level failure with a status code and a message meant for the caller."""
+class ServiceError(Exception):
+    """A request-level failure inside the services, with a status code and a message meant for the caller.
+
+    The gRPC edge turns it into a status (or a SequenceError on the Verify stream). The SDK's public
+    `specwire.SpecwireError` is the client-side twin, built from the status that reaches the client.
+    """
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
@@ -27,8 +31,8 @@ class SpecwireError(Exception):
         self.message = message
 
     def __repr__(self) -> str:
-        return f"SpecwireError({self.code.name}, {self.message!r})"
+        return f"ServiceError({self.code.name}, {self.message!r})"
 
 
-def invalid_argument(message: str) -> SpecwireError:
-    return SpecwireError(ErrorCode.INVALID_ARGUMENT, message)
+def invalid_argument(message: str) -> ServiceError:
+    return ServiceError(ErrorCode.INVALID_ARGUMENT, message)

@@ -36,7 +36,7 @@ class SamplingParams:
 
 
 def validate_sampling(params: SamplingParams) -> None:
-    """Raise SpecwireError(INVALID_ARGUMENT) with a readable message for out-of-range parameters."""
+    """Raise ServiceError(INVALID_ARGUMENT) with a readable message for out-of-range parameters."""
     t = params.temperature
     if not (t == t) or t < 0 or t == float("inf"):
         raise invalid_argument(f"temperature must be a finite number >= 0 (0 means greedy), got {t}")
@@ -56,6 +56,14 @@ def validate_token_ids(token_ids: list[int], vocab_size: int, what: str = "promp
     bad = [t for t in token_ids if t < 0 or t >= vocab_size]
     if bad:
         raise invalid_argument(f"{what} token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class SparseProbs:
+    """One draft position's q as it travels: the distribution the draft sampled from, on its support only."""
+
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
 
 
 class FinishReason(enum.Enum):

@@ -1,5 +1,6 @@
 """Drafting: the draft model proposes k tokens per sequence, batched across this process's sequences, with
-its own paged cache rolled back to the verified prefix without recomputation.
+its own paged cache. The generation loop rolls a sequence back to its verified prefix (DraftSequence.roll_back)
+before asking for its next block; drafting then feeds only the tokens past what is still cached.
 
 Each draft token is sampled from q = the request's temperature/top-k/top-p applied to the draft logits,
 further truncated to its `q_max_support` most probable tokens and renormalised; that truncated q is exactly
@@ -11,25 +12,18 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from common import rng
 from common.aio import coalesce
 from common.block_manager import BlockManager
-from common.errors import ErrorCode, SpecwireError
+from common.errors import ErrorCode, ServiceError
 from common.paged_model import ForwardBatch, PagedCausalLM
-from common.sampling import SamplingParams
-from draft_service.types import DraftBlock, SparseQ
+from common.sampling import SparseProbs
+from draft_service.sequence import DraftSequence
+from draft_service.types import DraftBlock
 from kernels.sampling_probs import compute_probs
-
-
-@dataclass(eq=False)
-class DraftSequence:
-    sampling: SamplingParams  # seeded
-    token_ids: list[int]  # verified tokens: prompt + generated
-    fed: list[int] = field(default_factory=list)  # tokens whose K/V is in the draft cache, in order
 
 
 class DraftModel:
@@ -42,26 +36,21 @@ class DraftModel:
 
     def release(self, seq: DraftSequence) -> None:
         self.blocks.free(seq)
-        seq.fed.clear()
-
-    def _rollback(self, seq: DraftSequence) -> None:
-        """Keep the cache for the longest prefix the draft fed that the verifier confirmed."""
-        n = 0
-        limit = min(len(seq.fed), len(seq.token_ids) - 1)  # at least one token must be fed to get logits
-        while n < limit and seq.fed[n] == seq.token_ids[n]:
-            n += 1
-        del seq.fed[n:]
-        self.blocks.truncate(seq, n)
+        seq.cached_token_ids.clear()
 
     @torch.inference_mode()
     def draft(self, jobs: list[tuple[DraftSequence, int, float]]) -> list[DraftBlock]:
         """jobs: (sequence, k, min_confidence). A sequence stops drafting early when the draft's own probability
         of its next token (the max of its q) falls below min_confidence; the first token is always drafted."""
         for seq, _, _ in jobs:
-            self._rollback(seq)
-        pending: list[list[int]] = [list(seq.token_ids[len(seq.fed):]) for seq, _, _ in jobs]
+            if seq.num_cached >= seq.num_tokens:
+                raise ValueError("draft a sequence only after rolling it back to its verified prefix")
+            # NOTE: the blocks of rolled-back positions are returned here, not in roll_back: the block manager
+            # belongs to this worker thread.
+            self.blocks.truncate(seq, seq.num_cached)
+        pending: list[list[int]] = [seq.token_ids[seq.num_cached:] for seq, _, _ in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
-        qs: list[list[SparseQ]] = [[] for _ in jobs]
+        qs: list[list[SparseProbs]] = [[] for _ in jobs]
         stopped = [k == 0 for _, k, _ in jobs]
         for step in range(max(k for _, k, _ in jobs)):
             active = [i for i, (_, k, _) in enumerate(jobs) if step < k and not stopped[i]]
@@ -88,34 +77,34 @@ class DraftModel:
         slots: list[int] = []
         query_start = [0]
         for seq, tokens in feeds:
-            start = len(seq.fed)
+            start = seq.num_cached
             end = start + len(tokens)
             if not self.blocks.allocate(seq, end):
-                raise SpecwireError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full "
+                raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full "
                                     "(raise its --kv-cache-memory)")
             input_ids.extend(tokens)
             positions.extend(range(start, end))
             slots.extend(self.blocks.slots(seq, start, end))
             query_start.append(query_start[-1] + len(tokens))
-            seq.fed.extend(tokens)
+            seq.cached_token_ids.extend(tokens)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start=query_start,
-            context_lens=[len(seq.fed) for seq, _ in feeds],
+            context_lens=[seq.num_cached for seq, _ in feeds],
             block_tables=[self.blocks.table(seq) for seq, _ in feeds],
             logits_indices=torch.tensor([e - 1 for e in query_start[1:]], dtype=torch.int64),
         )
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,
-                need_confidence: bool = False) -> list[tuple[int, SparseQ | None, float]]:
+                need_confidence: bool = False) -> list[tuple[int, SparseProbs | None, float]]:
         """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution;
         1.0 unless need_confidence, which costs a softmax over the vocabulary per row)."""
         confidence = (logits.float().softmax(dim=1).max(dim=1).values.tolist() if need_confidence
                       else [1.0] * logits.shape[0])
-        out: list[tuple[int, SparseQ | None, float]] = [
+        out: list[tuple[int, SparseProbs | None, float]] = [
             (int(t), None, c) for t, c in zip(logits.argmax(dim=1).tolist(), confidence, strict=True)]
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
         if not sampled:
@@ -137,7 +126,8 @@ class DraftModel:
             q_ids = top_ids[row][keep]
             noise = rng.exponential(seqs[i].sampling.seed, positions[i], rng.Stream.DRAFT_SAMPLE, q_ids.numel())
             j = int(torch.argmax(q_probs / noise))
-            out[i] = (int(q_ids[j]), SparseQ(tuple(q_ids.tolist()), tuple(q_probs.tolist())), float(q_probs.max()))
+            out[i] = (int(q_ids[j]), SparseProbs(tuple(q_ids.tolist()), tuple(q_probs.tolist())),
+                      float(q_probs.max()))
         return out
 
 

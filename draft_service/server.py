@@ -3,29 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 import time
 
-import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
 from common.config import parse_dtype
-from common.errors import ErrorCode, SpecwireError
+from common.errors import ErrorCode, ServiceError
+from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, num_blocks_for_budget
 from common.model_loading import load_model, load_tokenizer
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.tokenizer import tokenizer_fingerprint
 from draft_service.config import DraftConfig
+from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.generation import Generator
 from draft_service.metrics import DraftMetrics
 from draft_service.proposer import DraftModel, Proposer
 from draft_service.servicer import DraftServicer
 from draft_service.verifier_link import VerifierLink
-from specwire.v1 import draft_pb2, draft_pb2_grpc
+from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +40,7 @@ async def connect_with_retry(link: VerifierLink, timeout_s: float) -> None:
         try:
             await link.connect(timeout_s=min(10.0, max(1.0, deadline - time.monotonic())))
             return
-        except SpecwireError as err:
+        except ServiceError as err:
             if err.code is ErrorCode.FAILED_PRECONDITION:
                 raise HandshakeRefused(err.message) from err
             if time.monotonic() > deadline:
@@ -53,9 +51,11 @@ async def connect_with_retry(link: VerifierLink, timeout_s: float) -> None:
 
 async def serve(config: DraftConfig) -> None:
     proposer: Proposer | None = None
+    drafter: Drafter
     if config.proposer == "ngram":  # prompt lookup: the tokenizer is all it needs
         tokenizer = load_tokenizer(config.model)
         model_id, vocab_size, fingerprint = f"ngram:{config.model}", None, tokenizer_fingerprint(tokenizer)
+        drafter = NgramDrafter()
     else:
         loaded = load_model(config.model, parse_dtype(config.dtype))
         spec = kv_cache_spec(loaded.model)
@@ -64,39 +64,27 @@ async def serve(config: DraftConfig) -> None:
         proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
+        drafter = ModelDrafter(proposer, config.draft_confidence_threshold)
     link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
                         tokenizer_fingerprint=fingerprint)
     await connect_with_retry(link, config.connect_timeout_s)
     if proposer is not None:
         proposer.start()
     metrics = DraftMetrics()
-    generator = Generator(config, tokenizer, link.identity.vocab_size, link, proposer, metrics)
+    generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics)
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
-    server = grpc.aio.server()
-    draft_pb2_grpc.add_DraftServicer_to_server(DraftServicer(generator), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
+    servicer = DraftServicer(generator)
+    server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS,
+                               add_servicers=lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("draft_ready", address=f"{config.host}:{port}", model=model_id, verifier=config.verifier,
+    log.info("draft_ready", address=f"{config.host}:{server.port}", model=model_id, verifier=config.verifier,
              proposer=config.proposer, num_speculative_tokens=config.num_speculative_tokens,
              adaptive_k=config.adaptive_k, wire_mode=config.wire_mode)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("draft_stopping")
-        await health_servicer.enter_graceful_shutdown()
-        await server.stop(grace=2.0)
+
+    async def stop_draft() -> None:
         if proposer is not None:
             await proposer.stop()
         await link.close()
+
+    await serve_until_signal(server, on_stop=stop_draft)

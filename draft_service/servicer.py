@@ -7,33 +7,16 @@ import asyncio
 import grpc
 import structlog
 
-from common.errors import SpecwireError
-from common.sampling import FinishReason, SamplingParams
+from common.errors import ServiceError
 from draft_service.generation import Generator
 from draft_service.types import GenerationRequest, GenerationStats, TextChunk
-from specwire.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
 
-_FINISH = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
-}
-DEFAULT_MAX_TOKENS = 16
-
 
 def request_from_proto(msg: draft_pb2.GenerateRequest) -> GenerationRequest:
-    s = msg.sampling
-    sampling = SamplingParams(
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_k=s.top_k,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        seed=s.seed if s.HasField("seed") else None,
-        max_tokens=s.max_tokens or DEFAULT_MAX_TOKENS,
-        ignore_eos=s.ignore_eos,
-    )
+    sampling = wire.sampling_from_proto(msg.sampling)
     kind = msg.WhichOneof("prompt")
     return GenerationRequest(
         prompt_text=msg.text if kind == "text" else None,
@@ -46,7 +29,7 @@ def request_from_proto(msg: draft_pb2.GenerateRequest) -> GenerationRequest:
 
 def stats_to_proto(s: GenerationStats) -> draft_pb2.Stats:
     return draft_pb2.Stats(
-        finish_reason=_FINISH[s.finish_reason], num_prompt_tokens=s.num_prompt_tokens,
+        finish_reason=wire.finish_to_proto(s.finish_reason), num_prompt_tokens=s.num_prompt_tokens,
         num_generated_tokens=s.num_generated_tokens, num_rounds=s.num_rounds, num_draft_tokens=s.num_draft_tokens,
         num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
         drafted_per_position=s.drafted_per_position, wall_time_s=s.wall_time_s,
@@ -68,7 +51,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             try:
                 try:
                     req = request_from_proto(request)
-                except SpecwireError:
+                except ServiceError:
                     self._generator.metrics.requests.labels(outcome="error").inc()
                     raise
                 async for event in self._generator.generate(req):
@@ -80,7 +63,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         task = asyncio.create_task(produce())
         try:
             while (event := await events.get()) is not None:
-                if isinstance(event, SpecwireError):
+                if isinstance(event, ServiceError):
                     log.info("generate_refused", code=event.code.name, message=event.message)
                     await context.abort(grpc.StatusCode[event.code.name], event.message)
                 if isinstance(event, Exception):

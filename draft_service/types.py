@@ -5,19 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
-from common.sampling import FinishReason, SamplingParams
-
-
-@dataclass(frozen=True)
-class SparseQ:
-    token_ids: tuple[int, ...]
-    probs: tuple[float, ...]
+from common.sampling import FinishReason, SamplingParams, SparseProbs, count_positions
 
 
 @dataclass(frozen=True)
 class DraftBlock:
     token_ids: tuple[int, ...]
-    q: tuple[SparseQ, ...] | None  # the distributions sampled from; None for greedy
+    draft_probs: tuple[SparseProbs, ...] | None  # q of each draft token; None for greedy and n-gram drafts
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+EMPTY_BLOCK = DraftBlock((), None)
 
 
 @dataclass(frozen=True)
@@ -86,3 +87,17 @@ class GenerationStats:
     num_speculative_tokens: int = 0
     verify_time_s: float = 0.0
     num_rejected_rounds: int = 0
+
+    def record_round(self, block: DraftBlock, verdict: VerdictEvent, draft_s: float, wait_s: float) -> None:
+        """One draft -> verify round: what was drafted, what the verifier kept, and where the time went."""
+        k = block.num_draft_tokens
+        self.num_rounds += 1
+        self.draft_time_s += draft_s
+        self.verify_wait_s += wait_s
+        self.verify_time_s += verdict.step_time_s
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += verdict.num_accepted
+        self.num_rejected_rounds += verdict.num_accepted < k
+        count_positions(self.drafted_per_position, k)
+        count_positions(self.accepted_per_position, verdict.num_accepted)
+        self.num_generated_tokens += len(verdict.token_ids)

@@ -9,34 +9,12 @@ import itertools
 import grpc
 import structlog
 
-from common.errors import ErrorCode, SpecwireError
-from common.sampling import FinishReason, SamplingParams
+from common.errors import ErrorCode, ServiceError
+from common.sampling import SamplingParams
 from draft_service.types import DraftBlock, DroppedEvent, ErrorEvent, LinkEvent, VerdictEvent, VerifierIdentity
-from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
-
-PROTOCOL_VERSION = "1"
-_FINISH = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: None,
-    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-    common_pb2.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
-}
-_GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                 ("grpc.keepalive_time_ms", 30_000), ("grpc.http2.max_pings_without_data", 0)]
-
-
-def _code(status: grpc.StatusCode) -> ErrorCode:
-    return ErrorCode[status.name] if status.name in ErrorCode.__members__ else ErrorCode.UNAVAILABLE
-
-
-def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                    max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
 
 
 class VerifierLink:
@@ -45,7 +23,7 @@ class VerifierLink:
         self._target = target
         self._hello = verifier_pb2.Hello(draft_model_id=draft_model_id, vocab_size=vocab_size or 0,
                                          tokenizer_fingerprint=tokenizer_fingerprint,
-                                         protocol_version=PROTOCOL_VERSION)
+                                         protocol_version=wire.PROTOCOL_VERSION)
         self._channel: grpc.aio.Channel | None = None
         self._call = None
         self._reader: asyncio.Task | None = None
@@ -61,12 +39,12 @@ class VerifierLink:
         return self._reader is not None and not self._reader.done()
 
     async def connect(self, timeout_s: float = 10.0) -> VerifierIdentity:
-        """GetInfo, then the hello/welcome handshake. A mismatch raises SpecwireError(FAILED_PRECONDITION)."""
+        """GetInfo, then the hello/welcome handshake. A mismatch raises ServiceError(FAILED_PRECONDITION)."""
         async with self._connect_lock:
             if self.connected:
                 return self.identity
             await self._teardown()
-            self._channel = grpc.aio.insecure_channel(self._target, options=_GRPC_OPTIONS)
+            self._channel = grpc.aio.insecure_channel(self._target, options=wire.CHANNEL_OPTIONS)
             stub = verifier_pb2_grpc.VerifierStub(self._channel)
             try:
                 info = await stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=timeout_s, wait_for_ready=True)
@@ -76,14 +54,15 @@ class VerifierLink:
                 first = await asyncio.wait_for(self._call.read(), timeout_s)
             except grpc.aio.AioRpcError as err:
                 await self._teardown()
-                raise SpecwireError(_code(err.code()), f"verifier {self._target}: {err.details()}") from err
+                raise ServiceError(wire.error_code_from_status_name(err.code().name),
+                                   f"verifier {self._target}: {err.details()}") from err
             except TimeoutError as err:
                 await self._teardown()
-                raise SpecwireError(ErrorCode.UNAVAILABLE, f"verifier {self._target} did not answer the handshake "
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"verifier {self._target} did not answer the handshake "
                                     f"within {timeout_s}s") from err
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
                 await self._teardown()
-                raise SpecwireError(ErrorCode.UNAVAILABLE, f"verifier {self._target} closed the stream at handshake")
+                raise ServiceError(ErrorCode.UNAVAILABLE, f"verifier {self._target} closed the stream at handshake")
             self._outbox = asyncio.Queue()
             self._reader = asyncio.create_task(self._read_loop(), name="verifier-link-reader")
             self._writer = asyncio.create_task(self._write_loop(), name="verifier-link-writer")
@@ -92,17 +71,11 @@ class VerifierLink:
             return self.identity
 
     def _check_identity(self, info: verifier_pb2.VerifierInfo) -> None:
-        if info.tokenizer_fingerprint != self._hello.tokenizer_fingerprint:
-            raise SpecwireError(ErrorCode.FAILED_PRECONDITION,
-                                f"tokenizer mismatch with the verifier's target {info.model_id!r}: fingerprints "
-                                f"{self._hello.tokenizer_fingerprint[:12]}… (draft) and "
-                                f"{info.tokenizer_fingerprint[:12]}… (target); draft and target must share one "
-                                "tokenizer")
-        if not self._hello.vocab_size:
+        if not self._hello.vocab_size:  # a proposer without logits takes the verifier's vocabulary
             self._hello.vocab_size = info.vocab_size
-        if info.vocab_size != self._hello.vocab_size:
-            raise SpecwireError(ErrorCode.FAILED_PRECONDITION, f"vocabulary mismatch: the draft has "
-                                f"{self._hello.vocab_size} logits rows, the target {info.model_id!r} {info.vocab_size}")
+        mismatch = wire.handshake_mismatch(info, self._hello)
+        if mismatch is not None:
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, mismatch)
         self.identity = VerifierIdentity(info.model_id, info.vocab_size, info.tokenizer_fingerprint,
                                          info.max_draft_tokens, info.max_model_len)
 
@@ -130,14 +103,13 @@ class VerifierLink:
         seq_id = next(self._seq_ids)
         self._inboxes[seq_id] = asyncio.Queue()
         self._send(verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
-            seq_id=seq_id, prompt_token_ids=prompt_token_ids, sampling=sampling_to_proto(sampling))))
+            seq_id=seq_id, prompt_token_ids=prompt_token_ids, sampling=wire.sampling_to_proto(sampling))))
         return seq_id
 
-    def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_q: bool) -> None:
+    def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool) -> None:
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
-        if send_q and block.q is not None:
-            msg.draft_probs.extend(verifier_pb2.SparseDistribution(token_ids=q.token_ids, probs=q.probs)
-                                   for q in block.q)
+        if send_draft_probs and block.draft_probs is not None:
+            msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
         self._send(verifier_pb2.DraftMessage(propose=msg))
 
     async def next_event(self, seq_id: int) -> LinkEvent:
@@ -150,7 +122,7 @@ class VerifierLink:
 
     def _send(self, msg: verifier_pb2.DraftMessage) -> None:
         if not self.connected:
-            raise SpecwireError(ErrorCode.UNAVAILABLE, f"the Verify stream to {self._target} is down")
+            raise ServiceError(ErrorCode.UNAVAILABLE, f"the Verify stream to {self._target} is down")
         self._outbox.put_nowait(msg)
 
     async def _write_loop(self) -> None:
@@ -167,7 +139,8 @@ class VerifierLink:
                     break
                 self._dispatch(msg)
         except grpc.aio.AioRpcError as err:
-            error = ErrorEvent(_code(err.code()), f"verifier {self._target}: {err.details()}")
+            error = ErrorEvent(wire.error_code_from_status_name(err.code().name),
+                               f"verifier {self._target}: {err.details()}")
         except asyncio.CancelledError:
             error = ErrorEvent(ErrorCode.UNAVAILABLE, f"the Verify stream to {self._target} was closed")
             raise
@@ -182,12 +155,11 @@ class VerifierLink:
         if kind == "verdict":
             v = msg.verdict
             event: LinkEvent = VerdictEvent(v.start_position, v.num_accepted, tuple(v.token_ids),
-                                            _FINISH[v.finish_reason], v.batch_size, v.step_time_s)
+                                            wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s)
             seq_id = v.seq_id
         elif kind == "error":
             e = msg.error
-            code = ErrorCode(e.code) if e.code in {c.value for c in ErrorCode} else ErrorCode.INTERNAL
-            event, seq_id = ErrorEvent(code, e.message), e.seq_id
+            event, seq_id = ErrorEvent(wire.error_code_from_proto(e.code), e.message), e.seq_id
         elif kind == "dropped":
             d = msg.dropped
             event, seq_id = DroppedEvent(d.start_position, d.num_verified), d.seq_id

@@ -14,6 +14,8 @@ seeded: the services key it by sequence seed and position (common/rng.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -133,106 +135,168 @@ def rejection_sample_kernel(
             tl.store(out_row + k, tl.load(recovered_ptr + row))
 
 
+@dataclass(frozen=True)
+class SpecDecodeMetadata:
+    """Where each sequence's draft tokens sit in the flattened batch, and the q they were drawn from.
+
+    Target rows follow the same layout with one extra row per sequence: sequence i owns target rows
+    cu_num_draft_tokens[i] + i ... cu_num_draft_tokens[i + 1] + i, its k_i draft rows then its bonus row.
+    """
+
+    draft_token_ids: torch.Tensor  # [num_draft_tokens] int64, every sequence's drafts, flattened
+    cu_num_draft_tokens: torch.Tensor  # [batch + 1] int64, offsets of each sequence's drafts
+    draft_probs: torch.Tensor | None  # [num_draft_tokens, vocab_size], q densified; None when no row uses it
+    is_one_hot: torch.Tensor  # [batch] bool: q = delta(draft token), its draft_probs rows are never read
+
+    @property
+    def batch_size(self) -> int:
+        return self.cu_num_draft_tokens.numel() - 1
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.draft_token_ids.numel()
+
+    @property
+    def max_spec_len(self) -> int:
+        if self.batch_size == 0:
+            return 0
+        return int((self.cu_num_draft_tokens[1:] - self.cu_num_draft_tokens[:-1]).max())
+
+    def to(self, device: torch.device | str) -> SpecDecodeMetadata:
+        return SpecDecodeMetadata(self.draft_token_ids.to(device), self.cu_num_draft_tokens.to(device),
+                                  None if self.draft_probs is None else self.draft_probs.to(device),
+                                  self.is_one_hot.to(device))
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """The sampling side of the batch: which sequences are greedy, and the random numbers, drawn by the caller
+    so that it decides how they are seeded."""
+
+    is_greedy: torch.Tensor  # [batch] bool: accept while draft == target argmax, then emit the argmax
+    uniforms: torch.Tensor  # [num_draft_tokens] float64 in [0, 1), one per draft token (greedy ones unused)
+    sample_noise: torch.Tensor  # [batch, vocab_size] float64 Exp(1); [batch, 1] when every sequence is greedy
+
+    def to(self, device: torch.device | str) -> SamplingMetadata:
+        return SamplingMetadata(self.is_greedy.to(device), self.uniforms.to(device), self.sample_noise.to(device))
+
+
+def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
+                 sampling: SamplingMetadata) -> None:
+    """Shapes and dtypes that the kernels and the reference rely on; a ValueError names the first mismatch."""
+    batch, num_draft = spec.batch_size, spec.num_draft_tokens
+    num_rows = num_draft + batch
+    if target_probs.dim() != 2 or target_probs.shape[0] != num_rows:
+        raise ValueError(f"target_probs must be [num_draft_tokens + batch = {num_rows}, vocab], got "
+                         f"{tuple(target_probs.shape)}")
+    vocab = target_probs.shape[1]
+    checks = [
+        ("target_argmax", target_argmax, (num_rows,), torch.int64),
+        ("draft_token_ids", spec.draft_token_ids, (num_draft,), torch.int64),
+        ("cu_num_draft_tokens", spec.cu_num_draft_tokens, (batch + 1,), torch.int64),
+        ("is_one_hot", spec.is_one_hot, (batch,), torch.bool),
+        ("is_greedy", sampling.is_greedy, (batch,), torch.bool),
+        ("uniforms", sampling.uniforms, (num_draft,), torch.float64),
+    ]
+    if spec.draft_probs is not None:
+        checks.append(("draft_probs", spec.draft_probs, (num_draft, vocab), None))
+    noise_width = vocab if batch and not bool(sampling.is_greedy.all()) else sampling.sample_noise.shape[-1]
+    checks.append(("sample_noise", sampling.sample_noise, (batch, noise_width), torch.float64))
+    for name, tensor, shape, dtype in checks:
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {list(tensor.shape)}")
+        if dtype is not None and tensor.dtype != dtype:
+            raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
+
+
 def rejection_sample(
-    target_probs: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]; per sequence k_i rows then its bonus row
+    target_probs: torch.Tensor,  # [num_draft_tokens + batch, vocab_size], rows laid out as SpecDecodeMetadata says
     target_argmax: torch.Tensor,  # [num_draft_tokens + batch] int64, argmax of the target logits (greedy rows)
-    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64, flattened
-    cu_num_draft: torch.Tensor,  # [batch + 1] int64, offsets of each sequence's draft tokens
-    draft_probs: torch.Tensor | None,  # [num_draft_tokens, vocab_size] q densified; rows of one-hot seqs unused
-    is_greedy: torch.Tensor,  # [batch] bool
-    is_one_hot: torch.Tensor,  # [batch] bool, q = delta(draft token)
-    uniforms: torch.Tensor,  # [num_draft_tokens] float64 in [0, 1)
-    sample_noise: torch.Tensor,  # [batch, vocab_size] float64 Exp(1) noise for the recovered/bonus sample
-) -> torch.Tensor:  # [batch, max_k + 1] int64, padded with PLACEHOLDER_TOKEN_ID
-    if use_triton(target_probs, sample_noise):
-        return rejection_sample_triton(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs,
-                                        is_greedy, is_one_hot, uniforms, sample_noise)
-    return rejection_sample_reference(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs,
-                                      is_greedy, is_one_hot, uniforms, sample_noise)
+    spec: SpecDecodeMetadata,
+    sampling: SamplingMetadata,
+) -> torch.Tensor:  # [batch, max_spec_len + 1] int64, padded with PLACEHOLDER_TOKEN_ID
+    check_inputs(target_probs, target_argmax, spec, sampling)
+    if use_triton(target_probs, sampling.sample_noise):
+        return rejection_sample_triton(target_probs, target_argmax, spec, sampling)
+    return rejection_sample_reference(target_probs, target_argmax, spec, sampling)
 
 
-def rejection_sample_triton(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs, is_greedy,
-                             is_one_hot, uniforms, sample_noise) -> torch.Tensor:
-    batch = cu_num_draft.numel() - 1
-    max_k = int((cu_num_draft[1:] - cu_num_draft[:-1]).max()) if batch else 0
-    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=target_probs.device)
+def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
+                            sampling: SamplingMetadata) -> torch.Tensor:
+    batch, max_k = spec.batch_size, spec.max_spec_len
+    device = target_probs.device
+    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     if batch == 0:
         return out
     vocab = target_probs.shape[1]
     target_probs = target_probs.contiguous()
-    has_q = draft_probs is not None
-    q = draft_probs.contiguous() if has_q else target_probs  # a valid pointer the kernel never reads
-    drafts = draft_token_ids.to(torch.int64) if draft_token_ids.numel() else torch.zeros(1, dtype=torch.int64,
-                                                                                       device=out.device)
-    u = uniforms if uniforms.numel() else torch.zeros(1, dtype=torch.float64, device=out.device)
-    recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=out.device)
+    has_q = spec.draft_probs is not None
+    q = spec.draft_probs.contiguous() if has_q else target_probs  # a valid pointer the kernel never reads
+    # empty tensors get a one-element stand-in: the kernels never read it, but the pointer must be valid
+    drafts = spec.draft_token_ids if spec.num_draft_tokens else torch.zeros(1, dtype=torch.int64, device=device)
+    u = sampling.uniforms if spec.num_draft_tokens else torch.zeros(1, dtype=torch.float64, device=device)
+    noise = sampling.sample_noise.contiguous()  # [batch, 1] only when all greedy: greedy rows never read it
+    # step 1: the token each target row would emit if the round ended there
+    recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=device)  # [num_draft_tokens + batch]
     sample_recovered_kernel[(batch, max_k + 1)](
-        recovered, target_probs, drafts, q, cu_num_draft, is_greedy, is_one_hot, sample_noise.contiguous(), vocab,
-        HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
+        recovered, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot, noise,
+        vocab, HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
+    # step 2: accept drafts up to the first rejection, then emit the recovered (or bonus) token
     rejection_sample_kernel[(batch,)](
-        out, drafts, cu_num_draft, target_probs, target_argmax, q, is_greedy, is_one_hot, u, recovered, vocab,
-        out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
+        out, drafts, spec.cu_num_draft_tokens, target_probs, target_argmax, q, sampling.is_greedy, spec.is_one_hot,
+        u, recovered, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
     return out
 
 
-def rejection_sample_reference(
-    target_probs: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]
-    target_argmax: torch.Tensor,  # [num_draft_tokens + batch] int64
-    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64
-    cu_num_draft: torch.Tensor,  # [batch + 1] int64
-    draft_probs: torch.Tensor | None,  # [num_draft_tokens, vocab_size]
-    is_greedy: torch.Tensor,  # [batch] bool
-    is_one_hot: torch.Tensor,  # [batch] bool
-    uniforms: torch.Tensor,  # [num_draft_tokens] float64
-    sample_noise: torch.Tensor,  # [batch, vocab_size] float64
-) -> torch.Tensor:  # [batch, max_k + 1] int64
-    """Torch reference, vectorised over the batch (drafts padded to max_k)."""
-    batch = cu_num_draft.numel() - 1
-    num_draft = cu_num_draft[1:] - cu_num_draft[:-1]  # [batch]
-    max_k = int(num_draft.max()) if batch else 0
+def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
+                               sampling: SamplingMetadata) -> torch.Tensor:  # [batch, max_spec_len + 1] int64
+    """Torch reference, vectorised over the batch (drafts padded to max_spec_len). It accepts first and then
+    samples one recovered-or-bonus token per sequence, where the kernels sample every row's first."""
+    batch, max_k = spec.batch_size, spec.max_spec_len
     out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
     if batch == 0:
         return out
+    cu = spec.cu_num_draft_tokens
+    num_draft = cu[1:] - cu[:-1]  # [batch]
     j = torch.arange(max_k).unsqueeze(0)  # [1, max_k]
     valid = j < num_draft.unsqueeze(1)  # [batch, max_k]
-    # int64 offsets: row * vocab overflows int32 at large batch x 151936
-    flat = (cu_num_draft[:-1].unsqueeze(1) + j).clamp_max(max(draft_token_ids.numel() - 1, 0))  # [batch, max_k]
-    rows0 = cu_num_draft[:-1] + torch.arange(batch)  # first target row of each sequence
-    target_rows = rows0.unsqueeze(1) + j  # [batch, max_k]
-    drafts = draft_token_ids[flat] if draft_token_ids.numel() else torch.zeros_like(flat)
-    drafts = torch.where(valid, drafts, torch.zeros_like(drafts))
-    # greedy: accept while the draft equals the target argmax
-    accept_greedy = drafts == target_argmax[target_rows.clamp_max(target_argmax.numel() - 1)]
-    # random: accept iff u * q(x) < p(x), i.e. with probability min(1, p(x) / q(x))
-    p_x = target_probs[target_rows.clamp_max(target_probs.shape[0] - 1), drafts].to(torch.float64)
+    last_draft = max(spec.num_draft_tokens - 1, 0)
+    flat = (cu[:-1].unsqueeze(1) + j).clamp_max(last_draft)  # [batch, max_k], int64: row * vocab overflows int32
+    rows0 = cu[:-1] + torch.arange(batch)  # [batch], first target row of each sequence
+    target_rows = (rows0.unsqueeze(1) + j).clamp_max(target_probs.shape[0] - 1)  # [batch, max_k]
+    drafts = spec.draft_token_ids[flat] if spec.num_draft_tokens else torch.zeros_like(flat)
+    drafts = torch.where(valid, drafts, torch.zeros_like(drafts))  # [batch, max_k]
+
+    # step 1: accept. Greedy: while the draft equals the target argmax. Random: iff u * q(x) < p(x), i.e. with
+    # probability min(1, p(x) / q(x)).
+    accept_greedy = drafts == target_argmax[target_rows]
+    p_x = target_probs[target_rows, drafts].to(torch.float64)  # [batch, max_k]
     q_x = torch.ones_like(p_x)
-    if draft_probs is not None:
-        q_dense = draft_probs[flat, drafts].to(torch.float64)
-        q_x = torch.where(is_one_hot.unsqueeze(1), q_x, q_dense)
-    u = uniforms[flat] if uniforms.numel() else torch.zeros_like(p_x)
+    if spec.draft_probs is not None:
+        q_x = torch.where(spec.is_one_hot.unsqueeze(1), q_x, spec.draft_probs[flat, drafts].to(torch.float64))
+    u = sampling.uniforms[flat] if spec.num_draft_tokens else torch.zeros_like(p_x)
     accept_random = u * q_x < p_x
-    accepted = torch.where(is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid
+    accepted = torch.where(sampling.is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid
     num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [batch]
     out[:, :max_k] = torch.where(j < num_accepted.unsqueeze(1), drafts, out[:, :max_k])
-    # one recovered-or-bonus token per sequence, from target row rows0 + n
-    final_rows = rows0 + num_accepted
+
+    # step 2: one recovered-or-bonus token per sequence, from target row rows0 + num_accepted
+    final_rows = rows0 + num_accepted  # [batch]
     p = target_probs[final_rows].to(torch.float64)  # [batch, vocab]
-    rejected = num_accepted < num_draft
+    rejected = num_accepted < num_draft  # [batch]
     if bool(rejected.any()):
-        at = (cu_num_draft[:-1] + num_accepted).clamp_max(max(draft_token_ids.numel() - 1, 0))
+        at = (cu[:-1] + num_accepted).clamp_max(last_draft)  # [batch], the rejected draft's flat index
         rejected_token = drafts.gather(1, num_accepted.clamp_max(max(max_k - 1, 0)).unsqueeze(1)).squeeze(1)
-        one_hot_residual = p.scatter(1, rejected_token.unsqueeze(1), 0.0)
-        if draft_probs is not None:
-            residual = torch.where(is_one_hot.unsqueeze(1), one_hot_residual,
-                                   (p - draft_probs[at].to(torch.float64)).clamp_min(0.0))
-        else:
-            residual = one_hot_residual
+        residual = p.scatter(1, rejected_token.unsqueeze(1), 0.0)  # one-hot q: p without the rejected token
+        if spec.draft_probs is not None:
+            residual = torch.where(spec.is_one_hot.unsqueeze(1), residual,
+                                   (p - spec.draft_probs[at].to(torch.float64)).clamp_min(0.0))
         # NOTE: p - q can vanish in floating point when rejection was (numerically) impossible; p and q then
         # agree, so sampling p is right.
-        usable = rejected & ~is_greedy & (residual.sum(dim=1) > 0)
+        usable = rejected & ~sampling.is_greedy & (residual.sum(dim=1) > 0)
         p = torch.where(usable.unsqueeze(1), residual, p)
     # exponential race: argmax p / E with E ~ Exp(1) samples from p / sum(p) without normalising
-    sampled = (p / sample_noise).argmax(dim=1)
-    final = torch.where(is_greedy, target_argmax[final_rows], sampled)
+    sampled = (p / sampling.sample_noise).argmax(dim=1)
+    final = torch.where(sampling.is_greedy, target_argmax[final_rows], sampled)
     out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return out

@@ -8,14 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specwire.errors import from_rpc_error
-from specwire.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-
-_FINISH = {
-    common_pb2.FINISH_REASON_UNSPECIFIED: None,
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
-}
+from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 
 @dataclass(frozen=True)
@@ -74,7 +67,8 @@ class Result:
 
 
 def _stats(msg: draft_pb2.Stats) -> Stats:
-    return Stats(_FINISH[msg.finish_reason], msg.num_prompt_tokens, msg.num_generated_tokens, msg.num_rounds,
+    finish = wire.finish_from_proto(msg.finish_reason)
+    return Stats(finish.value if finish else None, msg.num_prompt_tokens, msg.num_generated_tokens, msg.num_rounds,
                  msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.accepted_per_position),
                  list(msg.drafted_per_position), msg.wall_time_s, msg.time_to_first_token_s, msg.draft_time_s,
                  msg.verify_wait_s, msg.num_speculative_tokens, msg.verify_time_s, msg.num_rejected_rounds)
@@ -85,10 +79,8 @@ def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, ma
                   num_speculative_tokens: int | None, ignore_eos: bool) -> draft_pb2.GenerateRequest:
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
-    sampling = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
-                                         ignore_eos=ignore_eos)
-    if seed is not None:
-        sampling.seed = seed
+    sampling = wire.sampling_message(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                     max_tokens=max_tokens, ignore_eos=ignore_eos)
     req = draft_pb2.GenerateRequest(sampling=sampling, stop=list(stop or ()))
     if prompt is not None:
         req.text = prompt
@@ -139,7 +131,7 @@ class Client:
             raise from_rpc_error(err) from None
 
     def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
-               max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: Sequence[str] | None = None,
                num_speculative_tokens: int | None = None, ignore_eos: bool = False,
                result: Result | None = None) -> Iterator[Chunk]:
@@ -181,7 +173,7 @@ class AsyncClient:
         await self.close()
 
     async def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
-                     max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, stop: Sequence[str] | None = None,
                      num_speculative_tokens: int | None = None, ignore_eos: bool = False,
                      result: Result | None = None) -> AsyncIterator[Chunk]:

@@ -6,9 +6,15 @@ import grpc
 
 
 class SpecwireError(Exception):
+    """A failed call: `code` is the gRPC status, `message` the server's readable explanation.
+
+    Each status the services answer with has a subclass, so callers can catch `InvalidArgumentError` and the
+    like. The code is keyword-only: only the base class needs it, for statuses without a subclass.
+    """
+
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
 
-    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
@@ -49,4 +55,4 @@ _BY_CODE = {cls.code: cls for cls in (InvalidArgumentError, FailedPreconditionEr
 def from_rpc_error(err: grpc.RpcError) -> SpecwireError:
     code = err.code()
     cls = _BY_CODE.get(code, SpecwireError)
-    return cls(err.details() or code.name, code)
+    return cls(err.details() or code.name, code=code)

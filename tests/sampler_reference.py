@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 
-def rejection_sample_loop(target_probs, target_argmax, draft_token_ids, cu_num_draft, draft_probs, is_greedy,
-                          is_one_hot, uniforms, sample_noise) -> list[list[int]]:
+def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[list[int]]:
+    draft_token_ids, draft_probs, is_one_hot = spec.draft_token_ids, spec.draft_probs, spec.is_one_hot
+    is_greedy, uniforms, sample_noise = sampling.is_greedy, sampling.uniforms, sampling.sample_noise
     out = []
-    cu = cu_num_draft.tolist()
+    cu = spec.cu_num_draft_tokens.tolist()
     for i in range(len(cu) - 1):
         start, k = cu[i], cu[i + 1] - cu[i]
         row0 = start + i

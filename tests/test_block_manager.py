@@ -28,10 +28,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    @rule(tokens=TOKENS)
-    def open_with_prefix_match(self, tokens):
+    @rule(tokens=TOKENS, extra=st.integers(0, 40))
+    def open_with_prefix_match(self, tokens, extra):
         seq = self._new_id()
+        # admission is decided before attaching: it must agree with attaching and then asking
+        free_before = list(self.bm._free)
+        admit = self.bm.can_admit(tokens, len(tokens) - 1, len(tokens) + extra)
+        assert list(self.bm._free) == free_before  # the check changed nothing, not even the LRU order
         matched = self.bm.match_prefix(seq, tokens, len(tokens) - 1)
+        assert admit == self.bm.can_allocate(seq, len(tokens) + extra)
         assert matched % BS == 0 and matched <= len(tokens) - 1
         for i in range(matched // BS):  # hits hold exactly the tokens asked for
             assert self.bm.blocks[self.bm.table(seq)[i]].token_ids == tuple(tokens[i * BS:(i + 1) * BS])
@@ -144,3 +149,15 @@ def test_hash_collision_is_rejected_by_token_check(monkeypatch):
     bm.commit("a", [1, 2, 3], 2)
     assert bm.match_prefix("b", [5, 6, 7], 2) == 0
     assert bm.match_prefix("c", [1, 2, 7], 2) == 2
+
+
+def test_can_admit_counts_cached_free_blocks_as_used_once_attached():
+    bm = BlockManager(4, 2)
+    assert bm.allocate("a", 5)  # 3 blocks
+    bm.commit("a", [1, 2, 3, 4, 5], 4)  # blocks 0 and 1 registered
+    bm.free("a")  # all free again, two of them cached
+    tokens = [1, 2, 3, 4, 9]
+    # the 2 cached blocks are reused; the other 2 free blocks give room for 8 tokens, not 10
+    assert bm.can_admit(tokens, 4, 8) and not bm.can_admit(tokens, 4, 10)
+    assert bm.match_prefix("b", tokens, 4) == 4
+    assert bm.can_allocate("b", 8) and not bm.can_allocate("b", 10)

@@ -80,7 +80,7 @@ def test_preemption_by_recompute_keeps_outputs_exact(pair):
     engine = _engine(target, num_blocks=20)
     outputs, stats = _run(engine, prompts, 24, oracle=oracle)
     assert outputs == oracle
-    assert engine.num_preemptions > 0 and sum(s.num_preempted for s in stats) == engine.num_preemptions
+    assert engine.scheduler.num_preemptions > 0 and sum(s.num_preempted for s in stats) == engine.scheduler.num_preemptions
     assert engine.blocks.num_used_blocks == 0
 
 
@@ -114,4 +114,4 @@ def test_closing_a_stream_frees_its_sequences(pair):
     assert engine.blocks.num_used_blocks > 0
     engine.submit(CloseStreamCmd(9))
     engine.step()
-    assert engine.blocks.num_used_blocks == 0 and not engine.sequences
+    assert engine.blocks.num_used_blocks == 0 and not engine.scheduler.sequences

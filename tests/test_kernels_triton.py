@@ -3,6 +3,7 @@ against its torch reference: exactly for sampling, within float tolerance for at
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -92,7 +93,7 @@ def test_rejection_sampler_triton_matches_reference_exactly(vocab):
     one_hot = [False, False, True, False, False][: len(num_draft)]
     inputs = _random_inputs(gen, num_draft, vocab, greedy_mask=greedy, one_hot_mask=one_hot)
     inputs["target_probs"] = inputs["target_probs"].float()
-    inputs["draft_probs"] = inputs["draft_probs"].float()
+    inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=inputs["spec"].draft_probs.float())
     ref = rejection_sample_reference(**inputs)
     out = rejection_sample_triton(**inputs)
     assert torch.equal(out, ref), (out, ref)
@@ -102,7 +103,7 @@ def test_rejection_sampler_triton_matches_reference_exactly(vocab):
 def test_rejection_sampler_triton_one_hot_only():
     gen = torch.Generator().manual_seed(9)
     inputs = _random_inputs(gen, [3, 2], 50, greedy_mask=[False, False], one_hot_mask=[True, True])
-    inputs["draft_probs"] = None
+    inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=None)
     assert torch.equal(rejection_sample_triton(**inputs), rejection_sample_reference(**inputs))
 
 

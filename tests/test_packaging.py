@@ -52,6 +52,17 @@ def test_layers_run_one_way():
                     assert not module.startswith(bad), f"{path.relative_to(ROOT)} imports {module}"
 
 
+def test_wire_module_stays_a_leaf():
+    """specwire/v1 (stubs and wire.py) imports only itself and the torch-free dataclasses of common/."""
+    allowed = ("specwire.v1", "common.errors", "common.sampling", "__future__", "grpc", "google.protobuf",
+               "warnings", "collections", "typing", "builtins")
+    for path in (ROOT / "specwire" / "v1").glob("*.py"):
+        for line in path.read_text().splitlines():
+            if line.startswith(("import ", "from ")):
+                module = line.split()[1]
+                assert module.startswith(allowed), f"{path.relative_to(ROOT)} imports {module}"
+
+
 def test_ruff_clean():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]

@@ -3,13 +3,14 @@ with a negative control that the same test must reject."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
 from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.rejection_sampler import rejection_sample
+from kernels.rejection_sampler import SamplingMetadata, SpecDecodeMetadata, rejection_sample
 
 from sampler_reference import rejection_sample_loop
 
@@ -18,9 +19,11 @@ def _greedy_case(drafts: list[int], target_argmax: list[int]) -> list[int]:
     k, vocab = len(drafts), 16
     logits = torch.full((k + 1, vocab), -10.0)
     logits[torch.arange(k + 1), torch.tensor(target_argmax)] = 10.0
-    out = rejection_sample(logits, logits.argmax(1), torch.tensor(drafts, dtype=torch.int64),
-                           torch.tensor([0, k]), None, torch.tensor([True]), torch.tensor([True]),
-                           torch.zeros(k, dtype=torch.float64), torch.ones(1, vocab, dtype=torch.float64))
+    spec = SpecDecodeMetadata(torch.tensor(drafts, dtype=torch.int64), torch.tensor([0, k]), None,
+                              torch.tensor([True]))
+    sampling = SamplingMetadata(torch.tensor([True]), torch.zeros(k, dtype=torch.float64),
+                                torch.ones(1, vocab, dtype=torch.float64))
+    out = rejection_sample(logits, logits.argmax(1), spec, sampling)
     return out[0].tolist()
 
 
@@ -47,10 +50,10 @@ def _random_inputs(gen: torch.Generator, num_draft: list[int], vocab: int, *, gr
     draft_probs /= draft_probs.sum(1, keepdim=True)
     drafts = torch.multinomial(draft_probs, 1, generator=gen).squeeze(1) if total else torch.zeros(0, dtype=torch.int64)
     return dict(
-        target_probs=target_probs, target_argmax=target_probs.argmax(1), draft_token_ids=drafts, cu_num_draft=cu,
-        draft_probs=draft_probs, is_greedy=torch.tensor(greedy_mask), is_one_hot=torch.tensor(one_hot_mask),
-        uniforms=torch.rand(total, generator=gen, dtype=torch.float64),
-        sample_noise=torch.empty(batch, vocab, dtype=torch.float64).exponential_(generator=gen),
+        target_probs=target_probs, target_argmax=target_probs.argmax(1),
+        spec=SpecDecodeMetadata(drafts, cu, draft_probs, torch.tensor(one_hot_mask)),
+        sampling=SamplingMetadata(torch.tensor(greedy_mask), torch.rand(total, generator=gen, dtype=torch.float64),
+                                  torch.empty(batch, vocab, dtype=torch.float64).exponential_(generator=gen)),
     )
 
 
@@ -100,11 +103,11 @@ def simulate(mode: str, *, lie_about_q: bool = False, seed: int = 0) -> torch.Te
         if lie_about_q:  # the classic bug: telling the verifier a q other than the one sampled from
             sent_q = torch.full_like(q_rows, 1.0 / VOCAB)
         target_probs = p[t].reshape(b * (K + 1), VOCAB)
-        res = rejection_sample(
-            target_probs, target_probs.argmax(1), drafts, torch.arange(b + 1) * K,
-            None if mode == "one-hot" else sent_q, torch.zeros(b, dtype=torch.bool),
-            torch.full((b,), mode == "one-hot"), torch.rand(b * K, generator=gen, dtype=torch.float64),
-            torch.empty(b, VOCAB, dtype=torch.float64).exponential_(generator=gen))
+        spec = SpecDecodeMetadata(drafts, torch.arange(b + 1) * K, None if mode == "one-hot" else sent_q,
+                                  torch.full((b,), mode == "one-hot"))
+        sampling = SamplingMetadata(torch.zeros(b, dtype=torch.bool), torch.rand(b * K, generator=gen, dtype=torch.float64),
+                                    torch.empty(b, VOCAB, dtype=torch.float64).exponential_(generator=gen))
+        res = rejection_sample(target_probs, target_probs.argmax(1), spec, sampling)
         for j in range(K + 1):
             cur = pos[live]
             ok = (res[:, j] >= 0) & (cur < POSITIONS)
@@ -142,9 +145,26 @@ def test_acceptance_rate_matches_theory():
     n = 50_000
     drafts = torch.multinomial(q.expand(n, VOCAB), 1, replacement=True, generator=gen).squeeze(1)
     target = torch.stack([p, p], 0).repeat(n, 1)
-    res = rejection_sample(target, target.argmax(1), drafts, torch.arange(n + 1), q.expand(n, VOCAB),
-                           torch.zeros(n, dtype=torch.bool), torch.zeros(n, dtype=torch.bool),
-                           torch.rand(n, generator=gen, dtype=torch.float64),
-                           torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=gen))
+    spec = SpecDecodeMetadata(drafts, torch.arange(n + 1), q.expand(n, VOCAB), torch.zeros(n, dtype=torch.bool))
+    sampling = SamplingMetadata(torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=gen, dtype=torch.float64),
+                                torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=gen))
+    res = rejection_sample(target, target.argmax(1), spec, sampling)
     rate = float((res[:, 1] >= 0).double().mean())
     assert abs(rate - float(torch.minimum(p, q).sum())) < 0.01
+
+
+def test_launcher_checks_shapes_and_dtypes():
+    gen = torch.Generator().manual_seed(3)
+    inputs = _random_inputs(gen, [2, 3], 20, greedy_mask=[False, False], one_hot_mask=[False, True])
+    spec, sampling = inputs["spec"], inputs["sampling"]
+    bad = {
+        "is_greedy": dict(sampling=dataclasses.replace(sampling, is_greedy=torch.tensor([False]))),
+        "uniforms": dict(sampling=dataclasses.replace(sampling, uniforms=sampling.uniforms.float())),
+        "draft_probs": dict(spec=dataclasses.replace(spec, draft_probs=spec.draft_probs[:, :10])),
+        "target_probs": dict(target_probs=inputs["target_probs"][:-1]),
+        "sample_noise": dict(sampling=dataclasses.replace(sampling, sample_noise=sampling.sample_noise[:, :1])),
+    }
+    for name, change in bad.items():
+        with pytest.raises(ValueError, match=name):
+            rejection_sample(**{**inputs, **change})
+    rejection_sample(**inputs)  # the unchanged inputs pass

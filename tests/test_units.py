@@ -7,7 +7,7 @@ import pytest
 from common import rng
 from common.block_manager import BlockManager
 from common.config import parse_bytes
-from common.errors import ErrorCode, SpecwireError
+from common.errors import ErrorCode, ServiceError
 from common.sampling import SamplingParams
 from common.tokenizer import IncrementalDetokenizer, tokenizer_fingerprint
 from draft_service.stop_strings import StopStringMatcher
@@ -69,7 +69,7 @@ def test_tokenizer_fingerprint_tells_tokenizers_apart():
     ({"max_tokens": 0}, "max_tokens"),
 ])
 def test_sampling_params_refuse_out_of_range(kwargs, fragment):
-    with pytest.raises(SpecwireError) as err:
+    with pytest.raises(ServiceError) as err:
         SamplingParams(**kwargs)
     assert err.value.code is ErrorCode.INVALID_ARGUMENT and fragment in err.value.message
 
@@ -116,3 +116,23 @@ def test_gguf_path_is_converted_once_and_cached(tmp_path, monkeypatch):
     (tmp_path / "model.bin").write_bytes(b"x")
     with pytest.raises(ValueError):
         model_loading.resolve_model_dir(tmp_path / "model.bin")
+
+
+def test_draft_roll_back_keeps_the_confirmed_prefix_and_leaves_the_last_token_to_feed():
+    from draft_service.sequence import DraftSequence
+
+    seq = DraftSequence(SamplingParams(temperature=0.0), [1, 2, 3])
+    seq.cached_token_ids = [1, 2, 3, 10, 11]  # fed the prompt and drafts 10, 11 (12 was drafted, not fed)
+    seq.extend((10, 99))  # the verifier accepted 10, rejected 11 and emitted 99
+    seq.roll_back()
+    assert seq.cached_token_ids == [1, 2, 3, 10]  # 99 is fed next, for the logits of the next draft
+    seq.extend((5,))
+    seq.roll_back()
+    assert seq.cached_token_ids == [1, 2, 3, 10]
+    all_accepted = DraftSequence(SamplingParams(temperature=0.0), [1, 2], [1, 2, 7])
+    all_accepted.extend((7, 8))  # every draft accepted, plus the bonus token
+    all_accepted.roll_back()
+    assert all_accepted.cached_token_ids == [1, 2, 7]
+    fresh = DraftSequence(SamplingParams(temperature=0.0), [4], [4])
+    fresh.roll_back()
+    assert fresh.cached_token_ids == []  # one verified token: it must be fed

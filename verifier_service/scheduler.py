@@ -1,101 +1,248 @@
-"""The asyncio side of continuous batching: collects commands from every Verify stream, runs engine steps
-back to back in the engine thread while work exists, and routes each outcome to its stream at once."""
+"""The verifier's scheduling policy: which sequences hold KV blocks, what each runs in the next step within the
+token budget, whom to preempt when the pool is short, and what a verdict does to a sequence.
+
+Plain Python over the block manager; the model runner does the tensors. Admission is first come, first served;
+preemption takes the most recently admitted sequence with no work in the step, which is recomputed later.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from dataclasses import dataclass, field
 
 import structlog
 
-from common.aio import coalesce
-from verifier_service.engine import VerifierEngine
-from verifier_service.metrics import VerifierMetrics
-from verifier_service.types import CloseStreamCmd, Command, Outcome, StepResult
+from common.block_manager import BlockManager
+from common.errors import ErrorCode
+from common.sampling import FinishReason
+from verifier_service.sequence import Sequence, SequenceStatus
+from verifier_service.types import DroppedOut, ErrorOut, Outcome, ProposeCmd, SeqKey, VerdictOut
 
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's part of a step: positions [start, end) are fed. A verification feeds the rest of the
+    prefill, if any, then [last verified token, drafts]; a prefill chunk feeds verified tokens only."""
+
+    seq: Sequence
+    start: int
+    end: int
+    proposal: ProposeCmd | None  # None: a prefill chunk
+    num_prefill_tokens: int  # verified tokens among those fed (the last one excepted in a verification)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def token_ids(self) -> list[int]:
+        drafts = list(self.proposal.draft_token_ids) if self.proposal else []
+        return (self.seq.token_ids + drafts)[self.start:self.end]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)  # stale proposals dropped, sequences refused
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
+    num_prefix_hit_tokens: int = 0
+    num_preempted: int = 0
+
+    @property
+    def verifications(self) -> list[ScheduledSeq]:
+        return [s for s in self.scheduled if s.proposal is not None]
+
+
 class Scheduler:
-    def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self._streams: dict[int, asyncio.Queue[Outcome]] = {}
-        self._stream_ids = itertools.count(1)
-        self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
-        self._task: asyncio.Task | None = None
-        self._last_step_s = 0.0
-        metrics.kv_blocks_total.set(engine.blocks.num_blocks)
+    def __init__(self, blocks: BlockManager, *, max_num_batched_tokens: int, max_draft_tokens: int,
+                 max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_draft_tokens = max_draft_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.sequences: dict[SeqKey, Sequence] = {}  # every open sequence
+        self.running: dict[SeqKey, Sequence] = {}  # admitted, in admission order
+        self.waiting: deque[Sequence] = deque()  # not admitted (new or preempted), first come first served
+        self.num_preemptions = 0
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="verifier-scheduler")
+    # -- membership -------------------------------------------------------------------------------------------
 
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        self._executor.shutdown(wait=True)
+    def add(self, seq: Sequence) -> None:
+        self.sequences[seq.key] = seq
+        self.waiting.append(seq)
 
-    def open_stream(self) -> tuple[int, asyncio.Queue[Outcome]]:
-        stream_id = next(self._stream_ids)
-        out: asyncio.Queue[Outcome] = asyncio.Queue()
-        self._streams[stream_id] = out
-        self.metrics.streams.set(len(self._streams))
-        return stream_id, out
-
-    def close_stream(self, stream_id: int) -> None:
-        """Frees every sequence of the stream (a disconnected draft leaks no KV blocks)."""
-        self._streams.pop(stream_id, None)
-        self.metrics.streams.set(len(self._streams))
-        self.submit(CloseStreamCmd(stream_id))
-
-    def submit(self, command: Command) -> None:
-        self.engine.submit(command)
-        self._wakeup.set()
-
-    def send(self, outcome: Outcome) -> None:
-        out = self._streams.get(outcome.key.stream_id)
-        if out is not None:
-            out.put_nowait(outcome)
-
-    async def run_step(self) -> StepResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.engine.step)
-
-    async def _run(self) -> None:
-        while True:
-            await self._wakeup.wait()
-            # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
-            await coalesce(min(0.002, 0.02 * self._last_step_s))
-            self._wakeup.clear()
-            try:
-                result = await self.run_step()
-            except Exception:  # a bug in a step must not take the server down silently
-                log.exception("engine_step_failed")
-                continue
-            if result.stats is not None:
-                self._last_step_s = result.stats.forward_s + result.stats.sample_s
-            for outcome in result.outcomes:
-                self.send(outcome)
-            self._record(result)
-            # NOTE: no step is running here, so reading the engine's state from the loop is safe; an empty step
-            # would cost a thread hop that a proposal arriving meanwhile has to wait for.
-            if self.engine.has_pending_commands() or (result.stats is not None and self.engine.has_runnable_work()):
-                self._wakeup.set()
-
-    def _record(self, result: StepResult) -> None:
-        engine = self.engine
-        self.metrics.live_sequences.set(engine.num_live_sequences())
-        self.metrics.waiting_sequences.set(len(engine.waiting))
-        self.metrics.kv_blocks_used.set(engine.blocks.num_used_blocks)
-        s = result.stats
-        if s is None:
+    def release(self, key: SeqKey) -> None:
+        """Forget the sequence and return its blocks to the pool (verified blocks stay in the prefix cache)."""
+        seq = self.sequences.pop(key, None)
+        if seq is None:
             return
-        self.metrics.observe_step(s)
-        log.info("verify_step", num_seqs=s.num_seqs, num_tokens=s.num_tokens, prefill_tokens=s.num_prefill_tokens,
-                 prefix_hit_tokens=s.num_prefix_hit_tokens, preempted=s.num_preempted,
-                 verifications=s.num_verifications, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
-                 emitted=s.num_emitted_tokens, forward_ms=round(s.forward_s * 1e3, 2),
-                 sample_ms=round(s.sample_s * 1e3, 2), kv_blocks_used=engine.blocks.num_used_blocks)
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            del self.running[key]
+        self.blocks.free(key)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(seq.has_work for seq in self.running.values())
+
+    # -- one step ---------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        out.num_prefix_hit_tokens = self._admit()
+        preemptions_before = self.num_preemptions
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running.values()):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted for a sequence earlier in this step
+                continue
+            out.outcomes.extend(self._drop_stale_proposals(seq))
+            item = self._schedule_one(seq, budget, out)
+            if item is not None:
+                out.scheduled.append(item)
+                budget -= item.num_tokens
+        out.num_preempted = self.num_preemptions - preemptions_before
+        return out
+
+    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], step_time_s: float) -> list[VerdictOut]:
+        """Apply the step: prefill chunks are now cached; each verification's sampled tokens (accepted drafts,
+        then the recovered or bonus token) extend its sequence, which then finishes or keeps going."""
+        verdicts: list[VerdictOut] = []
+        batch_size = len(out.scheduled)
+        sampled_iter = iter(sampled)
+        for item in out.scheduled:
+            seq = item.seq
+            if item.proposal is None:
+                seq.num_cached = item.end
+            else:
+                verdicts.append(self._apply_verdict(item, next(sampled_iter), batch_size, step_time_s))
+            if seq.status is SequenceStatus.RUNNING:  # only verified tokens are registered, never drafts
+                self.blocks.commit(seq.key, seq.token_ids, seq.num_cached)
+        return verdicts
+
+    # -- admission --------------------------------------------------------------------------------------------
+
+    def _admit(self) -> int:
+        """Admit waiting sequences in order while the pool has room for their tokens and one full draft block.
+        Their longest cached prefix comes from the prefix cache instead of being recomputed. Returns the number
+        of tokens taken from it."""
+        hit_tokens = 0
+        while self.waiting:
+            seq = self.waiting[0]
+            if not self.blocks.can_admit(seq.token_ids, seq.num_tokens - 1, seq.num_tokens + self.max_draft_tokens):
+                break
+            self.waiting.popleft()
+            seq.num_cached = self.blocks.match_prefix(seq.key, seq.token_ids, seq.num_tokens - 1)
+            seq.status = SequenceStatus.RUNNING
+            self.running[seq.key] = seq
+            hit_tokens += seq.num_cached
+        return hit_tokens
+
+    # -- what a sequence runs ---------------------------------------------------------------------------------
+
+    def _drop_stale_proposals(self, seq: Sequence) -> list[DroppedOut]:
+        """A proposal that starts anywhere but at the sequence's end was drafted from an outdated prefix."""
+        dropped = []
+        while seq.proposals and seq.proposals[0].start_position != seq.num_tokens:
+            stale = seq.proposals.popleft()
+            dropped.append(DroppedOut(seq.key, stale.start_position, seq.num_tokens))
+        return dropped
+
+    def _candidates(self, seq: Sequence, budget: int, batch_is_empty: bool) -> list[ScheduledSeq]:
+        """What `seq` could run in this step, best first: its next proposal's verification when it fits the
+        budget (a lone verification always runs, whatever its size), then the next chunk of its prefill."""
+        candidates = []
+        if seq.proposals:
+            proposal = seq.proposals[0]
+            # never feed past the context length: drop the drafts that would not fit
+            room = self.max_model_len - seq.num_tokens
+            proposal = proposal.truncated(room - 1)
+            end = seq.num_tokens + proposal.num_draft_tokens
+            if end - seq.num_cached <= budget or batch_is_empty:
+                candidates.append(ScheduledSeq(seq, seq.num_cached, end, proposal,
+                                               num_prefill_tokens=seq.num_tokens - 1 - seq.num_cached))
+        prefill_end = min(seq.num_tokens - 1, seq.num_cached + budget)
+        if prefill_end > seq.num_cached:
+            candidates.append(ScheduledSeq(seq, seq.num_cached, prefill_end, None,
+                                           num_prefill_tokens=prefill_end - seq.num_cached))
+        return candidates
+
+    def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
+        busy = {item.seq.key for item in out.scheduled}
+        for item in self._candidates(seq, budget, batch_is_empty=not out.scheduled):
+            if self._reserve(item, busy, out.block_copies):
+                if item.proposal is not None:
+                    seq.proposals.popleft()
+                return item
+            if self.blocks.blocks_for(item.end) > self.blocks.num_blocks:
+                self.release(seq.key)
+                out.outcomes.append(ErrorOut(
+                    seq.key, ErrorCode.RESOURCE_EXHAUSTED, f"the sequence reached {item.end} tokens, more than "
+                    f"the verifier's KV pool holds ({self.blocks.capacity_tokens}); raise --kv-cache-memory"))
+                return None
+        return None
+
+    def _reserve(self, item: ScheduledSeq, busy: set[SeqKey], block_copies: list[tuple[int, int]]) -> bool:
+        """Blocks for positions [start, end) of the item's sequence, exclusively its own. While the pool is
+        short, preempt the most recently admitted other sequence with no work in this step."""
+        key = item.seq.key
+        while True:
+            copies = self.blocks.copy_on_write(key, item.start, item.end)
+            if copies:
+                block_copies.extend(copies)
+            if copies is not None and self.blocks.allocate(key, item.end):
+                return True
+            victim = self._pick_victim(item.seq, busy)
+            if victim is None:
+                return False
+            self._preempt(victim)
+
+    def _pick_victim(self, seq: Sequence, busy: set[SeqKey]) -> Sequence | None:
+        for other in reversed(self.running.values()):
+            if other is not seq and other.key not in busy:
+                return other
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq.key)
+        del self.running[seq.key]
+        seq.status = SequenceStatus.WAITING
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        log.info("preempted", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id, tokens=seq.num_tokens)
+
+    # -- verdicts ---------------------------------------------------------------------------------------------
+
+    def _apply_verdict(self, item: ScheduledSeq, tokens: list[int], batch_size: int,
+                       step_time_s: float) -> VerdictOut:
+        seq = item.seq
+        start = seq.num_tokens
+        num_accepted = len(tokens) - 1
+        emitted: list[int] = []
+        finish: FinishReason | None = None
+        for t in tokens:
+            emitted.append(t)
+            seq.token_ids.append(t)
+            finish = self._finish_reason(seq, t)
+            if finish is not None:
+                break
+        if finish is not None:
+            self.release(seq.key)
+        else:
+            # the K/V of the accepted drafts stays; the slots past them are reused by the next block
+            seq.num_cached = start + num_accepted
+            self.blocks.truncate(seq.key, seq.num_cached)
+        return VerdictOut(seq.key, start, min(num_accepted, len(emitted)), tuple(emitted), finish, batch_size,
+                          step_time_s)
+
+    def _finish_reason(self, seq: Sequence, last_token: int) -> FinishReason | None:
+        if last_token in self.eos_token_ids and not seq.sampling.ignore_eos:
+            return FinishReason.STOP
+        if seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None

@@ -8,51 +8,19 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from common.errors import ErrorCode, SpecwireError
-from common.sampling import FinishReason, SamplingParams
-from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.scheduler import Scheduler
-from verifier_service.types import (
-    CloseCmd,
-    DroppedOut,
-    ErrorOut,
-    OpenCmd,
-    Outcome,
-    ProposeCmd,
-    SeqKey,
-    SparseQ,
-    VerdictOut,
-)
+from common.errors import ErrorCode, ServiceError
+from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
+from verifier_service.async_engine import AsyncEngine
+from verifier_service.types import CloseCmd, DroppedOut, ErrorOut, OpenCmd, Outcome, ProposeCmd, SeqKey, VerdictOut
 
 log = structlog.get_logger(__name__)
-
-PROTOCOL_VERSION = "1"
-
-FINISH_TO_PROTO = {
-    None: common_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
-    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
-}
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Raises SpecwireError(INVALID_ARGUMENT) for out-of-range values."""
-    return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
-        top_k=msg.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens,
-        ignore_eos=msg.ignore_eos,
-    )
 
 
 def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
     if isinstance(outcome, VerdictOut):
         return verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(
             seq_id=outcome.key.seq_id, start_position=outcome.start_position, num_accepted=outcome.num_accepted,
-            token_ids=outcome.token_ids, finish_reason=FINISH_TO_PROTO[outcome.finish_reason],
+            token_ids=outcome.token_ids, finish_reason=wire.finish_to_proto(outcome.finish_reason),
             batch_size=outcome.batch_size, step_time_s=outcome.step_time_s))
     if isinstance(outcome, ErrorOut):
         return verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
@@ -63,8 +31,8 @@ def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, scheduler: Scheduler, info: verifier_pb2.VerifierInfo) -> None:
-        self._scheduler = scheduler
+    def __init__(self, engine: AsyncEngine, info: verifier_pb2.VerifierInfo) -> None:
+        self._engine = engine
         self._info = info
 
     async def GetInfo(self, request, context) -> verifier_pb2.VerifierInfo:
@@ -77,7 +45,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except StopAsyncIteration:
             return
         await self._check_hello(first, context)
-        stream_id, outbox = self._scheduler.open_stream()
+        stream_id, outbox = self._engine.open_stream()
         log.info("verify_stream_open", stream_id=stream_id, peer=context.peer(), draft_model=first.hello.draft_model_id)
         live: set[int] = set()  # sequences opened on this stream and not yet ended
         reader = asyncio.create_task(self._read(request_iterator, stream_id, outbox, live))
@@ -94,26 +62,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 yield outcome_to_proto(outcome)
         finally:
             reader.cancel()
-            self._scheduler.close_stream(stream_id)
+            self._engine.close_stream(stream_id)
             log.info("verify_stream_closed", stream_id=stream_id)
 
     async def _check_hello(self, msg: verifier_pb2.DraftMessage, context: grpc.aio.ServicerContext) -> None:
         if msg.WhichOneof("kind") != "hello":
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the first message of a Verify stream must be hello (model identity handshake)")
-        hello, info = msg.hello, self._info
-        if hello.protocol_version and hello.protocol_version != PROTOCOL_VERSION:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"protocol version {hello.protocol_version!r} "
-                                f"is not supported; this verifier speaks {PROTOCOL_VERSION!r}")
-        if hello.tokenizer_fingerprint != info.tokenizer_fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"tokenizer mismatch: the draft's tokenizer fingerprint {hello.tokenizer_fingerprint[:12]}"
-                                f"… differs from the target's {info.tokenizer_fingerprint[:12]}… ({info.model_id}); "
-                                "draft and target must share one tokenizer")
-        if hello.vocab_size != info.vocab_size:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"vocabulary mismatch: the draft has {hello.vocab_size} logits rows, the target "
-                                f"{info.vocab_size}")
+        mismatch = wire.handshake_mismatch(self._info, msg.hello)
+        if mismatch is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
 
     async def _read(self, request_iterator, stream_id: int, outbox: asyncio.Queue, live: set[int]) -> None:
         try:
@@ -122,20 +80,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if kind == "open":
                     key = SeqKey(stream_id, msg.open.seq_id)
                     try:
-                        sampling = sampling_from_proto(msg.open.sampling).with_seed()
-                    except SpecwireError as err:
+                        sampling = wire.sampling_from_proto(msg.open.sampling).with_seed()
+                    except ServiceError as err:
                         outbox.put_nowait(ErrorOut(key, err.code, err.message))
                         continue
                     live.add(key.seq_id)
-                    self._scheduler.submit(OpenCmd(key, tuple(msg.open.prompt_token_ids), sampling))
+                    self._engine.submit(OpenCmd(key, tuple(msg.open.prompt_token_ids), sampling))
                 elif kind == "propose":
                     p = msg.propose
-                    q = tuple(SparseQ(tuple(d.token_ids), tuple(d.probs)) for d in p.draft_probs) or None
-                    self._scheduler.submit(ProposeCmd(SeqKey(stream_id, p.seq_id), p.start_position,
-                                                      tuple(p.draft_token_ids), q))
+                    self._engine.submit(ProposeCmd(SeqKey(stream_id, p.seq_id), p.start_position,
+                                                   tuple(p.draft_token_ids), wire.draft_probs_from_proto(p.draft_probs)))
                 elif kind == "close":
                     live.discard(msg.close.seq_id)
-                    self._scheduler.submit(CloseCmd(SeqKey(stream_id, msg.close.seq_id)))
+                    self._engine.submit(CloseCmd(SeqKey(stream_id, msg.close.seq_id)))
                 else:
                     outbox.put_nowait(ErrorOut(SeqKey(stream_id, 0), ErrorCode.INVALID_ARGUMENT,
                                                f"unexpected {kind or 'empty'} message after the handshake"))

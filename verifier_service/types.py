@@ -5,19 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
-from common.sampling import FinishReason, SamplingParams
+from common.sampling import FinishReason, SamplingParams, SparseProbs, count_positions
 
 
 @dataclass(frozen=True)
 class SeqKey:
     stream_id: int
     seq_id: int
-
-
-@dataclass(frozen=True)
-class SparseQ:
-    token_ids: tuple[int, ...]
-    probs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -32,7 +26,18 @@ class ProposeCmd:
     key: SeqKey
     start_position: int
     draft_token_ids: tuple[int, ...]
-    draft_q: tuple[SparseQ, ...] | None  # None: one-hot wire mode
+    draft_probs: tuple[SparseProbs, ...] | None  # q of each draft token; None: one-hot (or greedy)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    def truncated(self, num_draft_tokens: int) -> ProposeCmd:
+        """The same proposal with only its first `num_draft_tokens` drafts."""
+        if num_draft_tokens >= self.num_draft_tokens:
+            return self
+        draft_probs = self.draft_probs[:num_draft_tokens] if self.draft_probs else self.draft_probs
+        return ProposeCmd(self.key, self.start_position, self.draft_token_ids[:num_draft_tokens], draft_probs)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,17 @@ class StepStats:
     drafted_per_position: list[int] = field(default_factory=list)
     forward_s: float = 0.0
     sample_s: float = 0.0
+
+    @property
+    def step_time_s(self) -> float:
+        return self.forward_s + self.sample_s
+
+    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_verifications += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        count_positions(self.drafted_per_position, num_draft_tokens)
+        count_positions(self.accepted_per_position, num_accepted)
 
 
 @dataclass

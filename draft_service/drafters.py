@@ -1,0 +1,48 @@
+"""Where a round's draft block comes from, chosen once per service: the draft model (batched across sequences by
+the Proposer) or prompt lookup (n-gram, no model)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from draft_service.ngram import propose_ngram
+from draft_service.proposer import Proposer
+from draft_service.sequence import DraftSequence
+from draft_service.types import EMPTY_BLOCK, DraftBlock
+
+
+class Drafter(Protocol):
+    async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
+        """Up to k draft tokens that continue seq's verified tokens (its cache already rolled back)."""
+        ...
+
+    async def release(self, seq: DraftSequence) -> None:
+        """Forget seq and free whatever it holds."""
+        ...
+
+
+class ModelDrafter:
+    """Drafts with the draft model; a block ends early when the draft's confidence in its next token falls below
+    `min_confidence` (0 drafts all k)."""
+
+    def __init__(self, proposer: Proposer, min_confidence: float = 0.0) -> None:
+        self.proposer = proposer
+        self.min_confidence = min_confidence
+
+    async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
+        if k == 0:
+            return EMPTY_BLOCK
+        return await self.proposer.draft(seq, k, self.min_confidence)
+
+    async def release(self, seq: DraftSequence) -> None:
+        await self.proposer.release(seq)
+
+
+class NgramDrafter:
+    """Prompt lookup: one-hot proposals, so sampled requests stay lossless without any q."""
+
+    async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
+        return DraftBlock(tuple(propose_ngram(seq.token_ids, k)), None)
+
+    async def release(self, seq: DraftSequence) -> None:
+        return None

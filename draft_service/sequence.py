@@ -1,0 +1,36 @@
+"""One sequence on the draft side: its verified tokens and the tokens whose K/V is in the draft's cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.sampling import SamplingParams
+
+
+@dataclass(eq=False)
+class DraftSequence:
+    sampling: SamplingParams  # seeded
+    token_ids: list[int]  # verified tokens: prompt + generated
+    # tokens whose K/V is in the draft cache, in order: verified tokens, then the drafts of the last block
+    cached_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_token_ids)
+
+    def extend(self, verified_token_ids: tuple[int, ...]) -> None:
+        self.token_ids.extend(verified_token_ids)
+
+    def roll_back(self) -> None:
+        """Keep the cache for the longest prefix the draft fed that the verifier confirmed: accepted drafts stay,
+        the rejected one and everything after it go, and nothing is recomputed. At least the last verified token
+        stays uncached, because feeding it is what gives the logits of the next draft."""
+        n = 0
+        limit = min(len(self.cached_token_ids), len(self.token_ids) - 1)
+        while n < limit and self.cached_token_ids[n] == self.token_ids[n]:
+            n += 1
+        del self.cached_token_ids[n:]

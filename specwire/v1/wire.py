@@ -1,0 +1,122 @@
+"""The one translation layer of the wire: protobuf messages <-> the dataclasses the services and the SDK use,
+the protocol version, the handshake rule and the gRPC channel and server options.
+
+Both services and the SDK import it. It imports only the stubs beside it and torch-free modules of `common`,
+so a client still installs and imports without torch (tests/test_packaging.py checks both).
+"""
+
+from __future__ import annotations
+
+from common.errors import ErrorCode
+from common.sampling import FinishReason, SamplingParams, SparseProbs
+from specwire.v1 import common_pb2, verifier_pb2
+
+PROTOCOL_VERSION = "1"
+
+# NOTE: one Proposal carries at most max_draft_tokens sparse distributions of q_max_support entries: 16 x 64
+# entries are about 10 KB. 64 MiB leaves room for long prompts (a 1M-token prompt is 5 MB of varints).
+MAX_MESSAGE_BYTES = 64 << 20
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    *SERVER_OPTIONS,
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+# -- finish reasons --------------------------------------------------------------------------------------------
+
+_FINISH_TO_PROTO: dict[FinishReason | None, int] = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: common_pb2.FINISH_REASON_CANCELLED,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def finish_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_from_proto(value: int) -> FinishReason | None:
+    """An unknown value (a newer peer) reads as no reason rather than failing the stream."""
+    return _FINISH_FROM_PROTO.get(value)
+
+
+# -- sampling parameters ---------------------------------------------------------------------------------------
+
+DEFAULT_MAX_TOKENS = SamplingParams.max_tokens
+
+
+def sampling_message(*, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     max_tokens: int = DEFAULT_MAX_TOKENS, ignore_eos: bool = False) -> common_pb2.SamplingParams:
+    """The message for raw values, unvalidated: the SDK sends what the caller gave and the service judges it."""
+    msg = common_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=max_tokens,
+                                    ignore_eos=ignore_eos)
+    if seed is not None:
+        msg.seed = seed
+    return msg
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return sampling_message(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                            seed=params.seed, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults (max_tokens 0 means unset). Raises ServiceError
+    (INVALID_ARGUMENT) with a readable message for out-of-range values."""
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+# -- draft distributions ---------------------------------------------------------------------------------------
+
+def draft_probs_to_proto(draft_probs: tuple[SparseProbs, ...]) -> list[verifier_pb2.SparseDistribution]:
+    return [verifier_pb2.SparseDistribution(token_ids=q.token_ids, probs=q.probs) for q in draft_probs]
+
+
+def draft_probs_from_proto(msgs) -> tuple[SparseProbs, ...] | None:
+    """None when the proposal carries no distributions: its drafts are one-hot (or greedy)."""
+    return tuple(SparseProbs(tuple(d.token_ids), tuple(d.probs)) for d in msgs) or None
+
+
+# -- errors on the Verify stream -------------------------------------------------------------------------------
+
+_ERROR_CODES = {c.value: c for c in ErrorCode}
+
+
+def error_code_from_proto(value: int) -> ErrorCode:
+    return _ERROR_CODES.get(value, ErrorCode.INTERNAL)
+
+
+def error_code_from_status_name(name: str) -> ErrorCode:
+    """grpc.StatusCode.X.name -> ErrorCode.X; a status the services never send reads as UNAVAILABLE."""
+    return ErrorCode[name] if name in ErrorCode.__members__ else ErrorCode.UNAVAILABLE
+
+
+# -- the handshake ---------------------------------------------------------------------------------------------
+
+def handshake_mismatch(info: verifier_pb2.VerifierInfo, hello: verifier_pb2.Hello) -> str | None:
+    """Why this draft cannot work with this verifier, or None. Both sides apply this one rule: the verifier to
+    a Hello (answering FAILED_PRECONDITION), the draft to GetInfo before it opens a stream."""
+    if hello.protocol_version and info.protocol_version and hello.protocol_version != info.protocol_version:
+        return (f"protocol version {hello.protocol_version!r} is not supported; this verifier speaks "
+                f"{info.protocol_version!r}")
+    if hello.tokenizer_fingerprint != info.tokenizer_fingerprint:
+        return (f"tokenizer mismatch with the verifier's target {info.model_id!r}: fingerprints "
+                f"{hello.tokenizer_fingerprint[:12]}… (draft) and {info.tokenizer_fingerprint[:12]}… (target); "
+                "draft and target must share one tokenizer")
+    if hello.vocab_size != info.vocab_size:
+        return (f"vocabulary mismatch: the draft has {hello.vocab_size} logits rows, the target "
+                f"{info.model_id!r} {info.vocab_size}")
+    return None

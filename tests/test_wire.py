@@ -1,0 +1,68 @@
+"""The wire module: every conversion round-trips, defaults agree, the handshake rule names the mismatch."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import ErrorCode, ServiceError
+from common.sampling import FinishReason, SamplingParams, SparseProbs
+from specwire.v1 import common_pb2, verifier_pb2, wire
+
+
+def test_finish_reasons_round_trip_and_cover_the_enum():
+    for reason in [None, *FinishReason]:
+        assert wire.finish_from_proto(wire.finish_to_proto(reason)) is reason
+    assert set(common_pb2.FinishReason.values()) == {wire.finish_to_proto(r) for r in [None, *FinishReason]}
+    assert wire.finish_from_proto(99) is None  # a newer peer's reason does not break the stream
+
+
+def test_sampling_params_round_trip():
+    params = SamplingParams(temperature=0.5, top_k=7, top_p=0.75, seed=2**63 - 1, max_tokens=33, ignore_eos=True)
+    assert wire.sampling_from_proto(wire.sampling_to_proto(params)) == params
+    greedy = SamplingParams(temperature=0.0)  # 0 is a value, not "unset"
+    assert wire.sampling_from_proto(wire.sampling_to_proto(greedy)).temperature == 0.0
+
+
+def test_unset_fields_take_the_dataclass_defaults():
+    assert wire.sampling_from_proto(common_pb2.SamplingParams()) == SamplingParams()
+    assert wire.sampling_message().max_tokens == SamplingParams().max_tokens == wire.DEFAULT_MAX_TOKENS
+
+
+def test_out_of_range_sampling_is_invalid_argument():
+    with pytest.raises(ServiceError) as err:
+        wire.sampling_from_proto(wire.sampling_message(top_p=1.5))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT and "top_p" in err.value.message
+
+
+def test_draft_probs_round_trip_in_float32():
+    q = (SparseProbs((5, 9), (0.25, 0.75)), SparseProbs((1,), (1.0,)))
+    msg = verifier_pb2.Proposal(draft_probs=wire.draft_probs_to_proto(q))
+    assert wire.draft_probs_from_proto(msg.draft_probs) == q
+    assert wire.draft_probs_from_proto(verifier_pb2.Proposal().draft_probs) is None  # one-hot
+
+
+def test_error_codes_map_by_name_and_value():
+    for code in ErrorCode:
+        assert wire.error_code_from_proto(code.value) is code
+        assert wire.error_code_from_status_name(code.name) is code
+    assert wire.error_code_from_proto(12345) is ErrorCode.INTERNAL
+    assert wire.error_code_from_status_name("DATA_LOSS") is ErrorCode.UNAVAILABLE
+
+
+def _info(**kw):
+    base = dict(model_id="t", vocab_size=100, tokenizer_fingerprint="ab" * 32, protocol_version=wire.PROTOCOL_VERSION)
+    return verifier_pb2.VerifierInfo(**{**base, **kw})
+
+
+def _hello(**kw):
+    base = dict(draft_model_id="d", vocab_size=100, tokenizer_fingerprint="ab" * 32,
+                protocol_version=wire.PROTOCOL_VERSION)
+    return verifier_pb2.Hello(**{**base, **kw})
+
+
+def test_handshake_rule():
+    assert wire.handshake_mismatch(_info(), _hello()) is None
+    assert wire.handshake_mismatch(_info(), _hello(protocol_version="")) is None  # an old draft
+    assert "tokenizer mismatch" in wire.handshake_mismatch(_info(), _hello(tokenizer_fingerprint="cd" * 32))
+    assert "vocabulary mismatch" in wire.handshake_mismatch(_info(), _hello(vocab_size=101))
+    assert "protocol version" in wire.handshake_mismatch(_info(), _hello(protocol_version="2"))

@@ -1,0 +1,45 @@
+"""One sequence on the verifier: its verified tokens, how many of them have K/V in the cache, its queue of
+proposals, and where it stands (waiting for blocks, or running)."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.sampling import SamplingParams
+from verifier_service.types import ProposeCmd, SeqKey
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()  # opened or preempted: holds no KV blocks
+    RUNNING = enum.auto()  # admitted: holds KV blocks
+
+
+@dataclass(eq=False)
+class Sequence:
+    key: SeqKey
+    token_ids: list[int]  # verified: prompt + generated
+    num_prompt_tokens: int
+    sampling: SamplingParams  # seeded
+    # tokens whose K/V is in the cache; always below num_tokens, because each proposal feeds [last, drafts]
+    num_cached: int = 0
+    proposals: deque[ProposeCmd] = field(default_factory=deque)
+    status: SequenceStatus = SequenceStatus.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def needs_prefill(self) -> bool:
+        """Tokens before the last are not all cached yet (a new prompt, or a preempted sequence)."""
+        return self.num_cached < self.num_tokens - 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.proposals) or self.needs_prefill

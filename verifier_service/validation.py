@@ -1,0 +1,72 @@
+"""Checks of what drafts send, before anything reaches the scheduler: each failure is a ServiceError whose
+message tells the draft's author what to fix."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from common.errors import ErrorCode, ServiceError, invalid_argument
+from common.sampling import SparseProbs, validate_token_ids
+from verifier_service.types import OpenCmd, ProposeCmd
+
+# A proposal's q must sum to 1 within this (float32 on the wire).
+Q_SUM_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class Limits:
+    vocab_size: int
+    max_model_len: int
+    max_draft_tokens: int
+    block_size: int
+    num_blocks: int
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+
+def check_open(cmd: OpenCmd, limits: Limits) -> None:
+    prompt = list(cmd.prompt_token_ids)
+    validate_token_ids(prompt, limits.vocab_size)
+    if len(prompt) >= limits.max_model_len:
+        raise invalid_argument(f"prompt has {len(prompt)} tokens; the target's context length is "
+                               f"{limits.max_model_len} and one token must remain to generate")
+    needed = limits.blocks_for(len(prompt) + limits.max_draft_tokens + 1)
+    if needed > limits.num_blocks:
+        raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt of {len(prompt)} tokens plus a draft block "
+                           f"needs {needed} KV blocks; the verifier's pool has {limits.num_blocks} (raise "
+                           "--kv-cache-memory or --num-blocks)")
+
+
+def check_proposal(cmd: ProposeCmd, limits: Limits) -> None:
+    k = cmd.num_draft_tokens
+    if k > limits.max_draft_tokens:
+        raise invalid_argument(f"proposal has {k} draft tokens; this verifier accepts at most "
+                               f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
+    if k:
+        validate_token_ids(list(cmd.draft_token_ids), limits.vocab_size, what="draft")
+    if cmd.draft_probs is None:
+        return
+    if len(cmd.draft_probs) != k:
+        raise invalid_argument(f"proposal has {k} draft tokens but {len(cmd.draft_probs)} draft distributions")
+    for j, (x, q) in enumerate(zip(cmd.draft_token_ids, cmd.draft_probs, strict=True)):
+        _check_draft_probs(f"draft distribution {j}", x, q, limits.vocab_size)
+
+
+def _check_draft_probs(where: str, x: int, q: SparseProbs, vocab_size: int) -> None:
+    """q must be a distribution the draft could have sampled x from."""
+    if len(q.token_ids) != len(q.probs) or not q.token_ids:
+        raise invalid_argument(f"{where}: token_ids and probs must be non-empty and of equal length")
+    if len(set(q.token_ids)) != len(q.token_ids):
+        raise invalid_argument(f"{where}: repeated token ids")
+    validate_token_ids(list(q.token_ids), vocab_size, what=where)
+    if any(not (p >= 0.0) or math.isinf(p) for p in q.probs):
+        raise invalid_argument(f"{where}: probabilities must be finite and >= 0")
+    total = sum(q.probs)
+    if abs(total - 1.0) > Q_SUM_TOLERANCE:
+        raise invalid_argument(f"{where}: probabilities sum to {total:.6f}, not 1")
+    q_x = q.probs[q.token_ids.index(x)] if x in q.token_ids else 0.0
+    if q_x <= 0.0:
+        raise invalid_argument(f"{where}: the drafted token {x} has probability 0 under it, so it cannot be the "
+                               "distribution the draft sampled from")
