@@ -1,10 +1,17 @@
-"""Helpers for service configs (no torch import: the CLI uses them): every CLI flag `--foo-bar` has an environment twin `SPECWIRE_FOO_BAR`."""
+"""Helpers for service configs (no torch import: the CLI uses them).
+
+A service's config is one frozen dataclass. Each field declared with `option()` carries its default, help and
+parser, and becomes the CLI flag `--field-name` (with an environment twin `SPECWIRE_FIELD_NAME`), so every
+default is written once: in the dataclass.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
+from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -12,19 +19,54 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
 
+def option(default: Any, help: str, *, parse: Any = None, choices: tuple[str, ...] | None = None,
+           flag: str | None = None, show: Any = None) -> Any:
+    """A config field that is also a CLI flag. `parse` reads the flag's text (default: the type of `default`;
+    bool accepts true/false/1/0 and a bare `--flag`); `flag` overrides the flag's name; `show` formats the
+    default in the help."""
+    metadata = {"help": help, "parse": parse, "choices": choices, "flag": flag, "show": show}
+    return dataclasses.field(default=default, metadata={"option": metadata})
+
+
+def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
+    """One flag per field of `config_cls` declared with option(); a field without a default (the model path)
+    becomes an optional flag, and the command checks it."""
+    for f in dataclasses.fields(config_cls):
+        meta = f.metadata.get("option")
+        if meta is None:
+            continue
+        default = None if f.default is dataclasses.MISSING else f.default
+        parse = meta["parse"] or (parse_bool if isinstance(default, bool) else type(default) if default is not None
+                                  else str)
+        extra: dict[str, Any] = {"choices": meta["choices"]} if meta["choices"] else {}
+        if parse is parse_bool:
+            extra.update(nargs="?", const=True)
+        flag = meta["flag"] or "--" + f.name.replace("_", "-")
+        add_flag(parser, flag, default=default, type=parse, help=meta["help"], dest=f.name, show=meta["show"],
+                 **extra)
+
+
+def config_from_args(config_cls: type, args: argparse.Namespace) -> Any:
+    """The config the parsed flags describe; its __post_init__ validates it (ValueError)."""
+    names = [f.name for f in dataclasses.fields(config_cls) if "option" in f.metadata]
+    return config_cls(**{name: getattr(args, name) for name in names})
+
+
 def env_name(flag: str) -> str:
     return "SPECWIRE_" + flag.lstrip("-").upper().replace("-", "_")
 
 
-def add_flag(parser: argparse.ArgumentParser, flag: str, *, default=None, type=str, help: str = "", **kwargs) -> None:
-    """Add `--flag`, whose default comes from SPECWIRE_FLAG when that is set."""
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, default=None, type=str, help: str = "",
+             show: Any = None, **kwargs) -> None:
+    """Add `--flag`, whose default comes from SPECWIRE_FLAG when that is set; `show` formats it for the help."""
     env = env_name(flag)
     if type is bool:
         type = parse_bool
     raw = os.environ.get(env)
     if raw is not None:
         default = type(raw)
-    parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default {default}]", **kwargs)
+    shown = show(default) if show is not None and default is not None else default
+    parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default {shown}]", **kwargs)
 
 
 def parse_bool(text: str) -> bool:
@@ -42,6 +84,14 @@ def parse_bytes(text: str) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"cannot read {text!r} as a size: use a number with an optional unit (K, M, G, GiB...)")
     return int(float(m.group(1).replace("_", "")) * _UNITS[m.group(2).lower()])
+
+
+def format_bytes(n: int) -> str:
+    """1073741824 -> '1GiB' (exact multiples only; otherwise bytes)."""
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
 
 
 def parse_dtype(name: str):  # -> torch.dtype; torch is imported here so the CLI starts without it

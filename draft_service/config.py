@@ -1,10 +1,11 @@
-"""The draft service's configuration: one frozen dataclass, filled from CLI flags or SPECWIRE_* variables."""
+"""The draft service's configuration: one frozen dataclass. Each field is also a CLI flag of `specwire draft`
+(common.config.option) with an environment twin SPECWIRE_*."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DTYPES
+from common.config import DTYPES, format_bytes, option, parse_bytes
 
 WIRE_MODES = ("sparse", "one-hot")
 PROPOSERS = ("model", "ngram")
@@ -12,24 +13,31 @@ PROPOSERS = ("model", "ngram")
 
 @dataclass(frozen=True)
 class DraftConfig:
-    model: str
-    verifier: str  # HOST:PORT
-    host: str = "127.0.0.1"
-    port: int = 50052
-    dtype: str = "float32"
-    num_speculative_tokens: int = 4  # k, or the largest k when adaptive
-    proposer: str = "model"  # "model": the draft model; "ngram": prompt lookup, no model weights used
-    adaptive_k: bool = False  # choose k per sequence and round from its acceptance and the measured timings
-    draft_confidence_threshold: float = 0.0  # stop a block early when the draft's top probability falls below
-    wire_mode: str = "sparse"  # how sampled drafts send q: "sparse" (top-q_max_support of q) or "one-hot"
-    q_max_support: int = 64
-    block_size: int = 16
-    kv_cache_memory: int = 512 << 20
-    connect_timeout_s: float = 60.0
-    metrics_port: int = 0  # 0: no Prometheus endpoint
-    log_level: str = "INFO"
+    model: str = option(None, "draft: HF model directory or .gguf file (with --proposer ngram: the tokenizer)")
+    verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(50052, "gRPC port")
+    dtype: str = option("float32", "weights and KV cache dtype", choices=DTYPES)
+    num_speculative_tokens: int = option(4, "draft tokens per round (k), the largest with --adaptive-k "
+                                         "(0: target only)")
+    proposer: str = option("model", "model: the draft model; ngram: prompt lookup, no model weights used",
+                           choices=PROPOSERS)
+    adaptive_k: bool = option(False, "choose k per sequence and round from its acceptance and the measured draft "
+                              "and verify times")
+    draft_confidence_threshold: float = option(0.0, "end a draft block early when the draft's top probability "
+                                               "falls below this")
+    wire_mode: str = option("sparse", "how sampled drafts send q: sparse (its top --q-max-support tokens) or "
+                            "one-hot (ids only)", choices=WIRE_MODES)
+    q_max_support: int = option(64, "tokens of q kept and sent in sparse mode")
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: int = option(512 << 20, "bytes for the draft's KV pool", parse=parse_bytes, show=format_bytes)
+    connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
+    metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
+    log_level: str = option("INFO", "log level")
 
     def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model (or SPECWIRE_MODEL) is required: the draft's HF directory or .gguf file")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.num_speculative_tokens < 0:

@@ -11,47 +11,22 @@ import asyncio
 import json
 import sys
 
-from common.config import DTYPES, add_flag, parse_bytes
+from common.config import DTYPES, add_config_flags, add_flag, config_from_args
 
 
 def _verifier_parser(sub) -> None:
+    from verifier_service.config import VerifierConfig  # the dataclass only: no torch, no service code
+
     p = sub.add_parser("verifier", help="serve the target model (Verifier service)")
-    add_flag(p, "--model", required=False, help="target: HF model directory or .gguf file")
-    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-    add_flag(p, "--port", default=50051, type=int, help="gRPC port")
-    add_flag(p, "--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
-    add_flag(p, "--max-draft-tokens", default=16, type=int, help="largest draft block accepted")
-    add_flag(p, "--block-size", default=16, type=int, help="tokens per KV block")
-    add_flag(p, "--kv-cache-memory", default="1GiB", help="bytes for the KV pool (units: K, M, G, GiB...)")
-    add_flag(p, "--num-blocks", default=None, type=int, help="KV blocks (overrides --kv-cache-memory)")
-    add_flag(p, "--max-num-batched-tokens", default=2048, type=int, help="token budget of one step")
-    add_flag(p, "--metrics-port", default=0, type=int, help="Prometheus /metrics port (0: off)")
-    add_flag(p, "--log-level", default="INFO", help="log level")
+    add_config_flags(p, VerifierConfig)
     p.set_defaults(func=_run_verifier)
 
 
 def _draft_parser(sub) -> None:
+    from draft_service.config import DraftConfig
+
     p = sub.add_parser("draft", help="serve the draft model (Draft service, client-facing Generate)")
-    add_flag(p, "--model", required=False, help="draft: HF model directory or .gguf file")
-    add_flag(p, "--verifier", default="127.0.0.1:50051", help="verifier HOST:PORT")
-    add_flag(p, "--host", default="127.0.0.1", help="address to bind")
-    add_flag(p, "--port", default=50052, type=int, help="gRPC port")
-    add_flag(p, "--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
-    add_flag(p, "--num-speculative-tokens", default=4, type=int,
-             help="draft tokens per round, the largest with --adaptive-k (0: target only)")
-    add_flag(p, "--proposer", default="model", choices=("model", "ngram"),
-             help="model: the draft model; ngram: prompt lookup (--model then only supplies the tokenizer)")
-    add_flag(p, "--adaptive-k", default=False, type=bool, nargs="?", const=True,
-             help="choose k per sequence and round from its acceptance and measured draft/verify times")
-    add_flag(p, "--draft-confidence-threshold", default=0.0, type=float,
-             help="stop a draft block when the draft's top probability falls below this")
-    add_flag(p, "--wire-mode", default="sparse", choices=("sparse", "one-hot"), help="how sampled drafts send q")
-    add_flag(p, "--q-max-support", default=64, type=int, help="tokens of q kept and sent in sparse mode")
-    add_flag(p, "--block-size", default=16, type=int, help="tokens per KV block")
-    add_flag(p, "--kv-cache-memory", default="512MiB", help="bytes for the draft's KV pool")
-    add_flag(p, "--connect-timeout", default=60.0, type=float, help="seconds to wait for the verifier at start")
-    add_flag(p, "--metrics-port", default=0, type=int, help="Prometheus /metrics port (0: off)")
-    add_flag(p, "--log-level", default="INFO", help="log level")
+    add_config_flags(p, DraftConfig)
     p.set_defaults(func=_run_draft)
 
 
@@ -109,40 +84,23 @@ def _run_bench(args) -> int:
     return run_bench(args)
 
 
-def _need_model(args) -> None:
-    if not args.model:
-        raise SystemExit("error: --model (or SPECWIRE_MODEL) is required")
-
-
 def _run_verifier(args) -> int:
-    _need_model(args)
     from common.logging import configure_logging
     from verifier_service.config import VerifierConfig
     from verifier_service.server import serve
 
-    config = VerifierConfig(model=args.model, host=args.host, port=args.port, dtype=args.dtype,
-                            max_draft_tokens=args.max_draft_tokens, block_size=args.block_size,
-                            kv_cache_memory=parse_bytes(args.kv_cache_memory), num_blocks=args.num_blocks,
-                            max_num_batched_tokens=args.max_num_batched_tokens, metrics_port=args.metrics_port,
-                            log_level=args.log_level)
+    config = config_from_args(VerifierConfig, args)
     configure_logging(config.log_level, service="verifier")
     asyncio.run(serve(config))
     return 0
 
 
 def _run_draft(args) -> int:
-    _need_model(args)
     from common.logging import configure_logging
     from draft_service.config import DraftConfig
     from draft_service.server import HandshakeRefused, serve
 
-    config = DraftConfig(model=args.model, verifier=args.verifier, host=args.host, port=args.port, dtype=args.dtype,
-                         num_speculative_tokens=args.num_speculative_tokens, proposer=args.proposer,
-                         adaptive_k=args.adaptive_k, draft_confidence_threshold=args.draft_confidence_threshold,
-                         wire_mode=args.wire_mode,
-                         q_max_support=args.q_max_support, block_size=args.block_size,
-                         kv_cache_memory=parse_bytes(args.kv_cache_memory), connect_timeout_s=args.connect_timeout,
-                         metrics_port=args.metrics_port, log_level=args.log_level)
+    config = config_from_args(DraftConfig, args)
     configure_logging(config.log_level, service="draft")
     try:
         asyncio.run(serve(config))

@@ -1,27 +1,31 @@
-"""The verifier's configuration: one frozen dataclass, filled from CLI flags or SPECWIRE_* variables."""
+"""The verifier's configuration: one frozen dataclass. Each field is also a CLI flag of `specwire verifier`
+(common.config.option) with an environment twin SPECWIRE_*."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DTYPES
+from common.config import DTYPES, format_bytes, option, parse_bytes
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 50051
-    dtype: str = "float32"
-    max_draft_tokens: int = 16
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool, used unless num_blocks is set
-    num_blocks: int | None = None
-    max_num_batched_tokens: int = 2048
-    metrics_port: int = 0  # 0: no Prometheus endpoint
-    log_level: str = "INFO"
+    model: str = option(None, "target: HF model directory or .gguf file")
+    host: str = option("127.0.0.1", "address to bind")
+    port: int = option(50051, "gRPC port")
+    dtype: str = option("float32", "weights and KV cache dtype", choices=DTYPES)
+    max_draft_tokens: int = option(16, "largest draft block accepted")
+    block_size: int = option(16, "tokens per KV block")
+    kv_cache_memory: int = option(1 << 30, "bytes for the KV pool, used unless --num-blocks is given "
+                                  "(units: K, M, G, GiB...)", parse=parse_bytes, show=format_bytes)
+    num_blocks: int | None = option(None, "KV blocks (overrides --kv-cache-memory)", parse=int)
+    max_num_batched_tokens: int = option(2048, "token budget of one step")
+    metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
+    log_level: str = option("INFO", "log level")
 
     def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
