@@ -1,6 +1,8 @@
 # specwire services image: `specwire verifier` or `specwire draft` (see compose.yaml).
-# torch is pinned and installed first; pass TORCH_INDEX_URL to take a CPU-only or ROCm build from another index.
-FROM python:3.11-slim
+# torch is pinned and installed first; pass TORCH_INDEX_URL to take a CPU-only or ROCm build from another index,
+# and BASE_IMAGE for a ROCm userland (deploy/compose.rocm.yaml sets both). The base must provide python3 >= 3.11.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE}
 ARG TORCH_INDEX_URL=""
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 OMP_WAIT_POLICY=PASSIVE
 WORKDIR /app

@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install models demo test test-all lint protos clean
+.PHONY: install models demo test test-all lint protos gpu-wheels clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,14 @@ lint: $(STAMP)
 
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
+
+# Pure-Python wheels the GPU check machine lacks (bench/gpu_check.sh installs them there, offline).
+gpu-wheels: $(STAMP)
+	rm -rf .gpu-wheels && $(PY) -m pip download -q --no-deps --only-binary=:all: -d .gpu-wheels \
+	  structlog grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 gguf pytest pluggy iniconfig
+	# NOTE: the stubs check the grpcio and protobuf runtimes they were generated for: bring those for Python 3.12.
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels grpcio==1.85.1 'protobuf>=6.31,<8'
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 from kernels.kv_cache_write import write_kv_reference, write_kv_triton  # noqa: E402
 from kernels.paged_attention import paged_attention_reference, paged_attention_tensors  # noqa: E402
+from kernels.philox import uniform64_reference, uniform64_triton  # noqa: E402
 from kernels.rejection_sampler import (  # noqa: E402
     SamplingMetadata,
     SpecDecodeMetadata,
@@ -78,12 +79,17 @@ def main() -> int:
                               torch.arange(0, rows + 1, q - 1, device=device), draft_probs,
                               torch.zeros(seqs, dtype=torch.bool, device=device))
     sampling = SamplingMetadata(torch.zeros(seqs, dtype=torch.bool, device=device),
-                                torch.rand(rows, generator=gen, device=device, dtype=torch.float64),
-                                torch.empty(seqs, vocab, device=device, dtype=torch.float64).exponential_(generator=gen))
+                                torch.arange(seqs, device=device) * 7919 + 2**40,
+                                torch.full((seqs,), 1000, dtype=torch.int64, device=device))
     inputs = dict(target_probs=target_probs, target_argmax=target_probs.argmax(1), spec=spec, sampling=sampling)
     ref = rejection_sample_reference(target_probs.cpu(), target_probs.argmax(1).cpu(), spec.to("cpu"),
                                      sampling.to("cpu"))
     results["rejection_sample_exact"] = bool(torch.equal(rejection_sample_triton(**inputs), ref.to(device)))
+    seeds = torch.tensor([0, 1, 2**32 + 5, 2**63 - 1], dtype=torch.int64, device=device)
+    positions = torch.tensor([0, 7, 7, 2**31], dtype=torch.int64, device=device)
+    results["uniform64_exact"] = bool(torch.equal(
+        uniform64_triton(seeds, positions, 3, vocab).cpu(),
+        uniform64_reference(seeds.cpu().unsqueeze(1), positions.cpu().unsqueeze(1), 3, torch.arange(vocab).unsqueeze(0))))
     logits = torch.randn(seqs, vocab, generator=gen, device=device) * 3
     t, k, p = (torch.full((seqs,), 0.8, device=device), torch.full((seqs,), 50, device=device, dtype=torch.int64),
                torch.full((seqs,), 0.9, device=device))
@@ -97,6 +103,8 @@ def main() -> int:
     results["write_kv_exact"] = bool(torch.equal(a, k_cache))
     print(json.dumps(results, indent=2))
     if args.smoke:
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
         return 0
 
     import triton.testing
@@ -107,7 +115,7 @@ def main() -> int:
         "paged_attention": (lambda: paged_attention_tensors(query, k_cache, v_cache, tables, qs, ctx_t, q, scale),
                             2 * seqs * ctx * s["kv_heads"] * s["dim"] * elem + 2 * query.numel() * elem),
         "rejection_sample": (lambda: rejection_sample_triton(**inputs),
-                             (rows + seqs) * vocab * 4 + rows * vocab * 4 + seqs * vocab * 8),
+                             (rows + seqs) * vocab * 4 + rows * vocab * 4),  # noise is drawn in-kernel
         "sampling_probs": (lambda: compute_probs_triton(logits, t, k, p), 2 * seqs * vocab * 4),
         "write_kv": (lambda: write_kv_triton(key, key, a, b, slots), 4 * key.numel() * elem),
     }

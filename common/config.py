@@ -63,7 +63,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default=None, type=s
     if type is bool:
         type = parse_bool
     raw = os.environ.get(env)
-    if raw is not None:
+    if raw:  # an empty value (a compose override's way to unset) keeps the built-in default
         default = type(raw)
     shown = show(default) if show is not None and default is not None else default
     parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default {shown}]", **kwargs)

@@ -89,12 +89,15 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_dir(path))
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
+    if torch.device(device).type != "cpu":
+        model.to(device)
     model_type = model.config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")

@@ -31,6 +31,15 @@ class ForwardBatch:
     block_tables: list[list[int]]  # [num_seqs] block ids
     logits_indices: torch.Tensor  # [num_logits] int64 rows of the batch whose logits are returned
 
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The tensors on `device`, in one host-to-device copy."""
+        if self.input_ids.device == device:
+            return self
+        parts = (self.input_ids, self.positions, self.slot_mapping, self.logits_indices)
+        moved = torch.cat(parts).to(device).split([t.numel() for t in parts])
+        return ForwardBatch(moved[0], moved[1], moved[2], self.query_start, self.context_lens, self.block_tables,
+                            moved[3])
+
 
 def kv_cache_spec(model: Any) -> KVCacheSpec:
     config = model.config
@@ -81,11 +90,16 @@ class PagedCausalLM:
                 _release_linear_weights(model)
 
     @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_logits, vocab_size] in the model's dtype
+        batch = batch.to(self.device)
         num_tokens = batch.input_ids.numel()
         hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), batch.positions.unsqueeze(0))  # [1, num_tokens, head_dim]
@@ -137,3 +151,29 @@ def _release_linear_weights(model: Any) -> None:
             lin.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     if not tied:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+
+def profile_peak_memory(model: Any, spec: KVCacheSpec, block_size: int, num_tokens: int,
+                        device: torch.device) -> int:
+    """Bytes the process holds at the peak of one forward over `num_tokens` tokens (the largest step), the KV
+    pool excluded: weights plus activations. Runs on a throwaway pool just large enough for that step."""
+    num_blocks = -(-num_tokens // block_size)
+    kv = KVCache(spec, num_blocks, block_size, device)
+    runner = PagedCausalLM(model, kv, pack_weights=False)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64),
+        positions=torch.arange(num_tokens, dtype=torch.int64),
+        slot_mapping=torch.arange(num_tokens, dtype=torch.int64),
+        query_start=[0, num_tokens],
+        context_lens=[num_tokens],
+        block_tables=[list(range(num_blocks))],
+        logits_indices=torch.arange(min(num_tokens, 1024), dtype=torch.int64),  # verification rows of a big step
+    )
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    runner.forward(batch)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - kv.num_bytes
+    del runner, kv
+    torch.cuda.empty_cache()
+    return peak

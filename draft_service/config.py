@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import DTYPES, format_bytes, option, parse_bytes
+from common.device import DEVICE_CHOICES_HELP
 
 WIRE_MODES = ("sparse", "one-hot")
 PROPOSERS = ("model", "ngram")
@@ -17,7 +18,9 @@ class DraftConfig:
     verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50052, "gRPC port")
-    dtype: str = option("float32", "weights and KV cache dtype", choices=DTYPES)
+    device: str = option("auto", DEVICE_CHOICES_HELP)
+    dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
+                        choices=("auto", *DTYPES))
     num_speculative_tokens: int = option(4, "draft tokens per round (k), the largest with --adaptive-k "
                                          "(0: target only)")
     proposer: str = option("model", "model: the draft model; ngram: prompt lookup, no model weights used",
@@ -38,7 +41,7 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the draft's HF directory or .gguf file")
-        if self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")

@@ -15,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from common import rng
 from common.aio import coalesce
 from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError
@@ -23,6 +22,7 @@ from common.paged_model import ForwardBatch, PagedCausalLM
 from common.sampling import SparseProbs
 from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock
+from kernels.philox import Purpose, exponential64_reference
 from kernels.sampling_probs import compute_probs
 
 
@@ -110,12 +110,15 @@ class DraftModel:
         if not sampled:
             return out
         params = [seqs[i].sampling for i in sampled]
-        probs = compute_probs(logits[sampled], torch.tensor([p.temperature for p in params]),
-                              torch.tensor([p.top_k for p in params], dtype=torch.int64),
-                              torch.tensor([p.top_p for p in params]))
+        device = logits.device
+        probs = compute_probs(logits[torch.tensor(sampled, device=device)],
+                              torch.tensor([p.temperature for p in params], device=device),
+                              torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+                              torch.tensor([p.top_p for p in params], device=device))
         support = min(self.q_max_support, probs.shape[1])
         top_probs, top_ids = probs.topk(support, dim=1)
-        top_probs = top_probs.to(torch.float64)
+        # q leaves the device once per drafting step: [num_sampled, q_max_support], the rest runs on the host
+        top_probs, top_ids = top_probs.to("cpu", torch.float64), top_ids.cpu()
         for row, i in enumerate(sampled):
             keep = top_probs[row] > 0
             q_probs = top_probs[row][keep]
@@ -124,7 +127,7 @@ class DraftModel:
             q_probs = q_probs.to(torch.float32).to(torch.float64)
             q_probs = q_probs / q_probs.sum()
             q_ids = top_ids[row][keep]
-            noise = rng.exponential(seqs[i].sampling.seed, positions[i], rng.Stream.DRAFT_SAMPLE, q_ids.numel())
+            noise = exponential64_reference(seqs[i].sampling.seed, positions[i], Purpose.DRAFT_SAMPLE, q_ids)
             j = int(torch.argmax(q_probs / noise))
             out[i] = (int(q_ids[j]), SparseProbs(tuple(q_ids.tolist()), tuple(q_probs.tolist())),
                       float(q_probs.max()))

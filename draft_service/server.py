@@ -10,6 +10,7 @@ from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
 from common.config import parse_dtype
+from common.device import describe_device, resolve_device, resolve_dtype_name
 from common.errors import ErrorCode, ServiceError
 from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, num_blocks_for_budget
@@ -57,10 +58,16 @@ async def serve(config: DraftConfig) -> None:
         model_id, vocab_size, fingerprint = f"ngram:{config.model}", None, tokenizer_fingerprint(tokenizer)
         drafter = NgramDrafter()
     else:
-        loaded = load_model(config.model, parse_dtype(config.dtype))
+        device = resolve_device(config.device)
+        dtype = resolve_dtype_name(config.dtype, device)
+        loaded = load_model(config.model, parse_dtype(dtype), device)
         spec = kv_cache_spec(loaded.model)
         num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
-        runner = PagedCausalLM(loaded.model, KVCache(spec, num_blocks, config.block_size), release_unpacked=True)
+        kv = KVCache(spec, num_blocks, config.block_size, device)
+        runner = PagedCausalLM(loaded.model, kv, release_unpacked=True)
+        info = describe_device(device)
+        log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
+                 kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)
         proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint

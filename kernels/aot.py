@@ -17,6 +17,7 @@ from triton.compiler import ASTSource
 
 from kernels.kv_cache_write import write_kv_kernel
 from kernels.paged_attention import paged_attention_kernel
+from kernels.philox import uniform64_kernel
 from kernels.platform import ATTENTION_TILES, VOCAB_BLOCK, elementwise_warps, vocab_warps
 from kernels.rejection_sampler import rejection_sample_kernel, sample_recovered_kernel
 from kernels.sampling_probs import sampling_probs_kernel
@@ -71,13 +72,16 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
                       elementwise_warps(rocm)))
     rec_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
                "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
-               "noise_ptr": "*fp64", "vocab_size": "i32"}
+               "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}
     specs.append((KernelSpec("sample_recovered", sample_recovered_kernel, rec_sig,
                              {"HAS_DRAFT_PROBS": True, "BLOCK_V": VOCAB_BLOCK}, False), vocab_warps(rocm)))
     rs_sig = {"out_ptr": "*i64", "draft_token_ids_ptr": "*i64", "cu_num_draft_ptr": "*i64", "target_probs_ptr": "*fp32",
               "target_argmax_ptr": "*i64", "draft_probs_ptr": "*fp32", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
-              "uniforms_ptr": "*fp64", "recovered_ptr": "*i64", "vocab_size": "i32", "out_stride": "i32"}
+              "seeds_ptr": "*i64", "positions_ptr": "*i64", "recovered_ptr": "*i64", "vocab_size": "i32",
+              "out_stride": "i32"}
     specs.append((KernelSpec("rejection_sample", rejection_sample_kernel, rs_sig, {"HAS_DRAFT_PROBS": True}, False), 1))
+    ph_sig = {"out_ptr": "*fp64", "seeds_ptr": "*i64", "positions_ptr": "*i64", "purpose": "i32", "n": "i32"}
+    specs.append((KernelSpec("uniform64", uniform64_kernel, ph_sig, {"BLOCK": 128}, False), elementwise_warps(rocm)))
     sp_sig = {"out_ptr": "*fp32", "logits_ptr": "*bf16", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",
               "top_p_ptr": "*fp32", "vocab_size": "i32"}
     specs.append((KernelSpec("sampling_probs", sampling_probs_kernel, sp_sig, {"BLOCK_V": VOCAB_BLOCK}, False),

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.platform import elementwise_warps, use_triton
+from kernels.platform import elementwise_warps, reference_guard, use_triton
 
 
 @triton.jit
@@ -29,6 +29,7 @@ def write_kv_kernel(
 
 
 def write_kv_reference(key, value, key_cache, value_cache, slot_mapping) -> None:
+    reference_guard("write_kv_reference")
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))

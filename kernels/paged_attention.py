@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.platform import ATTENTION_AUTOTUNE, ATTENTION_TILES, is_rocm, use_triton
+from kernels.platform import ATTENTION_AUTOTUNE, ATTENTION_TILES, is_rocm, reference_guard, use_triton
 
 
 @triton.jit
@@ -114,6 +114,7 @@ def _autotuned_kernel():
 
 def paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
                               sliding_window=None) -> torch.Tensor:
+    reference_guard("paged_attention_reference")
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     out = torch.empty_like(query)
@@ -168,12 +169,12 @@ def attention_metadata(block_tables: list[list[int]], query_start: list[int], co
     """The Triton launch's metadata on `device`: block tables [num_seqs, max_blocks] int32 (zero-padded),
     query_start int32, context_lens int32, and the longest query. Build it once per forward pass."""
     width = max(1, max(len(t) for t in block_tables))
-    tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
-    for i, t in enumerate(block_tables):
-        tables[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
-    return (tables.to(device), torch.tensor(query_start, dtype=torch.int32, device=device),
-            torch.tensor(context_lens, dtype=torch.int32, device=device),
-            max(b - a for a, b in zip(query_start, query_start[1:], strict=False)))
+    num_seqs = len(block_tables)
+    flat = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]  # zero-padded rows
+    # one host-to-device copy for all three
+    packed = torch.tensor(flat + list(query_start) + list(context_lens), dtype=torch.int32).to(device)
+    tables, qs, ctx = packed.split([num_seqs * width, len(query_start), len(context_lens)])
+    return (tables.view(num_seqs, width), qs, ctx, max(b - a for a, b in zip(query_start, query_start[1:], strict=False)))
 
 
 def paged_attention_tensors(

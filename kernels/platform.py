@@ -4,6 +4,10 @@ Dispatch: a wrapper launches Triton when its tensors are on a GPU (CUDA or ROCm:
 "cuda" in torch); on CPU tensors it runs the torch reference, which is the CPU product path. Each module also
 exposes its `*_triton` launcher, which the tests call on CPU tensors under TRITON_INTERPRET=1.
 
+SPECWIRE_KERNELS=triton forces the GPU path onto CPU tensors and makes every torch reference raise: with
+TRITON_INTERPRET=1 (set before anything imports triton) the services then run exactly the code a GPU runs, and
+the end-to-end tests prove it on CPU. `reference` forces the references on every device; `auto` is the default.
+
 Tiles. AMD CDNA GPUs (MI250X gfx90a, MI300X gfx942) execute 64-lane wavefronts, NVIDIA GPUs 32-lane warps, and
 Triton's `num_warps` counts hardware warps/wavefronts. Choices, from the compiler's own resource lines
 (bench/kernels_compile.py; bf16, 32 heads, 8 KV heads, head_dim 128, 16-token pages):
@@ -22,13 +26,27 @@ No CUDA-only intrinsics are used anywhere (no inline PTX, no tl.inline_asm_eleme
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
+KERNEL_MODES = ("auto", "triton", "reference")
+KERNEL_MODE = os.environ.get("SPECWIRE_KERNELS", "auto")
+if KERNEL_MODE not in KERNEL_MODES:
+    raise ValueError(f"SPECWIRE_KERNELS must be one of {', '.join(KERNEL_MODES)}, got {KERNEL_MODE!r}")
+
 
 def use_triton(*tensors: torch.Tensor) -> bool:
+    if KERNEL_MODE != "auto":
+        return KERNEL_MODE == "triton"
     return all(t.is_cuda for t in tensors)
+
+
+def reference_guard(name: str) -> None:
+    """Called first by every torch reference of a kernel: under SPECWIRE_KERNELS=triton none may run."""
+    if KERNEL_MODE == "triton":
+        raise RuntimeError(f"SPECWIRE_KERNELS=triton: the torch reference {name} must not run")
 
 
 def is_rocm() -> bool:

@@ -8,8 +8,12 @@ Every sequence gets exactly one recovered-or-bonus token, so a round adds betwee
 
 Wire modes: greedy rows accept while the draft equals argmax p and then emit argmax p; one-hot rows use
 q = delta(x) (accept with probability p(x), recover from p without x); sparse/dense rows use the q the draft
-sampled from. Randomness comes in as tensors (uniforms, exponential noise) so the caller decides how it is
-seeded: the services key it by sequence seed and position (common/rng.py).
+sampled from.
+
+Random numbers are drawn where they are used, from kernels/philox.py, keyed by each sequence's seed and by the
+position each number decides: the acceptance uniform of the draft at position t is uniform64(seed, t, ACCEPT, 0),
+and the recovered-or-bonus sample at position t races p against exponential64(seed, t, TARGET_SAMPLE, v) over
+the vocabulary v. No [batch, vocab] noise tensor exists, and the reference draws the very same numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,11 @@ import triton
 import triton.language as tl
 
 from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.platform import VOCAB_BLOCK, use_triton, vocab_warps
+from kernels.philox import Purpose, exponential64, exponential64_reference, uniform64, uniform64_reference
+from kernels.platform import VOCAB_BLOCK, reference_guard, use_triton, vocab_warps
+
+ACCEPT = tl.constexpr(int(Purpose.ACCEPT))
+TARGET_SAMPLE = tl.constexpr(int(Purpose.TARGET_SAMPLE))
 
 
 @triton.jit
@@ -33,7 +41,8 @@ def sample_recovered_kernel(
     cu_num_draft_ptr,  # [batch + 1] int64
     is_greedy_ptr,  # [batch] bool
     is_one_hot_ptr,  # [batch] bool
-    noise_ptr,  # [batch, vocab_size] float64 Exp(1)
+    seeds_ptr,  # [batch] int64
+    positions_ptr,  # [batch] int64, the position the first draft token decides
     vocab_size,
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -50,6 +59,8 @@ def sample_recovered_kernel(
     one_hot = tl.load(is_one_hot_ptr + seq)
     is_bonus = j == k
     x = tl.load(draft_token_ids_ptr + start + j, mask=j < k, other=-1)
+    seed = tl.load(seeds_ptr + seq)
+    position = tl.load(positions_ptr + seq) + j  # the position this row's token decides
     offs = tl.arange(0, BLOCK_V)
     best_r = tl.full([], -1.0, tl.float64)
     best_p = tl.full([], -1.0, tl.float64)
@@ -68,7 +79,7 @@ def sample_recovered_kernel(
                 q = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + cols, mask=mask,
                             other=0.0).to(tl.float64)
                 residual = tl.maximum(p - q, 0.0)
-        e = tl.load(noise_ptr + seq.to(tl.int64) * vocab_size + cols, mask=mask, other=1.0)
+        e = exponential64(seed, position, TARGET_SAMPLE, cols)
         score_r = tl.where(mask, residual / e, -1.0)
         score_p = tl.where(mask, p / e, -1.0)
         tile_r = tl.max(score_r, axis=0)
@@ -93,7 +104,8 @@ def rejection_sample_kernel(
     draft_probs_ptr,  # [num_draft_tokens, vocab_size] (unused without HAS_DRAFT_PROBS)
     is_greedy_ptr,  # [batch] bool
     is_one_hot_ptr,  # [batch] bool
-    uniforms_ptr,  # [num_draft_tokens] float64
+    seeds_ptr,  # [batch] int64
+    positions_ptr,  # [batch] int64
     recovered_ptr,  # [num_target_rows] int64 from sample_recovered_kernel
     vocab_size,
     out_stride,
@@ -105,6 +117,8 @@ def rejection_sample_kernel(
     row0 = start + seq
     greedy = tl.load(is_greedy_ptr + seq)
     one_hot = tl.load(is_one_hot_ptr + seq)
+    seed = tl.load(seeds_ptr + seq)
+    position = tl.load(positions_ptr + seq)
     out_row = out_ptr + seq.to(tl.int64) * out_stride
     rejected = False
     for j in range(0, k):
@@ -120,7 +134,8 @@ def rejection_sample_kernel(
                 if HAS_DRAFT_PROBS:
                     if not one_hot:
                         q_x = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + x).to(tl.float64)
-                accept = tl.load(uniforms_ptr + start + j) * q_x < p_x
+                u = uniform64(seed, position + j, ACCEPT, 0)
+                accept = u * q_x < p_x
                 final = tl.load(recovered_ptr + row)
             if accept:
                 tl.store(out_row + j, x)
@@ -170,21 +185,24 @@ class SpecDecodeMetadata:
 
 @dataclass(frozen=True)
 class SamplingMetadata:
-    """The sampling side of the batch: which sequences are greedy, and the random numbers, drawn by the caller
-    so that it decides how they are seeded."""
+    """The sampling side of the batch: which sequences are greedy, and the key of each one's random numbers."""
 
     is_greedy: torch.Tensor  # [batch] bool: accept while draft == target argmax, then emit the argmax
-    uniforms: torch.Tensor  # [num_draft_tokens] float64 in [0, 1), one per draft token (greedy ones unused)
-    sample_noise: torch.Tensor  # [batch, vocab_size] float64 Exp(1); [batch, 1] when every sequence is greedy
+    seeds: torch.Tensor  # [batch] int64 in [0, 2^63), the Philox key
+    positions: torch.Tensor  # [batch] int64, the position each sequence's first draft token (or bonus) decides
 
     def to(self, device: torch.device | str) -> SamplingMetadata:
-        return SamplingMetadata(self.is_greedy.to(device), self.uniforms.to(device), self.sample_noise.to(device))
+        return SamplingMetadata(self.is_greedy.to(device), self.seeds.to(device), self.positions.to(device))
 
 
 def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
                  sampling: SamplingMetadata) -> None:
     """Shapes and dtypes that the kernels and the reference rely on; a ValueError names the first mismatch."""
     batch, num_draft = spec.batch_size, spec.num_draft_tokens
+    cu = spec.cu_num_draft_tokens
+    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != num_draft:
+        raise ValueError(f"cu_num_draft_tokens must run from 0 to num_draft_tokens = {num_draft}, got "
+                         f"{cu.tolist()}")
     num_rows = num_draft + batch
     if target_probs.dim() != 2 or target_probs.shape[0] != num_rows:
         raise ValueError(f"target_probs must be [num_draft_tokens + batch = {num_rows}, vocab], got "
@@ -196,12 +214,11 @@ def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: 
         ("cu_num_draft_tokens", spec.cu_num_draft_tokens, (batch + 1,), torch.int64),
         ("is_one_hot", spec.is_one_hot, (batch,), torch.bool),
         ("is_greedy", sampling.is_greedy, (batch,), torch.bool),
-        ("uniforms", sampling.uniforms, (num_draft,), torch.float64),
+        ("seeds", sampling.seeds, (batch,), torch.int64),
+        ("positions", sampling.positions, (batch,), torch.int64),
     ]
     if spec.draft_probs is not None:
         checks.append(("draft_probs", spec.draft_probs, (num_draft, vocab), None))
-    noise_width = vocab if batch and not bool(sampling.is_greedy.all()) else sampling.sample_noise.shape[-1]
-    checks.append(("sample_noise", sampling.sample_noise, (batch, noise_width), torch.float64))
     for name, tensor, shape, dtype in checks:
         if tuple(tensor.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)}, got {list(tensor.shape)}")
@@ -216,7 +233,7 @@ def rejection_sample(
     sampling: SamplingMetadata,
 ) -> torch.Tensor:  # [batch, max_spec_len + 1] int64, padded with PLACEHOLDER_TOKEN_ID
     check_inputs(target_probs, target_argmax, spec, sampling)
-    if use_triton(target_probs, sampling.sample_noise):
+    if use_triton(target_probs):
         return rejection_sample_triton(target_probs, target_argmax, spec, sampling)
     return rejection_sample_reference(target_probs, target_argmax, spec, sampling)
 
@@ -232,19 +249,18 @@ def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Ten
     target_probs = target_probs.contiguous()
     has_q = spec.draft_probs is not None
     q = spec.draft_probs.contiguous() if has_q else target_probs  # a valid pointer the kernel never reads
-    # empty tensors get a one-element stand-in: the kernels never read it, but the pointer must be valid
+    # an empty tensor gets a one-element stand-in: the kernels never read it, but the pointer must be valid
     drafts = spec.draft_token_ids if spec.num_draft_tokens else torch.zeros(1, dtype=torch.int64, device=device)
-    u = sampling.uniforms if spec.num_draft_tokens else torch.zeros(1, dtype=torch.float64, device=device)
-    noise = sampling.sample_noise.contiguous()  # [batch, 1] only when all greedy: greedy rows never read it
     # step 1: the token each target row would emit if the round ended there
     recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=device)  # [num_draft_tokens + batch]
     sample_recovered_kernel[(batch, max_k + 1)](
-        recovered, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot, noise,
-        vocab, HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
+        recovered, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot,
+        sampling.seeds, sampling.positions, vocab, HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK,
+        num_warps=vocab_warps())
     # step 2: accept drafts up to the first rejection, then emit the recovered (or bonus) token
     rejection_sample_kernel[(batch,)](
         out, drafts, spec.cu_num_draft_tokens, target_probs, target_argmax, q, sampling.is_greedy, spec.is_one_hot,
-        u, recovered, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
+        sampling.seeds, sampling.positions, recovered, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
     return out
 
 
@@ -252,6 +268,7 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
                                sampling: SamplingMetadata) -> torch.Tensor:  # [batch, max_spec_len + 1] int64
     """Torch reference, vectorised over the batch (drafts padded to max_spec_len). It accepts first and then
     samples one recovered-or-bonus token per sequence, where the kernels sample every row's first."""
+    reference_guard("rejection_sample_reference")
     batch, max_k = spec.batch_size, spec.max_spec_len
     out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
     if batch == 0:
@@ -274,7 +291,8 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
     q_x = torch.ones_like(p_x)
     if spec.draft_probs is not None:
         q_x = torch.where(spec.is_one_hot.unsqueeze(1), q_x, spec.draft_probs[flat, drafts].to(torch.float64))
-    u = sampling.uniforms[flat] if spec.num_draft_tokens else torch.zeros_like(p_x)
+    u = uniform64_reference(sampling.seeds.unsqueeze(1), sampling.positions.unsqueeze(1) + j, Purpose.ACCEPT,
+                            torch.zeros_like(j))  # [batch, max_k]
     accept_random = u * q_x < p_x
     accepted = torch.where(sampling.is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid
     num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [batch]
@@ -295,8 +313,15 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
         # agree, so sampling p is right.
         usable = rejected & ~sampling.is_greedy & (residual.sum(dim=1) > 0)
         p = torch.where(usable.unsqueeze(1), residual, p)
-    # exponential race: argmax p / E with E ~ Exp(1) samples from p / sum(p) without normalising
-    sampled = (p / sampling.sample_noise).argmax(dim=1)
-    final = torch.where(sampling.is_greedy, target_argmax[final_rows], sampled)
+    # exponential race: argmax p / E with E ~ Exp(1) samples from p / sum(p) without normalising; only the
+    # sampled sequences draw noise, at the position their final token decides
+    final = target_argmax[final_rows]
+    sampled = (~sampling.is_greedy).nonzero().squeeze(1)
+    if sampled.numel():
+        vocab = torch.arange(p.shape[1]).unsqueeze(0)
+        noise = exponential64_reference(sampling.seeds[sampled].unsqueeze(1),
+                                        (sampling.positions + num_accepted)[sampled].unsqueeze(1),
+                                        Purpose.TARGET_SAMPLE, vocab)  # [num_sampled, vocab]
+        final[sampled] = (p[sampled] / noise).argmax(dim=1)
     out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.platform import VOCAB_BLOCK, use_triton, vocab_warps
+from kernels.platform import VOCAB_BLOCK, reference_guard, use_triton, vocab_warps
 
 
 @triton.jit
@@ -118,6 +118,7 @@ def compute_probs_reference(
     top_k: torch.Tensor,  # [num_rows] int64
     top_p: torch.Tensor,  # [num_rows]
 ) -> torch.Tensor:  # [num_rows, vocab_size]
+    reference_guard("compute_probs_reference")
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(dtype) / temperature.to(dtype).unsqueeze(1)
     vocab = x.shape[1]

@@ -4,7 +4,9 @@ from pathlib import Path
 
 # Triton kernels are tested on CPU through the interpreter, which must be chosen before any @triton.jit runs.
 # The product dispatches to Triton only for GPU tensors, so this changes nothing else in the tests.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# bench/gpu_check.py runs tests/test_e2e_triton.py on a real GPU with SPECWIRE_TEST_DEVICE=cuda: no interpreter.
+if os.environ.get("SPECWIRE_TEST_DEVICE", "cpu") == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

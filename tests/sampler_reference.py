@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import torch
 
+from kernels.philox import Purpose, exponential64_reference, uniform64_reference
+
 
 def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[list[int]]:
-    draft_token_ids, draft_probs, is_one_hot = spec.draft_token_ids, spec.draft_probs, spec.is_one_hot
-    is_greedy, uniforms, sample_noise = sampling.is_greedy, sampling.uniforms, sampling.sample_noise
+    draft_token_ids, draft_probs, is_one_hot, is_greedy = (spec.draft_token_ids, spec.draft_probs, spec.is_one_hot,
+                                                            sampling.is_greedy)
+    vocab = torch.arange(target_probs.shape[1])
     out = []
     cu = spec.cu_num_draft_tokens.tolist()
     for i in range(len(cu) - 1):
         start, k = cu[i], cu[i + 1] - cu[i]
         row0 = start + i
+        seed, pos = int(sampling.seeds[i]), int(sampling.positions[i])
         tokens: list[int] = []
         final = None
         for j in range(k):
@@ -22,7 +26,8 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
             else:
                 p_x = float(target_probs[row0 + j, x])
                 q_x = 1.0 if bool(is_one_hot[i]) else float(draft_probs[start + j, x])
-                ok = float(uniforms[start + j]) < p_x / q_x
+                u = float(uniform64_reference(seed, pos + j, Purpose.ACCEPT, torch.tensor(0)))
+                ok = u < p_x / q_x
             if not ok:
                 if bool(is_greedy[i]):
                     final = int(target_argmax[row0 + j])
@@ -34,7 +39,7 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
                         p = (p - draft_probs[start + j].to(torch.float64)).clamp_min(0.0)
                     if float(p.sum()) == 0.0:
                         p = target_probs[row0 + j].to(torch.float64)
-                    final = int(torch.argmax(p / sample_noise[i]))
+                    final = int(torch.argmax(p / exponential64_reference(seed, pos + j, Purpose.TARGET_SAMPLE, vocab)))
                 break
             tokens.append(x)
         if final is None:
@@ -42,6 +47,7 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
             if bool(is_greedy[i]):
                 final = int(target_argmax[row0 + n])
             else:
-                final = int(torch.argmax(target_probs[row0 + n].to(torch.float64) / sample_noise[i]))
+                noise = exponential64_reference(seed, pos + n, Purpose.TARGET_SAMPLE, vocab)
+                final = int(torch.argmax(target_probs[row0 + n].to(torch.float64) / noise))
         out.append(tokens + [final])
     return out

@@ -30,17 +30,19 @@ class RunningStack:
 
 
 def start_stack(target_dir: Path, draft_dir: Path, log_dir: Path, *, k: int = 4, dtype: str = "float64",
-                extra_verifier: list[str] = (), extra_draft: list[str] = ()) -> RunningStack:
+                block_size: int = 4, env: dict[str, str] | None = None, extra_verifier: list[str] = (),
+                extra_draft: list[str] = ()) -> RunningStack:
     stack = Stack()
     metrics_port, draft_metrics_port = free_port(), free_port()
     try:
         v = stack.start("verifier", ["verifier", "--model", str(target_dir), "--dtype", dtype, "--max-draft-tokens",
                                      "8", "--metrics-port", str(metrics_port), "--num-blocks", "256",
-                                     "--block-size", "4", *extra_verifier], log_dir=log_dir, timeout_s=120)
+                                     "--block-size", str(block_size), *extra_verifier], log_dir=log_dir, timeout_s=120,
+                        env=env)
         d = stack.start("draft", ["draft", "--model", str(draft_dir), "--dtype", dtype, "--verifier", v.address,
-                                  "--num-speculative-tokens", str(k), "--block-size", "4", "--metrics-port",
-                                  str(draft_metrics_port), *extra_draft],
-                        log_dir=log_dir, timeout_s=120)
+                                  "--num-speculative-tokens", str(k), "--block-size", str(block_size),
+                                  "--metrics-port", str(draft_metrics_port), *extra_draft],
+                        log_dir=log_dir, timeout_s=120, env=env)
     except Exception:
         stack.stop()
         raise

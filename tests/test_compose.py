@@ -4,6 +4,7 @@ shown to reject a broken file."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -32,6 +33,20 @@ def test_compose_file_is_valid_and_wires_the_services():
     assert services["draft"]["environment"]["SPECWIRE_VERIFIER"] == "verifier:50051"
     assert services["draft"]["depends_on"]["verifier"]["condition"] == "service_healthy"
     assert "specwire.healthcheck" in services["verifier"]["healthcheck"]["test"]
+
+
+@pytest.mark.parametrize("override", ["compose.cuda.yaml", "compose.rocm.yaml"])
+def test_gpu_overrides_are_valid(override):
+    out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "-f", str(ROOT / "deploy" / override),
+                          "config", "--format", "json"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "SPECWIRE_TORCH_INDEX_URL": "file:///wheels/rocm"})
+    assert out.returncode == 0, out.stderr
+    verifier = json.loads(out.stdout)["services"]["verifier"]
+    assert verifier["environment"]["SPECWIRE_DEVICE"] == "cuda"
+    if override == "compose.rocm.yaml":
+        assert {d["source"] for d in verifier["devices"]} == {"/dev/kfd", "/dev/dri"}
+    else:
+        assert verifier["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
 
 
 def test_validator_rejects_a_broken_file(tmp_path):

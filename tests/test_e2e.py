@@ -77,13 +77,29 @@ def test_same_seed_same_output_whatever_runs_beside_it(text_stack):
     assert other_seed.token_ids != alone.token_ids
 
 
-def _exact_two_token_marginals(model_dir, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def exact_two_token_marginals(model_dir, prompt: list[int], vocab: int = STAT_VOCAB):
+    """(p(x1), p(x2), p(x2 | x1)) of a small-vocabulary model, in float64."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     with torch.no_grad():
         p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)
         p2_given = torch.stack([model(torch.tensor([prompt + [t]])).logits[0, -1].softmax(-1)
-                                for t in range(STAT_VOCAB)])
+                                for t in range(vocab)])
     return p1, p1 @ p2_given, p2_given
+
+
+def sample_first_two_tokens(draft_address: str, prompt: list[int], n: int) -> torch.Tensor:  # [n, 2]
+    """n seeded generations of two tokens at temperature 1, 48 at a time."""
+    async def sample():
+        async with specwire.AsyncClient(draft_address) as client:
+            sem = asyncio.Semaphore(48)
+
+            async def one(seed):
+                async with sem:
+                    return (await client.generate(prompt_token_ids=prompt, max_tokens=2, temperature=1.0,
+                                                  seed=seed, ignore_eos=True)).token_ids
+            return await asyncio.gather(*[one(s) for s in range(n)])
+
+    return torch.tensor(asyncio.run(sample()))
 
 
 def test_sampled_tokens_follow_the_target_distribution(stat_stack):
@@ -94,21 +110,10 @@ def test_sampled_tokens_follow_the_target_distribution(stat_stack):
     prompt = [1, 5, 2]
     n = 3000
     bound = 0.5 * math.sqrt(STAT_VOCAB / n) + math.sqrt(math.log(1e6) / (2 * n))
-    p1, p2, _ = _exact_two_token_marginals(stat_stack.target_dir, prompt)
-    q1, q2, _ = _exact_two_token_marginals(stat_stack.draft_dir, prompt)
+    p1, p2, _ = exact_two_token_marginals(stat_stack.target_dir, prompt)
+    q1, q2, _ = exact_two_token_marginals(stat_stack.draft_dir, prompt)
     assert 0.5 * float((p1 - q1).abs().sum()) > 2 * bound, "draft too close to the target for a negative control"
-
-    async def sample():
-        async with specwire.AsyncClient(stat_stack.draft) as client:
-            sem = asyncio.Semaphore(48)
-
-            async def one(seed):
-                async with sem:
-                    return (await client.generate(prompt_token_ids=prompt, max_tokens=2, temperature=1.0,
-                                                  seed=seed, ignore_eos=True)).token_ids
-            return await asyncio.gather(*[one(s) for s in range(n)])
-
-    tokens = torch.tensor(asyncio.run(sample()))
+    tokens = sample_first_two_tokens(stat_stack.draft, prompt, n)
     emp1 = torch.bincount(tokens[:, 0], minlength=STAT_VOCAB).double() / n
     emp2 = torch.bincount(tokens[:, 1], minlength=STAT_VOCAB).double() / n
     tv = [0.5 * float((emp1 - p1).abs().sum()), 0.5 * float((emp2 - p2).abs().sum())]

@@ -4,6 +4,7 @@ against its torch reference: exactly for sampling, within float tolerance for at
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import pytest
@@ -120,16 +121,20 @@ def test_sampling_probs_triton_matches_reference(vocab):
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-4)
 
 
-def test_gpu_check_script_runs_its_smoke_mode():
+def test_gpu_check_script_runs_its_smoke_mode(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
-    out = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert '"rejection_sample_exact": true' in out.stdout and '"write_kv_exact": true' in out.stdout
+    script = Path(__file__).resolve().parent.parent / "bench" / "gpu_check.py"
+    out_dir = tmp_path / "gpu-check"
+    # the end-to-end part is tests/test_e2e_triton.py, which this suite runs anyway
+    out = subprocess.run([sys.executable, str(script), "--smoke", "--skip-e2e", "--out", str(out_dir)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    report = json.loads((out_dir / "gpu_check.json").read_text())
+    assert all(report["kernels"][k] is True for k in ("rejection_sample_exact", "write_kv_exact", "uniform64_exact"))
+    assert {(r["batch"], r["k_plus_1"]) for r in report["verify_step"]} == {(1, 1), (1, 5), (2, 1), (2, 5)}
 
 
 def _must_not_run(*args, **kwargs):

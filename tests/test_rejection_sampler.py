@@ -21,8 +21,7 @@ def _greedy_case(drafts: list[int], target_argmax: list[int]) -> list[int]:
     logits[torch.arange(k + 1), torch.tensor(target_argmax)] = 10.0
     spec = SpecDecodeMetadata(torch.tensor(drafts, dtype=torch.int64), torch.tensor([0, k]), None,
                               torch.tensor([True]))
-    sampling = SamplingMetadata(torch.tensor([True]), torch.zeros(k, dtype=torch.float64),
-                                torch.ones(1, vocab, dtype=torch.float64))
+    sampling = SamplingMetadata(torch.tensor([True]), torch.tensor([0]), torch.tensor([0]))
     out = rejection_sample(logits, logits.argmax(1), spec, sampling)
     return out[0].tolist()
 
@@ -52,8 +51,8 @@ def _random_inputs(gen: torch.Generator, num_draft: list[int], vocab: int, *, gr
     return dict(
         target_probs=target_probs, target_argmax=target_probs.argmax(1),
         spec=SpecDecodeMetadata(drafts, cu, draft_probs, torch.tensor(one_hot_mask)),
-        sampling=SamplingMetadata(torch.tensor(greedy_mask), torch.rand(total, generator=gen, dtype=torch.float64),
-                                  torch.empty(batch, vocab, dtype=torch.float64).exponential_(generator=gen)),
+        sampling=SamplingMetadata(torch.tensor(greedy_mask), torch.randint(0, 2**62, (batch,), generator=gen),
+                                  torch.randint(0, 1000, (batch,), generator=gen)),
     )
 
 
@@ -105,8 +104,8 @@ def simulate(mode: str, *, lie_about_q: bool = False, seed: int = 0) -> torch.Te
         target_probs = p[t].reshape(b * (K + 1), VOCAB)
         spec = SpecDecodeMetadata(drafts, torch.arange(b + 1) * K, None if mode == "one-hot" else sent_q,
                                   torch.full((b,), mode == "one-hot"))
-        sampling = SamplingMetadata(torch.zeros(b, dtype=torch.bool), torch.rand(b * K, generator=gen, dtype=torch.float64),
-                                    torch.empty(b, VOCAB, dtype=torch.float64).exponential_(generator=gen))
+        # each generation has its own seed and decides each position once, as a service would
+        sampling = SamplingMetadata(torch.zeros(b, dtype=torch.bool), live + seed * N, pos[live])
         res = rejection_sample(target_probs, target_probs.argmax(1), spec, sampling)
         for j in range(K + 1):
             cur = pos[live]
@@ -146,8 +145,7 @@ def test_acceptance_rate_matches_theory():
     drafts = torch.multinomial(q.expand(n, VOCAB), 1, replacement=True, generator=gen).squeeze(1)
     target = torch.stack([p, p], 0).repeat(n, 1)
     spec = SpecDecodeMetadata(drafts, torch.arange(n + 1), q.expand(n, VOCAB), torch.zeros(n, dtype=torch.bool))
-    sampling = SamplingMetadata(torch.zeros(n, dtype=torch.bool), torch.rand(n, generator=gen, dtype=torch.float64),
-                                torch.empty(n, VOCAB, dtype=torch.float64).exponential_(generator=gen))
+    sampling = SamplingMetadata(torch.zeros(n, dtype=torch.bool), torch.arange(n), torch.zeros(n, dtype=torch.int64))
     res = rejection_sample(target, target.argmax(1), spec, sampling)
     rate = float((res[:, 1] >= 0).double().mean())
     assert abs(rate - float(torch.minimum(p, q).sum())) < 0.01
@@ -159,10 +157,11 @@ def test_launcher_checks_shapes_and_dtypes():
     spec, sampling = inputs["spec"], inputs["sampling"]
     bad = {
         "is_greedy": dict(sampling=dataclasses.replace(sampling, is_greedy=torch.tensor([False]))),
-        "uniforms": dict(sampling=dataclasses.replace(sampling, uniforms=sampling.uniforms.float())),
+        "seeds": dict(sampling=dataclasses.replace(sampling, seeds=sampling.seeds.int())),
+        "positions": dict(sampling=dataclasses.replace(sampling, positions=sampling.positions[:1])),
         "draft_probs": dict(spec=dataclasses.replace(spec, draft_probs=spec.draft_probs[:, :10])),
         "target_probs": dict(target_probs=inputs["target_probs"][:-1]),
-        "sample_noise": dict(sampling=dataclasses.replace(sampling, sample_noise=sampling.sample_noise[:, :1])),
+        "cu_num_draft_tokens": dict(spec=dataclasses.replace(spec, cu_num_draft_tokens=spec.cu_num_draft_tokens + 1)),
     }
     for name, change in bad.items():
         with pytest.raises(ValueError, match=name):

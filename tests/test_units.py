@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from common import rng
 from common.block_manager import BlockManager
 from common.config import parse_bytes
 from common.errors import ErrorCode, ServiceError
@@ -80,14 +79,6 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
-def test_rng_is_keyed_by_seed_position_and_stream():
-    a = rng.uniform(7, 10, rng.Stream.ACCEPT)
-    assert a == rng.uniform(7, 10, rng.Stream.ACCEPT)
-    assert len({a, rng.uniform(7, 11, rng.Stream.ACCEPT), rng.uniform(8, 10, rng.Stream.ACCEPT),
-                rng.uniform(7, 10, rng.Stream.DRAFT_SAMPLE)}) == 4
-    assert 0.0 <= a < 1.0
-
-
 def test_gguf_path_is_converted_once_and_cached(tmp_path, monkeypatch):
     """The GGUF route: a .gguf file resolves to a converted directory in the cache, converted only once
     (the conversion itself ran on the real pair through `make models`; here it is stubbed)."""
@@ -136,3 +127,21 @@ def test_draft_roll_back_keeps_the_confirmed_prefix_and_leaves_the_last_token_to
     fresh = DraftSequence(SamplingParams(temperature=0.0), [4], [4])
     fresh.roll_back()
     assert fresh.cached_token_ids == []  # one verified token: it must be fed
+
+
+def test_device_resolution():
+    import torch
+
+    from common.device import describe_device, resolve_device, resolve_dtype_name
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto") == (torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="torch sees no GPU"):
+            resolve_device("cuda:0")
+    with pytest.raises(ValueError, match="--device must be one of"):
+        resolve_device("tpu")
+    assert resolve_dtype_name("auto", torch.device("cpu")) == "float32"
+    assert resolve_dtype_name("auto", torch.device("cuda", 0)) == "bfloat16"
+    assert resolve_dtype_name("float64", torch.device("cuda", 0)) == "float64"
+    assert describe_device(torch.device("cpu")).platform == "CPU"

@@ -98,4 +98,5 @@ class AsyncEngine:
                  prefix_hit_tokens=s.num_prefix_hit_tokens, preempted=s.num_preempted,
                  verifications=s.num_verifications, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
                  emitted=s.num_emitted_tokens, forward_ms=round(s.forward_s * 1e3, 2),
-                 sample_ms=round(s.sample_s * 1e3, 2), kv_blocks_used=engine.blocks.num_used_blocks)
+                 sample_ms=round(s.sample_s * 1e3, 2), host_ms=round(s.host_s * 1e3, 2),
+                 kv_blocks_used=engine.blocks.num_used_blocks)

@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import DTYPES, format_bytes, option, parse_bytes
+from common.device import DEVICE_CHOICES_HELP
+
+CPU_KV_CACHE_MEMORY = 1 << 30  # the pool's default size on CPU, where the host's memory is shared
 
 
 @dataclass(frozen=True)
@@ -13,11 +16,16 @@ class VerifierConfig:
     model: str = option(None, "target: HF model directory or .gguf file")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50051, "gRPC port")
-    dtype: str = option("float32", "weights and KV cache dtype", choices=DTYPES)
+    device: str = option("auto", DEVICE_CHOICES_HELP)
+    dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
+                        choices=("auto", *DTYPES))
     max_draft_tokens: int = option(16, "largest draft block accepted")
     block_size: int = option(16, "tokens per KV block")
-    kv_cache_memory: int = option(1 << 30, "bytes for the KV pool, used unless --num-blocks is given "
-                                  "(units: K, M, G, GiB...)", parse=parse_bytes, show=format_bytes)
+    gpu_memory_utilization: float = option(0.9, "on a GPU, the fraction of its memory this verifier may use: the KV "
+                                           "pool gets what weights and the largest step's activations leave")
+    kv_cache_memory: int | None = option(None, "bytes for the KV pool (units: K, M, G, GiB...); default: "
+                                         "--gpu-memory-utilization on a GPU, 1GiB on CPU", parse=parse_bytes,
+                                         show=format_bytes)
     num_blocks: int | None = option(None, "KV blocks (overrides --kv-cache-memory)", parse=int)
     max_num_batched_tokens: int = option(2048, "token budget of one step")
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
@@ -26,7 +34,7 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
-        if self.dtype not in DTYPES:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
@@ -36,7 +44,9 @@ class VerifierConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.kv_cache_memory < 1:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < self.max_draft_tokens + 1:
             raise ValueError("max_num_batched_tokens must hold at least one full verification block "

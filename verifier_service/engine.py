@@ -32,8 +32,10 @@ from verifier_service.validation import Limits, check_open, check_proposal
 
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
-                 max_draft_tokens: int, max_num_batched_tokens: int) -> None:
+                 max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32") -> None:
         self.loaded = loaded
+        self.dtype = dtype
+        self.device = model.device
         self.blocks = blocks
         self.max_draft_tokens = max_draft_tokens
         self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, blocks.block_size,
@@ -72,6 +74,7 @@ class VerifierEngine:
             num_emitted_tokens=sum(len(v.token_ids) for v in verdicts),
             forward_s=ran.forward_s,
             sample_s=ran.sample_s,
+            host_s=ran.host_s,
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)

@@ -18,8 +18,9 @@ from verifier_service.verification import VerifyItem, verify_batch
 class RunnerOutput:
     sampled: list[list[int]]  # per verification, in schedule order: accepted drafts then recovered/bonus token
     num_tokens: int  # tokens fed
-    forward_s: float
-    sample_s: float
+    forward_s: float  # preparation, copies and the forward pass
+    sample_s: float  # verification: probabilities, rejection sampling, the copy of the tokens back
+    host_s: float  # the host's share before any device work: block copies queued, batch built on the host
 
 
 class VerifierRunner:
@@ -32,10 +33,11 @@ class VerifierRunner:
         if out.block_copies:
             self.model.kv_cache.copy_blocks(out.block_copies)
         batch, items = self.prepare_inputs(out)
+        host_s = time.perf_counter() - t0
         logits = self.model.forward(batch)  # [num_draft_tokens + num_verifications, vocab_size]
         t1 = time.perf_counter()
         sampled = verify_batch(logits, items) if items else []
-        return RunnerOutput(sampled, batch.input_ids.numel(), t1 - t0, time.perf_counter() - t1)
+        return RunnerOutput(sampled, batch.input_ids.numel(), t1 - t0, time.perf_counter() - t1, host_s)
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[VerifyItem]]:
         """One flattened variable-length batch; logits only for each verification's [last, drafts] rows."""

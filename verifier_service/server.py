@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import structlog
+import torch
 from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
 from common.config import parse_dtype
+from common.device import describe_device, kv_budget_from_utilization, resolve_device, resolve_dtype_name
 from common.grpc_server import build_grpc_server, serve_until_signal
-from common.kv_cache import KVCache, num_blocks_for_budget
-from common.model_loading import load_model
-from common.paged_model import PagedCausalLM, kv_cache_spec
+from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from common.model_loading import LoadedModel, load_model
+from common.paged_model import PagedCausalLM, kv_cache_spec, profile_peak_memory
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 from verifier_service.async_engine import AsyncEngine
-from verifier_service.config import VerifierConfig
+from verifier_service.config import CPU_KV_CACHE_MEMORY, VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.servicer import VerifierServicer
@@ -24,27 +26,45 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 
 
 def build_engine(config: VerifierConfig) -> VerifierEngine:
-    loaded = load_model(config.model, parse_dtype(config.dtype))
+    device = resolve_device(config.device)
+    dtype = resolve_dtype_name(config.dtype, device)
+    loaded = load_model(config.model, parse_dtype(dtype), device)
     spec = kv_cache_spec(loaded.model)
-    num_blocks = config.num_blocks or num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory)
+    num_blocks = config.num_blocks or _num_blocks(config, loaded, spec, device)
     if num_blocks < 1:
-        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block of {config.block_size} "
-                         f"tokens ({spec.bytes_per_token} bytes per token)")
-    kv = KVCache(spec, num_blocks, config.block_size)
-    log.info("kv_cache", num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
+        raise ValueError(f"the KV budget holds no block of {config.block_size} tokens ({spec.bytes_per_token} bytes "
+                         "per token): raise --kv-cache-memory or --gpu-memory-utilization")
+    kv = KVCache(spec, num_blocks, config.block_size, device)
+    info = describe_device(device)
+    log.info("kv_cache", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
+             num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
              bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size)
     model = PagedCausalLM(loaded.model, kv, release_unpacked=True)
     return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size),
                           max_draft_tokens=config.max_draft_tokens,
-                          max_num_batched_tokens=config.max_num_batched_tokens)
+                          max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype)
+
+
+def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:
+    if config.kv_cache_memory is not None:
+        return num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory)
+    if device.type != "cuda":
+        return num_blocks_for_budget(spec, config.block_size, CPU_KV_CACHE_MEMORY)
+    peak = profile_peak_memory(loaded.model, spec, config.block_size, config.max_num_batched_tokens, device)
+    budget = kv_budget_from_utilization(device, config.gpu_memory_utilization, peak)
+    log.info("kv_cache_sizing", gpu_memory_utilization=config.gpu_memory_utilization, peak_bytes=peak,
+             budget_bytes=budget)
+    return num_blocks_for_budget(spec, config.block_size, max(0, budget))
 
 
 def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb2.VerifierInfo:
     loaded = engine.loaded
+    info = describe_device(engine.device)
     return verifier_pb2.VerifierInfo(
         model_id=loaded.model_id, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         max_draft_tokens=config.max_draft_tokens, block_size=config.block_size, max_model_len=loaded.max_model_len,
-        protocol_version=wire.PROTOCOL_VERSION)
+        protocol_version=wire.PROTOCOL_VERSION, device=info.device, device_name=info.name, platform=info.platform,
+        dtype=engine.dtype)
 
 
 async def serve(config: VerifierConfig) -> None:
@@ -59,6 +79,8 @@ async def serve(config: VerifierConfig) -> None:
         start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
     async_engine.start()
     await server.start()
+    info = describe_device(engine.device)
     log.info("verifier_ready", address=f"{config.host}:{server.port}", model=engine.loaded.model_id,
-             vocab_size=engine.loaded.vocab_size, metrics_port=config.metrics_port or None)
+             vocab_size=engine.loaded.vocab_size, device=info.device, device_name=info.name, platform=info.platform,
+             dtype=engine.dtype, metrics_port=config.metrics_port or None)
     await serve_until_signal(server, on_stop=async_engine.stop)

@@ -96,6 +96,7 @@ class StepStats:
     drafted_per_position: list[int] = field(default_factory=list)
     forward_s: float = 0.0
     sample_s: float = 0.0
+    host_s: float = 0.0  # of forward_s: building the batch on the host
 
     @property
     def step_time_s(self) -> float:

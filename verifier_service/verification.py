@@ -1,5 +1,7 @@
-"""From target logits to verdict tokens, in named steps: lay out the drafts and their q, compute the target
-probabilities, draw each sequence's random numbers, then kernels.rejection_sampler."""
+"""From target logits to verdict tokens, in named steps: pack the step's inputs on the host and copy them to the
+logits' device at once, compute the target probabilities, lay out the drafts and densify their q, then
+kernels.rejection_sampler, which draws its own random numbers. One copy of the [batch, k + 1] token matrix comes
+back. No Python loop runs over rows of the vocabulary, nor over the vocabulary."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from common import rng
 from common.sampling import SamplingParams, SparseProbs
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.rejection_sampler import SamplingMetadata, SpecDecodeMetadata, rejection_sample
@@ -25,76 +26,106 @@ class VerifyItem:
     def is_one_hot(self) -> bool:
         return self.draft_probs is None
 
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """Everything a verification step needs besides the logits, on the logits' device."""
+
+    spec: SpecDecodeMetadata
+    sampling: SamplingMetadata
+    sampled_rows: torch.Tensor  # [num_sampled_rows] int64, target rows of the non-greedy items
+    temperature: torch.Tensor  # [num_sampled_rows] float32
+    top_k: torch.Tensor  # [num_sampled_rows] int64
+    top_p: torch.Tensor  # [num_sampled_rows] float32
+    q_rows: torch.Tensor  # [num_q_entries] int64: (row, token id, prob) triples of the sparse q sent
+    q_token_ids: torch.Tensor  # [num_q_entries] int64
+    q_probs: torch.Tensor  # [num_q_entries] float64
+
 
 def verify_batch(
     logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]: per item its k_i draft rows then its bonus row
     items: list[VerifyItem],
 ) -> list[list[int]]:
     """For each item, its accepted draft tokens followed by the recovered or bonus token."""
-    target_probs = compute_target_probs(logits, items)  # [num_draft_tokens + batch, vocab_size]
-    spec = spec_decode_metadata(items, logits.shape[1], target_probs.dtype)
-    sampling = sampling_metadata(items, logits.shape[1])
-    out = rejection_sample(target_probs, logits.argmax(dim=1), spec, sampling)  # [batch, max_spec_len + 1]
+    inputs = pack_inputs(items, logits.device)
+    target_probs = compute_target_probs(logits, inputs)  # [num_draft_tokens + batch, vocab_size]
+    spec = densify_draft_probs(inputs, logits.shape[1], target_probs.dtype)
+    out = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling)  # [batch, max_spec_len + 1]
     return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+
+
+def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
+    """The step's integer inputs in one int64 buffer and its real ones in one float64 buffer: two copies to
+    the device, whatever the batch."""
+    ints: list[list[int]] = []
+    reals: list[list[float]] = []
+    ints.append([t for it in items for t in it.draft_token_ids])  # draft token ids
+    cu = [0]
+    for it in items:
+        cu.append(cu[-1] + it.num_draft_tokens)
+    ints.append(cu)  # cu_num_draft_tokens
+    ints.append([int(it.is_one_hot) for it in items])
+    ints.append([int(it.sampling.is_greedy) for it in items])
+    ints.append([it.sampling.seed for it in items])
+    ints.append([it.start_position for it in items])
+    sampled_rows, temperature, top_k, top_p = [], [], [], []
+    q_rows, q_token_ids, q_probs = [], [], []
+    for i, it in enumerate(items):
+        if it.sampling.is_greedy:
+            continue
+        first_row = cu[i] + i
+        for j in range(it.num_draft_tokens + 1):
+            sampled_rows.append(first_row + j)
+            temperature.append(it.sampling.temperature)
+            top_k.append(it.sampling.top_k)
+            top_p.append(it.sampling.top_p)
+        for j, q in enumerate(it.draft_probs or ()):  # q rows are indexed by flat draft token
+            q_rows.extend([cu[i] + j] * len(q.token_ids))
+            q_token_ids.extend(q.token_ids)
+            q_probs.extend(q.probs)
+    ints += [sampled_rows, top_k, q_rows, q_token_ids]
+    reals += [temperature, top_p, q_probs]
+    (draft_ids, cu_t, one_hot, greedy, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t) = _copy(
+        ints, torch.int64, device)
+    temperature_t, top_p_t, q_probs_t = _copy(reals, torch.float64, device)
+    return VerifyInputs(
+        spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool()),
+        sampling=SamplingMetadata(greedy.bool(), seeds, positions),
+        sampled_rows=rows_t, temperature=temperature_t.float(), top_k=top_k_t, top_p=top_p_t.float(),
+        q_rows=q_rows_t, q_token_ids=q_ids_t, q_probs=q_probs_t,
+    )
+
+
+def _copy(parts: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    flat = torch.tensor([x for part in parts for x in part], dtype=dtype).to(device)
+    return list(flat.split([len(part) for part in parts]))
 
 
 def compute_target_probs(
     logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]
-    items: list[VerifyItem],
+    inputs: VerifyInputs,
 ) -> torch.Tensor:  # [num_draft_tokens + batch, vocab_size]; the rows of greedy items are never read
     """p: the target distribution after each item's temperature, top-k and top-p, in float32 (float64 logits
     stay float64). An all-greedy step returns the logits themselves."""
-    row_sampling = [it.sampling for it in items for _ in range(len(it.draft_token_ids) + 1)]
-    sampled_rows = [i for i, s in enumerate(row_sampling) if not s.is_greedy]
-    if not sampled_rows:
+    if inputs.sampled_rows.numel() == 0:
         return logits
-    params = [row_sampling[i] for i in sampled_rows]
-    idx = torch.tensor(sampled_rows)
-    probs = torch.zeros(logits.shape, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
-    probs[idx] = compute_probs(
-        logits[idx],
-        torch.tensor([s.temperature for s in params]),
-        torch.tensor([s.top_k for s in params], dtype=torch.int64),
-        torch.tensor([s.top_p for s in params]),
-    )
+    probs = torch.zeros(logits.shape, dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32,
+                        device=logits.device)
+    probs[inputs.sampled_rows] = compute_probs(logits[inputs.sampled_rows], inputs.temperature, inputs.top_k,
+                                               inputs.top_p).to(probs.dtype)
     return probs
 
 
-def spec_decode_metadata(items: list[VerifyItem], vocab_size: int, probs_dtype: torch.dtype) -> SpecDecodeMetadata:
-    """The drafts flattened, and q densified from its (row, token id, prob) triples for the sampled items that
-    sent it (greedy items never read q, one-hot items have none)."""
-    draft_token_ids = torch.tensor([t for it in items for t in it.draft_token_ids], dtype=torch.int64)
-    cu_num_draft_tokens = torch.zeros(len(items) + 1, dtype=torch.int64)
-    cu_num_draft_tokens[1:] = torch.tensor([len(it.draft_token_ids) for it in items], dtype=torch.int64).cumsum(0)
-    rows: list[int] = []
-    token_ids: list[int] = []
-    probs: list[float] = []
-    for it, first_row in zip(items, cu_num_draft_tokens.tolist(), strict=False):
-        if it.is_one_hot or it.sampling.is_greedy:
-            continue
-        for j, q in enumerate(it.draft_probs):
-            rows.extend([first_row + j] * len(q.token_ids))
-            token_ids.extend(q.token_ids)
-            probs.extend(q.probs)
-    draft_probs = None
-    if rows:
-        draft_probs = torch.zeros((draft_token_ids.numel(), vocab_size), dtype=probs_dtype)
-        draft_probs[torch.tensor(rows), torch.tensor(token_ids)] = torch.tensor(probs, dtype=probs_dtype)
-    is_one_hot = torch.tensor([it.is_one_hot for it in items], dtype=torch.bool)
-    return SpecDecodeMetadata(draft_token_ids, cu_num_draft_tokens, draft_probs, is_one_hot)
-
-
-def sampling_metadata(items: list[VerifyItem], vocab_size: int) -> SamplingMetadata:
-    """Each sampled item's random numbers, keyed by (seed, position, purpose) so they do not depend on the rest of
-    the batch: a uniform per draft token, and one Exp(1) vector for the recovered-or-bonus sample."""
-    is_greedy = torch.tensor([it.sampling.is_greedy for it in items], dtype=torch.bool)
-    uniforms = torch.tensor(
-        [rng.uniform(it.sampling.seed, it.start_position + j, rng.Stream.ACCEPT) if not it.sampling.is_greedy else 0.0
-         for it in items for j in range(len(it.draft_token_ids))], dtype=torch.float64)
-    # greedy rows never read the noise: an all-greedy step needs none of [batch, vocab]
-    any_sampled = not bool(is_greedy.all())
-    noise = torch.ones((len(items), vocab_size if any_sampled else 1), dtype=torch.float64)
-    for i, it in enumerate(items):
-        if not it.sampling.is_greedy:
-            noise[i] = rng.exponential(it.sampling.seed, it.start_position, rng.Stream.TARGET_SAMPLE, vocab_size)
-    return SamplingMetadata(is_greedy, uniforms, noise)
+def densify_draft_probs(inputs: VerifyInputs, vocab_size: int, probs_dtype: torch.dtype) -> SpecDecodeMetadata:
+    """q as [num_draft_tokens, vocab_size], scattered from its (row, token id, prob) triples; None when no
+    sampled item sent one (greedy items never read q, one-hot items have none)."""
+    spec = inputs.spec
+    if inputs.q_rows.numel() == 0:
+        return spec
+    draft_probs = torch.zeros((spec.num_draft_tokens, vocab_size), dtype=probs_dtype, device=inputs.q_rows.device)
+    draft_probs[inputs.q_rows, inputs.q_token_ids] = inputs.q_probs.to(probs_dtype)
+    return SpecDecodeMetadata(spec.draft_token_ids, spec.cu_num_draft_tokens, draft_probs, spec.is_one_hot)

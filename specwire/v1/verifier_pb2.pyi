@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,10 @@ class VerifierInfo(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -27,7 +31,11 @@ class VerifierInfo(_message.Message):
     block_size: int
     max_model_len: int
     protocol_version: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ...) -> None: ...
+    device: str
+    device_name: str
+    platform: str
+    dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
     __slots__ = ("hello", "open", "propose", "close")

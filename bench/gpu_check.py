@@ -1,0 +1,217 @@
+"""The one-shot GPU check (issue 9): one command, under 8 minutes on one GPU, fails loudly and never skips.
+
+    bash bench/gpu_check.sh                      # on the GPU machine: installs .gpu-wheels, runs this, writes $OUT
+    TRITON_INTERPRET=1 python bench/gpu_check.py --smoke     # CPU, tiny shapes: what CI runs
+
+Steps, each recorded in $OUT/gpu_check.json (or --out), and a table on stdout:
+1. the environment: torch, triton, device, platform;
+2. every kernel against its reference on the device, and the Philox generator bit for bit (bench/kernels.py);
+3. the end-to-end tests through both services on the device (tests/test_e2e_triton.py with SPECWIRE_TEST_DEVICE);
+4. kernel timings against the measured copy bandwidth (bench/kernels.py);
+5. verify-step timings of random-weight bf16 models shaped like Qwen2.5-1.5B and a 7B (Qwen2.5-7B): batch 1, 8,
+   32 and 64, k + 1 = 1 and 5: step time, tokens/s, the share of the weight-read floor (weight bytes / copy
+   bandwidth) and the host time per step (building the batch and the verification inputs, before any device work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import torch  # noqa: E402
+
+SHAPES = {  # hidden, intermediate, layers, heads, kv heads, vocab (Qwen2.5 configs)
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2, 151936),
+    "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064),
+}
+SMOKE_SHAPES = {"tiny": (64, 128, 2, 4, 2, 1000)}
+
+
+class CheckFailed(RuntimeError):
+    pass
+
+
+def environment(device: str) -> dict:
+    import triton
+
+    env = {"torch": torch.__version__, "triton": triton.__version__, "device": device,
+           "interpreter": os.environ.get("TRITON_INTERPRET") == "1"}
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
+                   platform=f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}")
+    return env
+
+
+def kernels(smoke: bool, out_dir: Path) -> dict:
+    """bench/kernels.py: exactness of every kernel on the device, then (on a GPU) timings vs copy bandwidth."""
+    path = out_dir / "kernels.json"
+    cmd = [sys.executable, str(ROOT / "bench" / "kernels.py"), "--json", str(path)] + (["--smoke"] if smoke else [])
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(run.stdout)
+    if run.returncode != 0:
+        raise CheckFailed(f"bench/kernels.py failed:\n{run.stderr[-3000:]}")
+    results = json.loads(path.read_text())
+    for key in ("rejection_sample_exact", "write_kv_exact", "uniform64_exact"):
+        if results.get(key) is not True:
+            raise CheckFailed(f"{key} is {results.get(key)!r}")
+    if results["paged_attention_max_abs_err"] > 2e-2 or results["sampling_probs_max_abs_err"] > 1e-5:
+        raise CheckFailed(f"kernel error too large: {results}")
+    return results
+
+
+def end_to_end(out_dir: Path) -> dict:
+    """tests/test_e2e_triton.py on the GPU: both services with --device cuda, greedy identity, seeded
+    reproducibility and the statistical test with its negative control."""
+    env = {**os.environ, "SPECWIRE_TEST_DEVICE": "cuda"}
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           str(ROOT / "tests" / "test_e2e_triton.py"), f"--junitxml={out_dir / 'e2e.xml'}"]
+    t0 = time.perf_counter()
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+    print(run.stdout[-3000:])
+    if run.returncode != 0:
+        raise CheckFailed(f"end-to-end tests failed on the device:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+    if " skipped" in run.stdout:
+        raise CheckFailed("an end-to-end test skipped on the GPU")
+    return {"passed": True, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def build_random_model(shape: tuple, device: str, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    hidden, inter, layers, heads, kv_heads, vocab = shape
+    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=32768,
+                         tie_word_embeddings=False)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def verify_step_timings(shape_name: str, shape: tuple, device: str, bandwidth: float, *, smoke: bool) -> list[dict]:
+    """Step time of one verification step: B sequences with a 512-token context each feed k + 1 tokens."""
+    from common.block_manager import BlockManager
+    from common.kv_cache import KVCache
+    from common.paged_model import PagedCausalLM, kv_cache_spec
+    from common.sampling import SamplingParams
+    from verifier_service.model_runner import VerifierRunner
+    from verifier_service.scheduler import ScheduledSeq, SchedulerOutput
+    from verifier_service.sequence import Sequence, SequenceStatus
+    from verifier_service.types import ProposeCmd, SeqKey
+
+    dtype = torch.float32 if smoke else torch.bfloat16
+    model = build_random_model(shape, device, dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    floor_s = weight_bytes / bandwidth if bandwidth else 0.0
+    context, block = (32, 16) if smoke else (512, 16)
+    batches = (1, 2) if smoke else (1, 8, 32, 64)
+    spec = kv_cache_spec(model)
+    max_batch = max(batches)
+    num_blocks = max_batch * (-(-(context + 8) // block))
+    runner = VerifierRunner(PagedCausalLM(model, KVCache(spec, num_blocks, block, device)),
+                            BlockManager(num_blocks, block))
+    vocab = shape[-1]
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        for width in (1, 5):  # k + 1
+            k = width - 1
+            blocks = BlockManager(num_blocks, block)
+            runner.blocks = blocks
+            out = SchedulerOutput()
+            for i in range(batch):
+                prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+                seq = Sequence(SeqKey(1, i), prompt, context, SamplingParams(temperature=0.8, seed=i),
+                               num_cached=context - 1, status=SequenceStatus.RUNNING)
+                blocks.allocate(seq.key, context + k)
+                drafts = tuple(torch.randint(0, vocab, (k,), generator=gen).tolist())
+                out.scheduled.append(ScheduledSeq(seq, context - 1, context + k, ProposeCmd(seq.key, context, drafts,
+                                                                                            None), 0))
+            times, hosts = [], []
+            for rep in range(2 if smoke else 8):
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                runner.prepare_inputs(out)  # the host's share: metadata, packing (the run repeats it)
+                t_host = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                ran = runner.run(out)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if rep:  # the first is warm-up (Triton compiles)
+                    times.append(time.perf_counter() - t0)
+                    hosts.append(t_host)
+                assert len(ran.sampled) == batch
+            step = sorted(times)[len(times) // 2]
+            host = sorted(hosts)[len(hosts) // 2]
+            rows.append({"model": shape_name, "batch": batch, "k_plus_1": width, "step_ms": round(step * 1e3, 3),
+                         "tokens_per_s": round(batch * width / step, 1), "host_ms": round(host * 1e3, 3),
+                         "host_share": round(host / step, 3),
+                         "floor_share": round(floor_s / step, 3) if floor_s else None})
+            print(f"| {shape_name} | {batch} | {width} | {rows[-1]['step_ms']} | {rows[-1]['tokens_per_s']} | "
+                  f"{rows[-1]['host_ms']} ({100 * rows[-1]['host_share']:.0f} %) | {rows[-1]['floor_share']} |",
+                  flush=True)
+    del runner, model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def goals(rows: list[dict]) -> dict:
+    """The issue's goals, computed (figures for the note, not pass/fail)."""
+    by = {(r["model"], r["batch"], r["k_plus_1"]): r for r in rows}
+    out = {}
+    if ("qwen2.5-7b", 64, 5) in by:
+        out["7b_64x5_over_64x1"] = round(by[("qwen2.5-7b", 64, 5)]["step_ms"] / by[("qwen2.5-7b", 64, 1)]["step_ms"], 3)
+        out["7b_batch1_step_over_floor"] = round(1 / by[("qwen2.5-7b", 1, 1)]["floor_share"], 3)
+        out["7b_batch64_host_share"] = by[("qwen2.5-7b", 64, 5)]["host_share"]
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, interpreter (CI)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench/out")))
+    parser.add_argument("--skip-e2e", action="store_true", help="(smoke only) leave the end-to-end tests to pytest")
+    args = parser.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if not args.smoke and not torch.cuda.is_available():
+        print("FAIL: no GPU visible to torch (this check never skips; use --smoke on CPU)", file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"environment": environment(device)}
+    print(json.dumps(report["environment"]))
+    try:
+        report["kernels"] = kernels(args.smoke, args.out)
+        if not (args.smoke and args.skip_e2e):
+            report["end_to_end"] = end_to_end(args.out)
+        bandwidth = report["kernels"].get("copy_gbps", 0.0) * 1e9
+        print("| model | batch | k+1 | step ms | tokens/s | host ms (share) | floor share |\n|---|---|---|---|---|---|---|")
+        rows = []
+        for name, shape in (SMOKE_SHAPES if args.smoke else SHAPES).items():
+            rows += verify_step_timings(name, shape, device, bandwidth, smoke=args.smoke)
+        report["verify_step"] = rows
+        report["goals"] = goals(rows)
+        print(json.dumps(report["goals"]))
+    except CheckFailed as err:
+        report["failure"] = str(err)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+        print(f"FAIL: {err}", file=sys.stderr)
+        return 1
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2))
+    print(f"OK: {args.out / 'gpu_check.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""The GPU code path end to end on CPU: both services run with SPECWIRE_KERNELS=triton under TRITON_INTERPRET=1,
+so every attention, KV write, sampling-probability and rejection-sampling call goes through the Triton kernels
+(the torch references raise if called), with float32 tiny models.
+
+bench/gpu_check.py runs the same tests on a GPU with SPECWIRE_TEST_DEVICE=cuda: `--device cuda`, compiled
+kernels, no interpreter."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import pytest
+import torch
+from test_e2e import exact_two_token_marginals, sample_first_two_tokens
+
+import specwire
+
+from stacks import start_stack
+from tiny_models import build_model, greedy_continuation, make_text_pair, model_config, perturbed, save, word_tokenizer
+
+DEVICE = os.environ.get("SPECWIRE_TEST_DEVICE", "cpu")
+TRITON_ENV = {"SPECWIRE_KERNELS": "triton", **({"TRITON_INTERPRET": "1"} if DEVICE == "cpu" else {})}
+STAT_VOCAB = 8
+
+
+def _stack(target, draft, log_dir, *, k=4):
+    # block size 16: the Triton attention walks whole pages of a power-of-two size >= 16
+    return start_stack(target, draft, log_dir, k=k, dtype="float32", block_size=16, env=TRITON_ENV,
+                       extra_verifier=["--device", DEVICE], extra_draft=["--device", DEVICE])
+
+
+@pytest.fixture(scope="module")
+def triton_stack(models_dir):
+    target, draft = make_text_pair(models_dir / "triton", "qwen2", dtype=torch.float32)
+    running = _stack(target, draft, models_dir / "logs-triton")
+    yield running
+    running.stack.stop()
+
+
+def _assert_triton_ran(stack):
+    for service in stack.stack.services:
+        log = service.log_text()
+        assert "must not run" not in log, log[-3000:]
+    assert stack.metric("specwire_kv_blocks_used") == 0
+
+
+def test_greedy_equals_target_only_through_the_triton_path(triton_stack):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(triton_stack.target_dir)
+    prompts = ["def fibonacci(n):", "The quick brown fox"]
+    n = 12
+
+    async def run_all():
+        async with specwire.AsyncClient(triton_stack.draft) as client:
+            return await asyncio.gather(*[client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                          num_speculative_tokens=k)
+                                          for p in prompts for k in (1, 4)])
+
+    results = asyncio.run(run_all())
+    for i, prompt in enumerate(prompts):
+        expected = greedy_continuation(triton_stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
+        for j, k in enumerate((1, 4)):
+            assert results[2 * i + j].token_ids == expected, f"prompt {prompt!r}, k={k}"
+    assert sum(r.stats.num_accepted_tokens for r in results) > 0
+    _assert_triton_ran(triton_stack)
+
+
+def test_get_info_names_the_device_platform_and_dtype(triton_stack):
+    import grpc
+
+    from specwire.v1 import verifier_pb2, verifier_pb2_grpc
+
+    with grpc.insecure_channel(triton_stack.verifier) as channel:
+        info = verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetInfoRequest(), timeout=10)
+    assert info.device.startswith(DEVICE) and info.dtype == "float32" and info.device_name
+    assert info.platform == "CPU" if DEVICE == "cpu" else info.platform.startswith(("CUDA", "HIP"))
+
+
+def test_seeded_sampling_is_reproducible_through_the_triton_path(triton_stack):
+    kwargs = dict(max_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=77, ignore_eos=True)
+    with specwire.Client(triton_stack.draft) as client:
+        alone = client.generate("The quick brown fox", **kwargs)
+
+    async def crowded():
+        async with specwire.AsyncClient(triton_stack.draft) as client:
+            others = [client.generate("def fibonacci(n):", max_tokens=8, temperature=1.0, seed=i, ignore_eos=True)
+                      for i in range(3)]
+            return (await asyncio.gather(client.generate("The quick brown fox", **kwargs), *others))[0]
+
+    assert asyncio.run(crowded()).token_ids == alone.token_ids
+    _assert_triton_ran(triton_stack)
+
+
+@pytest.fixture(scope="module")
+def triton_stat_stack(models_dir):
+    tok = word_tokenizer(STAT_VOCAB)
+    # one layer, two heads: the interpreter runs one program per (sequence, head) per layer
+    config = model_config("qwen2", STAT_VOCAB, eos_token_id=None, init=0.5, hidden=32, layers=1, heads=2, kv_heads=1)
+    target = build_model(config, seed=11, dtype=torch.float32)
+    draft = perturbed(target, seed=12, scale=0.6)
+    tdir = save(target, tok, models_dir / "triton-stat-target")
+    ddir = save(draft, tok, models_dir / "triton-stat-draft")
+    running = _stack(tdir, ddir, models_dir / "logs-triton-stat", k=3)
+    yield running
+    running.stack.stop()
+
+
+def test_sampled_tokens_follow_the_target_through_the_triton_path(triton_stat_stack):
+    """As tests/test_e2e.py's statistical test, through the kernels: N = 1000, so TV <= 0.128 (t for 1e-6); the
+    negative control (the draft's own marginals) must be further than that."""
+    prompt, n = [1, 5, 2], 1000
+    bound = 0.5 * math.sqrt(STAT_VOCAB / n) + math.sqrt(math.log(1e6) / (2 * n))
+    p1, p2, _ = exact_two_token_marginals(triton_stat_stack.target_dir, prompt, STAT_VOCAB)
+    q1, _, _ = exact_two_token_marginals(triton_stat_stack.draft_dir, prompt, STAT_VOCAB)
+    tokens = sample_first_two_tokens(triton_stat_stack.draft, prompt, n)
+    emp1 = torch.bincount(tokens[:, 0], minlength=STAT_VOCAB).double() / n
+    emp2 = torch.bincount(tokens[:, 1], minlength=STAT_VOCAB).double() / n
+    tv = [0.5 * float((emp1 - p1).abs().sum()), 0.5 * float((emp2 - p2).abs().sum())]
+    assert max(tv) <= bound, (tv, bound)
+    control = 0.5 * float((emp1 - q1).abs().sum())
+    assert control > bound, f"the test could not tell the draft's distribution apart: {control} <= {bound}"
+    _assert_triton_ran(triton_stat_stack)
