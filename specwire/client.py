@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specwire.errors import from_rpc_error
+from specwire.errors import InvalidArgumentError, from_rpc_error
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 
@@ -79,6 +79,8 @@ def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, ma
                   num_speculative_tokens: int | None, ignore_eos: bool) -> draft_pb2.GenerateRequest:
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
+    if max_tokens < 1:  # caught before sending: the service would answer the same
+        raise InvalidArgumentError(f"max_tokens must be >= 1, got {max_tokens}")
     sampling = wire.sampling_message(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                      max_tokens=max_tokens, ignore_eos=ignore_eos)
     req = draft_pb2.GenerateRequest(sampling=sampling, stop=list(stop or ()))

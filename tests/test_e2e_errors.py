@@ -38,6 +38,22 @@ def test_bad_generate_requests_are_refused_clearly(text_stack, kwargs, error, fr
     assert ok.stats.num_generated_tokens >= 1
 
 
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_max_tokens_below_one_is_refused_by_the_sdk_and_by_the_service(text_stack, max_tokens):
+    with specwire.Client(text_stack.draft) as client, pytest.raises(specwire.InvalidArgumentError, match="max_tokens"):
+        client.generate("hi", max_tokens=max_tokens)
+    # past the SDK, straight to the draft service: 0 is a value, not "unset"
+    from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
+
+    with grpc.insecure_channel(text_stack.draft) as channel:
+        request = draft_pb2.GenerateRequest(text="hi", sampling=wire.sampling_message(max_tokens=max_tokens))
+        with pytest.raises(grpc.RpcError) as err:
+            list(draft_pb2_grpc.DraftStub(channel).Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_tokens" in err.value.details()
+    with specwire.Client(text_stack.draft) as client:  # unset still means the default
+        assert client.generate("hi", temperature=0.0, ignore_eos=True).stats.num_generated_tokens == 16
+
+
 def _verify_stream(address: str, messages: list[verifier_pb2.DraftMessage], n_replies: int):
     with grpc.insecure_channel(address) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)

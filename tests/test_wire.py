@@ -28,10 +28,11 @@ def test_unset_fields_take_the_dataclass_defaults():
     assert wire.sampling_message().max_tokens == SamplingParams().max_tokens == wire.DEFAULT_MAX_TOKENS
 
 
-def test_out_of_range_sampling_is_invalid_argument():
+@pytest.mark.parametrize("field,value", [("top_p", 1.5), ("max_tokens", 0), ("max_tokens", -3), ("temperature", -1.0)])
+def test_out_of_range_sampling_is_invalid_argument(field, value):
     with pytest.raises(ServiceError) as err:
-        wire.sampling_from_proto(wire.sampling_message(top_p=1.5))
-    assert err.value.code is ErrorCode.INVALID_ARGUMENT and "top_p" in err.value.message
+        wire.sampling_from_proto(wire.sampling_message(**{field: value}))
+    assert err.value.code is ErrorCode.INVALID_ARGUMENT and field in err.value.message
 
 
 def test_draft_probs_round_trip_in_float32():

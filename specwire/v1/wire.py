@@ -67,14 +67,14 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults (max_tokens 0 means unset). Raises ServiceError
-    (INVALID_ARGUMENT) with a readable message for out-of-range values."""
+    """Unset fields take SamplingParams' defaults. Raises ServiceError (INVALID_ARGUMENT) with a readable message
+    for out-of-range values, max_tokens 0 included: it is a value, not "unset"."""
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_k=msg.top_k,
         top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         seed=msg.seed if msg.HasField("seed") else None,
-        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         ignore_eos=msg.ignore_eos,
     )
 
