@@ -44,9 +44,9 @@ EXP_MIN = 1e-300
 
 @triton.jit
 def uniform64(seed, position, purpose, index):
-    """float64 in [0, 1) for each element of the `index` block; seed is an int64 scalar, position and purpose
-    integer scalars (or blocks of index's shape)."""
-    c0 = tl.to_tensor(index).to(tl.uint32)
+    """float64 in [0, 1) for each element of `index` (a tensor: a block, or a scalar such as `position * 0`);
+    seed is an int64 scalar, position an integer tensor, purpose an integer."""
+    c0 = index.to(tl.uint32)
     zero = c0 * 0
     c1 = zero + position.to(tl.uint32)
     c2 = zero + purpose

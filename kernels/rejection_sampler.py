@@ -134,7 +134,7 @@ def rejection_sample_kernel(
                 if HAS_DRAFT_PROBS:
                     if not one_hot:
                         q_x = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + x).to(tl.float64)
-                u = uniform64(seed, position + j, ACCEPT, 0)
+                u = uniform64(seed, position + j, ACCEPT, position * 0)
                 accept = u * q_x < p_x
                 final = tl.load(recovered_ptr + row)
             if accept:
