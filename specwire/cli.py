@@ -34,6 +34,8 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream a generation from a draft service")
     p.add_argument("prompt", help="prompt text")
     add_flag(p, "--server", default="127.0.0.1:50052", help="draft service HOST:PORT")
+    add_flag(p, "--connect-timeout", default=10.0, type=float,
+             help="seconds to wait for the draft service to be reachable before failing")
     add_flag(p, "--max-tokens", default=64, type=int, help="tokens to generate")
     add_flag(p, "--temperature", default=1.0, type=float, help="0 for greedy")
     add_flag(p, "--top-k", default=0, type=int, help="0: off")
@@ -115,7 +117,7 @@ def _run_generate(args) -> int:
 
     result = Result()
     try:
-        with Client(args.server) as client:
+        with Client(args.server, connect_timeout=args.connect_timeout) as client:
             stream = client.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                                    num_speculative_tokens=args.num_speculative_tokens, result=result)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from specwire.errors import InvalidArgumentError, from_rpc_error
+from specwire.errors import InvalidArgumentError, UnavailableError, from_rpc_error
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 
@@ -107,15 +108,30 @@ class _Accumulator:
         return None
 
 
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+
+
+def _unreachable(target: str, connect_timeout: float) -> UnavailableError:
+    return UnavailableError(f"no draft service answered at {target} within {connect_timeout:g}s: check the address, "
+                            "and that the service is up (raise connect_timeout to wait longer)")
+
+
 class Client:
-    """Blocking client of a draft service. `target` is HOST:PORT."""
+    """Blocking client of a draft service. `target` is HOST:PORT.
+
+    `timeout`: a deadline for each whole call (None: none). `connect_timeout`: how long a call waits for the
+    service to be reachable before it fails with UnavailableError naming the address (None: wait forever).
+    Breaking out of `stream()` (or closing it) cancels the generation on both services."""
 
     def __init__(self, target: str, *, timeout: float | None = None,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
                  channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._target = target
         self._channel = (grpc.secure_channel(target, channel_credentials) if channel_credentials
                          else grpc.insecure_channel(target))
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._timeout = timeout
+        self._connect_timeout = connect_timeout
 
     def close(self) -> None:
         self._channel.close()
@@ -126,11 +142,23 @@ class Client:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
+    def _wait_connected(self) -> None:
+        if self._connect_timeout is None:
+            return
         try:
-            yield from self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True)
+            grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
+        except grpc.FutureTimeoutError:
+            raise _unreachable(self._target, self._connect_timeout) from None
+
+    def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
+        self._wait_connected()
+        call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True)
+        try:
+            yield from call
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        finally:
+            call.cancel()  # a no-op when the call has ended; frees the generation when the caller stopped early
 
     def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
                max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -156,14 +184,25 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client of a draft service. `target` is HOST:PORT."""
+    """asyncio client of a draft service, with Client's arguments and behaviour."""
 
     def __init__(self, target: str, *, timeout: float | None = None,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
                  channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+        self._target = target
         self._channel = (grpc.aio.secure_channel(target, channel_credentials) if channel_credentials
                          else grpc.aio.insecure_channel(target))
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._timeout = timeout
+        self._connect_timeout = connect_timeout
+
+    async def _wait_connected(self) -> None:
+        if self._connect_timeout is None:
+            return
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout)
+        except TimeoutError:
+            raise _unreachable(self._target, self._connect_timeout) from None
 
     async def close(self) -> None:
         await self._channel.close()
@@ -184,13 +223,17 @@ class AsyncClient:
             acc.result = result
         req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
                             num_speculative_tokens, ignore_eos)
+        await self._wait_connected()
+        call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True)
         try:
-            async for msg in self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True):
+            async for msg in call:
                 chunk = acc.add(msg)
                 if chunk is not None:
                     yield chunk
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
+        finally:
+            call.cancel()  # breaking out of the loop and closing the generator ends the generation
 
     async def generate(self, prompt: str | None = None, **kwargs) -> Result:
         result = Result()

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -116,6 +119,55 @@ def test_cancelled_stream_frees_its_blocks(text_stack):
     while text_stack.metric("specwire_kv_blocks_used") != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert text_stack.metric("specwire_kv_blocks_used") == 0
+
+
+def _requests(stack, outcome: str) -> float:
+    text = urllib.request.urlopen(stack.draft_metrics_url, timeout=5).read().decode()
+    m = re.search(rf'^specwire_draft_requests_total{{outcome="{outcome}"}} ([0-9.e+-]+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_breaking_out_of_a_stream_cancels_the_generation(text_stack, mode):
+    cancelled, ok = _requests(text_stack, "cancelled"), _requests(text_stack, "ok")
+    kwargs = dict(max_tokens=400, temperature=0.0, ignore_eos=True)
+    if mode == "sync":
+        with specwire.Client(text_stack.draft) as client:
+            for _ in client.stream("The quick brown fox", **kwargs):
+                break
+
+    else:
+        async def first_chunk_only():
+            async with specwire.AsyncClient(text_stack.draft) as client:
+                stream = client.stream("The quick brown fox", **kwargs)
+                async for _ in stream:
+                    break
+                await stream.aclose()
+                await asyncio.sleep(0.5)  # the channel stays open: only the cancel can end the call
+
+        asyncio.run(first_chunk_only())
+    deadline = time.monotonic() + 20
+    while _requests(text_stack, "cancelled") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _requests(text_stack, "cancelled") == cancelled + 1
+    assert _requests(text_stack, "ok") == ok, "the generation ran to its end after the client left"
+
+
+def test_a_wrong_address_fails_fast_with_unavailable():
+    address = f"127.0.0.1:{free_port()}"
+    with specwire.Client(address, connect_timeout=1.0) as client:
+        with pytest.raises(specwire.UnavailableError, match=re.escape(address)):
+            client.generate("hi")
+
+    async def aio():
+        async with specwire.AsyncClient(address, connect_timeout=1.0) as client:
+            await client.generate("hi")
+
+    with pytest.raises(specwire.UnavailableError, match=re.escape(address)):
+        asyncio.run(aio())
+    cli = subprocess.run([sys.executable, "-m", "specwire.cli", "generate", "hi", "--server", address,
+                          "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 1 and address in cli.stderr
 
 
 def _grpcurl() -> str:
