@@ -39,10 +39,23 @@ class TextOutput:
     def __init__(self, tokenizer: Any, stop: tuple[str, ...]) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stops = StopStringMatcher(stop)
+        self._has_stops = any(stop)
 
-    def feed(self, token_ids: tuple[int, ...], *, final: bool) -> tuple[str, bool]:
-        """(text to emit now, whether a stop string was found: the generation ends there)."""
-        return self._stops.feed(self._detokenizer.add(list(token_ids), final=final), final=final)
+    def feed(self, token_ids: tuple[int, ...], *, final: bool) -> tuple[tuple[int, ...], str, bool]:
+        """(the tokens to emit, their text, whether a stop string was found). At a stop string the tokens end
+        with the one that completed it, whatever the round's size, so token ids, text and counts agree for
+        every k; the text ends before the stop string."""
+        if not self._has_stops:
+            text, _ = self._stops.feed(self._detokenizer.add(list(token_ids), final=final), final=final)
+            return token_ids, text, False
+        text = ""
+        for i, token in enumerate(token_ids):
+            last = final and i == len(token_ids) - 1
+            delta, stopped = self._stops.feed(self._detokenizer.add([token], final=last), final=last)
+            text += delta
+            if stopped:
+                return token_ids[:i + 1], text, True
+        return token_ids, text, False
 
 
 class Generator:
@@ -100,18 +113,18 @@ class Generator:
                 wait_s = time.perf_counter() - t_sent
                 seq.extend(verdict.token_ids)
                 seq.roll_back()
-                stats.record_round(block, verdict, t_sent - t_draft, wait_s)
+                finished = verdict.finish_reason is not None
+                tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
+                stats.record_round(block, verdict, tokens, t_sent - t_draft, wait_s)
                 if stats.num_rounds == 1:
                     stats.time_to_first_token_s = time.perf_counter() - t0
                 if adaptive:
                     adaptive.observe(block.num_draft_tokens, verdict.num_accepted, t_sent - t_draft, wait_s)
-                finished = verdict.finish_reason is not None
-                text, stopped = output.feed(verdict.token_ids, final=finished)
                 stats.finish_reason = FinishReason.STOP if stopped else verdict.finish_reason
                 if stopped and not finished:  # the verifier would go on: tell it to free the sequence now
                     finished = True
                     self.link.release(seq_id, cancel=True)
-                yield TextChunk(verdict.token_ids, text)
+                yield TextChunk(tokens, text)
         finally:
             # cancelled by the client or failed here: free it on the verifier too
             self.link.release(seq_id, cancel=not finished)

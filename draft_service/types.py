@@ -88,8 +88,10 @@ class GenerationStats:
     verify_time_s: float = 0.0
     num_rejected_rounds: int = 0
 
-    def record_round(self, block: DraftBlock, verdict: VerdictEvent, draft_s: float, wait_s: float) -> None:
-        """One draft -> verify round: what was drafted, what the verifier kept, and where the time went."""
+    def record_round(self, block: DraftBlock, verdict: VerdictEvent, emitted: tuple[int, ...], draft_s: float,
+                     wait_s: float) -> None:
+        """One draft -> verify round: what was drafted, what the verifier kept, what reached the client (fewer
+        tokens than the verdict's when a stop string ended the generation), and where the time went."""
         k = block.num_draft_tokens
         self.num_rounds += 1
         self.draft_time_s += draft_s
@@ -100,4 +102,4 @@ class GenerationStats:
         self.num_rejected_rounds += verdict.num_accepted < k
         count_positions(self.drafted_per_position, k)
         count_positions(self.accepted_per_position, verdict.num_accepted)
-        self.num_generated_tokens += len(verdict.token_ids)
+        self.num_generated_tokens += len(emitted)

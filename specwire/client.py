@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specwire.errors import InvalidArgumentError, UnavailableError, from_rpc_error
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
@@ -109,6 +109,9 @@ class _Accumulator:
 
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
+# NOTE: reachability is probed with a health check (wait_for_ready, bounded by connect_timeout) rather than
+# grpc.channel_ready_future, whose connectivity-polling thread raises "Channel closed!" once the channel closes.
+_HEALTH_CHECK = health_pb2.HealthCheckRequest(service="")
 
 
 def _unreachable(target: str, connect_timeout: float) -> UnavailableError:
@@ -130,6 +133,7 @@ class Client:
         self._channel = (grpc.secure_channel(target, channel_credentials) if channel_credentials
                          else grpc.insecure_channel(target))
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
         self._connect_timeout = connect_timeout
 
@@ -146,9 +150,11 @@ class Client:
         if self._connect_timeout is None:
             return
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=self._connect_timeout)
-        except grpc.FutureTimeoutError:
-            raise _unreachable(self._target, self._connect_timeout) from None
+            self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise _unreachable(self._target, self._connect_timeout) from None
+            raise from_rpc_error(err) from None
 
     def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
         self._wait_connected()
@@ -193,6 +199,7 @@ class AsyncClient:
         self._channel = (grpc.aio.secure_channel(target, channel_credentials) if channel_credentials
                          else grpc.aio.insecure_channel(target))
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
         self._connect_timeout = connect_timeout
 
@@ -200,9 +207,11 @@ class AsyncClient:
         if self._connect_timeout is None:
             return
         try:
-            await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout)
-        except TimeoutError:
-            raise _unreachable(self._target, self._connect_timeout) from None
+            await self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                raise _unreachable(self._target, self._connect_timeout) from None
+            raise from_rpc_error(err) from None
 
     async def close(self) -> None:
         await self._channel.close()

@@ -57,6 +57,27 @@ def test_streaming_text_and_stop_strings(text_stack):
     assert cut.finish_reason == "stop"
 
 
+def test_stop_strings_end_tokens_text_and_counts_at_the_same_place_for_every_k(text_stack):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(text_stack.target_dir)
+    kwargs = dict(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with specwire.Client(text_stack.draft) as client:
+        full = client.generate("def fibonacci(n):", num_speculative_tokens=0, **kwargs)
+        tail = full.text[len(full.text) // 3:]
+        stop = next(tail[i:i + 2] for i in range(len(tail) - 1) if "\ufffd" not in tail[i:i + 2])
+        cuts = {k: client.generate("def fibonacci(n):", stop=[stop], num_speculative_tokens=k, **kwargs)
+                for k in (0, 1, 4, 8)}
+    for k, cut in cuts.items():
+        assert cut.token_ids == cuts[0].token_ids and cut.text == cuts[0].text, f"k={k}"
+        assert cut.stats.num_generated_tokens == len(cut.token_ids) and cut.finish_reason == "stop"
+    ids = cuts[0].token_ids
+    assert ids == full.token_ids[:len(ids)]
+    # the tokens end with the one that completed the stop string; the text ends before it
+    assert stop in tok.decode(ids) and stop not in tok.decode(ids[:-1]).rstrip("\ufffd")
+    assert cuts[0].text == full.text[:full.text.index(stop)]
+
+
 def test_same_seed_same_output_whatever_runs_beside_it(text_stack):
     kwargs = dict(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     with specwire.Client(text_stack.draft) as client:

@@ -115,3 +115,27 @@ def test_closing_a_stream_frees_its_sequences(pair):
     engine.submit(CloseStreamCmd(9))
     engine.step()
     assert engine.blocks.num_used_blocks == 0 and not engine.scheduler.sequences
+
+
+def test_a_failing_step_ends_exactly_its_sequences_and_the_engine_goes_on(pair, monkeypatch):
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True).with_seed()
+    a, b = SeqKey(1, 1), SeqKey(1, 2)
+    for key in (a, b):
+        engine.submit(OpenCmd(key, (3, 4, 5, 6), greedy))
+        engine.submit(ProposeCmd(key, 4, (7, 7), None))
+    real_run = engine.runner.run
+
+    def broken(out):
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert sorted(e.key.seq_id for e in errors) == [1, 2]
+    assert all(e.code is ErrorCode.INTERNAL and "injected device fault" in e.message for e in errors)
+    assert engine.blocks.num_used_blocks == 0 and not engine.scheduler.sequences
+    monkeypatch.setattr(engine.runner, "run", real_run)
+    (out,), _ = _run(engine, [[3, 4, 5, 6]], 4, oracle=[greedy_continuation(target, [3, 4, 5, 6], 4)])
+    assert out == greedy_continuation(target, [3, 4, 5, 6], 4)
+    assert engine.blocks.num_used_blocks == 0

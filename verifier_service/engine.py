@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import queue
 
+import structlog
+
 from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError
 from common.model_loading import LoadedModel
 from common.paged_model import PagedCausalLM
 from verifier_service.model_runner import VerifierRunner
-from verifier_service.scheduler import Scheduler
+from verifier_service.scheduler import Scheduler, SchedulerOutput
 from verifier_service.sequence import Sequence
 from verifier_service.types import (
     CloseCmd,
@@ -28,6 +30,8 @@ from verifier_service.types import (
     StepStats,
 )
 from verifier_service.validation import Limits, check_open, check_proposal
+
+log = structlog.get_logger(__name__)
 
 
 class VerifierEngine:
@@ -62,8 +66,12 @@ class VerifierEngine:
         outcomes.extend(scheduled.outcomes)
         if not scheduled.scheduled:
             return StepResult(outcomes, None)
-        ran = self.runner.run(scheduled)
-        verdicts = self.scheduler.postprocess(scheduled, ran.sampled, ran.forward_s + ran.sample_s)
+        try:
+            ran = self.runner.run(scheduled)
+            verdicts = self.scheduler.postprocess(scheduled, ran.sampled, ran.forward_s + ran.sample_s)
+        except Exception as err:  # noqa: BLE001 - the step's sequences end; every other sequence goes on
+            outcomes.extend(self._fail(scheduled, err))
+            return StepResult(outcomes, None)
         outcomes.extend(verdicts)
         stats = StepStats(
             num_seqs=len(scheduled.scheduled),
@@ -79,6 +87,19 @@ class VerifierEngine:
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
         return StepResult(outcomes, stats)
+
+    def _fail(self, scheduled: SchedulerOutput, err: Exception) -> list[Outcome]:
+        """A step that raised ends exactly the sequences it ran, with INTERNAL, and frees their blocks: their
+        proposals were taken off their queues, so waiting for a verdict would hang their clients."""
+        log.exception("step_failed", num_seqs=len(scheduled.scheduled))
+        failed = []
+        for item in scheduled.scheduled:
+            key = item.seq.key
+            if key in self.scheduler.sequences:
+                self.scheduler.release(key)
+                failed.append(ErrorOut(key, ErrorCode.INTERNAL, f"the verification step failed "
+                                       f"({type(err).__name__}: {err}); this sequence was ended"))
+        return failed
 
     def has_runnable_work(self) -> bool:
         return self.scheduler.has_work()
