@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from common.errors import invalid_argument
 
 MAX_SEED = 2**63 - 1
+# NOTE: temperatures below this are greedy (vLLM's rule). Dividing logits by a temperature near zero overflows
+# them to inf and the softmax to NaN; greedy is what such a temperature means anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        """temperature < GREEDY_TEMPERATURE (0 included) samples the argmax."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def with_seed(self) -> SamplingParams:
         """The same parameters with a seed drawn now if none was given: every sequence gets its own stream."""

@@ -61,7 +61,7 @@ class DraftModel:
                                    [len(jobs[i][0].token_ids) + step for i in active],
                                    need_confidence=any(jobs[i][2] > 0 for i in active))
             for i, (token, q, confidence) in zip(active, samples, strict=True):
-                if step > 0 and confidence < jobs[i][2]:
+                if token is None or (step > 0 and confidence < jobs[i][2]):  # None: non-finite draft logits
                     stopped[i] = True
                     continue
                 drafted[i].append(token)
@@ -99,14 +99,20 @@ class DraftModel:
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,
-                need_confidence: bool = False) -> list[tuple[int, SparseProbs | None, float]]:
+                need_confidence: bool = False) -> list[tuple[int | None, SparseProbs | None, float]]:
         """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution;
-        1.0 unless need_confidence, which costs a softmax over the vocabulary per row)."""
+        1.0 unless need_confidence, which costs a softmax over the vocabulary per row). A row whose logits are
+        not all finite gives (None, None, 0.0): that sequence's block ends there, and the verifier, which decides
+        every token, is not misled (a draft's numerics cannot change the output, only its speed)."""
+        finite = torch.isfinite(logits).all(dim=1).tolist()
         confidence = (logits.float().softmax(dim=1).max(dim=1).values.tolist() if need_confidence
                       else [1.0] * logits.shape[0])
-        out: list[tuple[int, SparseProbs | None, float]] = [
+        out: list[tuple[int | None, SparseProbs | None, float]] = [
             (int(t), None, c) for t, c in zip(logits.argmax(dim=1).tolist(), confidence, strict=True)]
-        sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        for i, ok in enumerate(finite):
+            if not ok:
+                out[i] = (None, None, 0.0)
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy and finite[i]]
         if not sampled:
             return out
         params = [seqs[i].sampling for i in sampled]
@@ -121,16 +127,15 @@ class DraftModel:
         top_probs, top_ids = top_probs.to("cpu", torch.float64), top_ids.cpu()
         for row, i in enumerate(sampled):
             keep = top_probs[row] > 0
-            q_probs = top_probs[row][keep]
-            q_probs = q_probs / q_probs.sum()
-            # NOTE: the wire carries float32; sample from the rounded q so the verifier sees exactly the q used.
-            q_probs = q_probs.to(torch.float32).to(torch.float64)
-            q_probs = q_probs / q_probs.sum()
             q_ids = top_ids[row][keep]
+            # NOTE: the wire carries float32. The draft samples from exactly the float32 values that travel: the
+            # exponential race argmax q / E draws from q / sum(q) without normalising, and the verifier divides
+            # the same values by their exactly rounded sum (math.fsum), so both sides hold the same q.
+            q_sent = (top_probs[row][keep] / top_probs[row][keep].sum()).to(torch.float32).to(torch.float64)
             noise = exponential64_reference(seqs[i].sampling.seed, positions[i], Purpose.DRAFT_SAMPLE, q_ids)
-            j = int(torch.argmax(q_probs / noise))
-            out[i] = (int(q_ids[j]), SparseProbs(tuple(q_ids.tolist()), tuple(q_probs.tolist())),
-                      float(q_probs.max()))
+            j = int(torch.argmax(q_sent / noise))
+            out[i] = (int(q_ids[j]), SparseProbs(tuple(q_ids.tolist()), tuple(q_sent.tolist())),
+                      float(q_sent.max()))
         return out
 
 

@@ -78,6 +78,22 @@ def test_stop_strings_end_tokens_text_and_counts_at_the_same_place_for_every_k(t
     assert cuts[0].text == full.text[:full.text.index(stop)]
 
 
+def test_a_tiny_temperature_is_greedy_and_harms_no_neighbour(text_stack):
+    """temperature=1e-45 used to overflow the logits to NaN and fail every request drafted beside it."""
+    async def run():
+        async with specwire.AsyncClient(text_stack.draft) as client:
+            return await asyncio.gather(
+                client.generate("The quick brown fox", max_tokens=10, temperature=1e-45, ignore_eos=True),
+                *[client.generate(p, max_tokens=10, temperature=0.8, seed=i, ignore_eos=True)
+                  for i, p in enumerate(PROMPTS)])
+
+    tiny, *others = asyncio.run(run())
+    with specwire.Client(text_stack.draft) as client:
+        greedy = client.generate("The quick brown fox", max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert tiny.token_ids == greedy.token_ids
+    assert all(o.stats.num_generated_tokens == 10 for o in others)
+
+
 def test_same_seed_same_output_whatever_runs_beside_it(text_stack):
     kwargs = dict(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
     with specwire.Client(text_stack.draft) as client:

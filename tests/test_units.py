@@ -145,3 +145,58 @@ def test_device_resolution():
     assert resolve_dtype_name("auto", torch.device("cuda", 0)) == "bfloat16"
     assert resolve_dtype_name("float64", torch.device("cuda", 0)) == "float64"
     assert describe_device(torch.device("cpu")).platform == "CPU"
+
+
+def test_the_draft_samples_from_exactly_the_q_it_sends_and_the_verifier_normalises_it_exactly():
+    import math
+
+    import numpy as np
+    import torch
+
+    from draft_service.proposer import DraftModel
+    from draft_service.sequence import DraftSequence
+    from kernels.philox import Purpose, exponential64_reference
+    from verifier_service.verification import VerifyItem, pack_inputs
+
+    model = DraftModel(runner=None, blocks=None, q_max_support=7)
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1), dtype=torch.float32) * 2
+    seqs = [DraftSequence(SamplingParams(temperature=t, seed=s), [1]) for t, s in ((0.7, 3), (1.3, 2**40), (0.0, 1))]
+    out = model._sample(logits, seqs, [5, 9, 2])
+    for (token, q, _), seq, pos in list(zip(out, seqs, [5, 9, 2], strict=True))[:2]:
+        assert all(float(np.float32(p)) == p for p in q.probs)  # what travels as float32 is what was used
+        ids = torch.tensor(q.token_ids)
+        noise = exponential64_reference(seq.sampling.seed, pos, Purpose.DRAFT_SAMPLE, ids)
+        assert token == q.token_ids[int(torch.argmax(torch.tensor(q.probs, dtype=torch.float64) / noise))]
+    assert out[2][1] is None and out[2][0] == int(logits[2].argmax())
+    # the verifier divides by the exactly rounded sum: a q off by float32 rounding sums to 1 exactly after it
+    q = out[0][1]
+    inputs = pack_inputs([VerifyItem(seqs[0].sampling, 5, (out[0][0],), (q,))], torch.device("cpu"))
+    assert inputs.q_probs.tolist() == [p / math.fsum(q.probs) for p in q.probs]
+
+
+def test_non_finite_logits_fail_only_their_own_sequence():
+    import torch
+
+    from draft_service.proposer import DraftModel
+    from draft_service.sequence import DraftSequence
+    from verifier_service.verification import VerifyItem, verify_batch
+
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(4))
+    logits[1, 7] = float("nan")  # item 0's second row (its bonus row)
+    items = [VerifyItem(SamplingParams(temperature=0.0, seed=1), 10, (3,), None),
+             VerifyItem(SamplingParams(temperature=0.8, seed=2), 20, (4, 5), None)]
+    out = verify_batch(logits, items)
+    assert out[0] is None and out[1] is not None and 1 <= len(out[1]) <= 3
+    # the draft: a non-finite row ends that sequence's block (the verifier still decides every token)
+    draft_logits = torch.randn(2, 30)
+    draft_logits[0, 3] = float("inf")
+    model = DraftModel(runner=None, blocks=None, q_max_support=8)
+    seqs = [DraftSequence(SamplingParams(temperature=0.9, seed=5), [1]),
+            DraftSequence(SamplingParams(temperature=0.9, seed=6), [1])]
+    samples = model._sample(draft_logits, seqs, [1, 1])
+    assert samples[0] == (None, None, 0.0) and samples[1][0] is not None and samples[1][1] is not None
+
+
+def test_tiny_temperatures_are_greedy():
+    assert SamplingParams(temperature=1e-45).is_greedy and SamplingParams(temperature=0.0).is_greedy
+    assert not SamplingParams(temperature=1e-4).is_greedy

@@ -28,6 +28,7 @@ from verifier_service.types import (
     ProposeCmd,
     StepResult,
     StepStats,
+    VerdictOut,
 )
 from verifier_service.validation import Limits, check_open, check_proposal
 
@@ -79,13 +80,14 @@ class VerifierEngine:
             num_prefill_tokens=sum(item.num_prefill_tokens for item in scheduled.scheduled),
             num_prefix_hit_tokens=scheduled.num_prefix_hit_tokens,
             num_preempted=scheduled.num_preempted,
-            num_emitted_tokens=sum(len(v.token_ids) for v in verdicts),
+            num_emitted_tokens=sum(len(v.token_ids) for v in verdicts if isinstance(v, VerdictOut)),
             forward_s=ran.forward_s,
             sample_s=ran.sample_s,
             host_s=ran.host_s,
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
-            stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
+            if tokens is not None:
+                stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
         return StepResult(outcomes, stats)
 
     def _fail(self, scheduled: SchedulerOutput, err: Exception) -> list[Outcome]:

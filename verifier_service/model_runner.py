@@ -16,7 +16,8 @@ from verifier_service.verification import VerifyItem, verify_batch
 
 @dataclass(frozen=True)
 class RunnerOutput:
-    sampled: list[list[int]]  # per verification, in schedule order: accepted drafts then recovered/bonus token
+    # per verification, in schedule order: accepted drafts then the recovered/bonus token; None: non-finite logits
+    sampled: list[list[int] | None]
     num_tokens: int  # tokens fed
     forward_s: float  # preparation, copies and the forward pass
     sample_s: float  # verification: probabilities, rejection sampling, the copy of the tokens back

@@ -108,10 +108,12 @@ class Scheduler:
         out.num_preempted = self.num_preemptions - preemptions_before
         return out
 
-    def postprocess(self, out: SchedulerOutput, sampled: list[list[int]], step_time_s: float) -> list[VerdictOut]:
+    def postprocess(self, out: SchedulerOutput, sampled: list[list[int] | None],
+                    step_time_s: float) -> list[VerdictOut | ErrorOut]:
         """Apply the step: prefill chunks are now cached; each verification's sampled tokens (accepted drafts,
-        then the recovered or bonus token) extend its sequence, which then finishes or keeps going."""
-        verdicts: list[VerdictOut] = []
+        then the recovered or bonus token) extend its sequence, which then finishes or keeps going. A
+        verification without tokens (non-finite target logits) ends its sequence with INTERNAL."""
+        verdicts: list[VerdictOut | ErrorOut] = []
         batch_size = len(out.scheduled)
         sampled_iter = iter(sampled)
         for item in out.scheduled:
@@ -119,7 +121,14 @@ class Scheduler:
             if item.proposal is None:
                 seq.num_cached = item.end
             else:
-                verdicts.append(self._apply_verdict(item, next(sampled_iter), batch_size, step_time_s))
+                tokens = next(sampled_iter)
+                if tokens is None:
+                    self.release(seq.key)
+                    verdicts.append(ErrorOut(seq.key, ErrorCode.INTERNAL, "the target model produced non-finite "
+                                             f"logits at position {seq.num_tokens} (numerical overflow in its "
+                                             "dtype?); this sequence was ended"))
+                    continue
+                verdicts.append(self._apply_verdict(item, tokens, batch_size, step_time_s))
             if seq.status is SequenceStatus.RUNNING:  # only verified tokens are registered, never drafts
                 self.blocks.commit(seq.key, seq.token_ids, seq.num_cached)
         return verdicts

@@ -5,6 +5,7 @@ back. No Python loop runs over rows of the vocabulary, nor over the vocabulary."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -49,13 +50,18 @@ class VerifyInputs:
 def verify_batch(
     logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]: per item its k_i draft rows then its bonus row
     items: list[VerifyItem],
-) -> list[list[int]]:
-    """For each item, its accepted draft tokens followed by the recovered or bonus token."""
+) -> list[list[int] | None]:
+    """For each item, its accepted draft tokens followed by the recovered or bonus token; None for an item
+    whose target logits are not all finite (its sequence fails alone)."""
     inputs = pack_inputs(items, logits.device)
     target_probs = compute_target_probs(logits, inputs)  # [num_draft_tokens + batch, vocab_size]
     spec = densify_draft_probs(inputs, logits.shape[1], target_probs.dtype)
     out = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling)  # [batch, max_spec_len + 1]
-    return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in out.tolist()]
+    finite_rows = torch.isfinite(logits).all(dim=1)  # [num_draft_tokens + batch]
+    per_item = finite_rows.split([it.num_draft_tokens + 1 for it in items])
+    finite = torch.stack([rows.all() for rows in per_item]).tolist()
+    return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] if ok else None
+            for row, ok in zip(out.tolist(), finite, strict=True)]
 
 
 def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
@@ -86,7 +92,9 @@ def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
         for j, q in enumerate(it.draft_probs or ()):  # q rows are indexed by flat draft token
             q_rows.extend([cu[i] + j] * len(q.token_ids))
             q_token_ids.extend(q.token_ids)
-            q_probs.extend(q.probs)
+            # the float32 values the draft sampled from, divided by their exactly rounded sum (see the proposer)
+            total = math.fsum(q.probs)
+            q_probs.extend(p / total for p in q.probs)
     ints += [sampled_rows, top_k, q_rows, q_token_ids]
     reals += [temperature, top_p, q_probs]
     (draft_ids, cu_t, one_hot, greedy, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t) = _copy(
