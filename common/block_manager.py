@@ -2,9 +2,10 @@
 sequence, reference counts, prefix caching and copy-on-write. The tensors live in common/kv_cache.py.
 
 Prefix caching: a block whose tokens are all *verified* (never drafts) and complete is registered under a
-chained hash, hash(parent block's hash, its token ids), so a hit means the whole prefix matches. Every hit is
-re-checked against the stored token ids, so a hash collision never reuses the wrong block. A freed block keeps its
-hash until it is handed out again: the free list doubles as an LRU prefix cache.
+chained hash, sha256(parent block's hash, its token ids), so a hit means the whole prefix matches. Every hit is
+re-checked against the stored token ids and the stored parent hash, so even a collision never serves the K/V of
+another prefix (vLLM moved from Python's hash() to sha256 for the same reason). A freed block keeps its hash
+until it is handed out again: the free list doubles as an LRU prefix cache.
 
 Invariants (tests/test_block_manager.py checks them under random operation sequences):
 - num_free_blocks + num_used_blocks == num_blocks; a block is free iff its reference count is 0;
@@ -15,6 +16,8 @@ Invariants (tests/test_block_manager.py checks them under random operation seque
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -24,14 +27,15 @@ from dataclasses import dataclass, field
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: int | None = None
+    hash: bytes | None = None
+    parent_hash: bytes | None = None  # the chain link, checked on every hit
     token_ids: tuple[int, ...] = ()  # set when registered
 
 
 @dataclass
 class _SeqBlocks:
     table: list[int] = field(default_factory=list)
-    hashes: list[int] = field(default_factory=list)  # chained hashes of its leading registered blocks
+    hashes: list[bytes] = field(default_factory=list)  # chained hashes of its leading registered blocks
 
 
 class BlockManager:
@@ -42,7 +46,7 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order: oldest first
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._cached: dict[bytes, int] = {}  # hash -> block id
         self._seqs: dict[Hashable, _SeqBlocks] = {}
         self.num_prefix_hit_tokens = 0
 
@@ -81,9 +85,7 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self.blocks[block_id]
         if block.hash is not None:  # evict the least recently freed cached block
-            if self._cached.get(block.hash) == block_id:
-                del self._cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            self._unregister(block)
         block.ref_count = 1
         return block_id
 
@@ -108,7 +110,10 @@ class BlockManager:
         return True
 
     def truncate(self, seq: Hashable, num_tokens: int) -> None:
-        """Shrink `seq` to its first `num_tokens` tokens (rollback after a verdict); freed blocks are reused."""
+        """Shrink `seq` to its first `num_tokens` tokens (rollback after a verdict); freed blocks are reused.
+        A registered block that the cut leaves partly filled and that only `seq` holds is unregistered: `seq`
+        writes its next tokens there, so the cache must not serve it any more (a shared one is copied on write
+        instead, and stays valid for its other holders)."""
         s = self._seqs.get(seq)
         if s is None:
             return
@@ -116,6 +121,15 @@ class BlockManager:
         while len(s.table) > keep:
             self._release(s.table.pop())
         del s.hashes[num_tokens // self.block_size:]
+        if num_tokens % self.block_size and s.table:
+            block = self.blocks[s.table[-1]]
+            if block.hash is not None and block.ref_count == 1:
+                self._unregister(block)
+
+    def _unregister(self, block: Block) -> None:
+        if self._cached.get(block.hash) == block.block_id:
+            del self._cached[block.hash]
+        block.hash, block.parent_hash, block.token_ids = None, None, ()
 
     def free(self, seq: Hashable) -> None:
         s = self._seqs.pop(seq, None)
@@ -160,8 +174,10 @@ class BlockManager:
     # -- prefix caching ---------------------------------------------------------------------------------------
 
     @staticmethod
-    def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-        return hash((parent, tuple(token_ids)))
+    def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
+        h = hashlib.sha256(parent or b"root")
+        h.update(array("q", token_ids).tobytes())
+        return h.digest()
 
     def cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """The registered blocks that hold the longest prefix of `token_ids` made of complete blocks within its
@@ -171,7 +187,8 @@ class BlockManager:
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, chunk)
             block_id = self._cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # miss, or a hash collision
+            block = self.blocks[block_id] if block_id is not None else None
+            if block is None or block.token_ids != chunk or block.parent_hash != parent:  # miss, or a collision
                 break
             found.append(block_id)
             parent = h
@@ -210,11 +227,12 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(s.hashes), min(num_verified // bs, len(s.table))):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = self.chain_hash(s.hashes[-1] if s.hashes else None, chunk)
+            parent = s.hashes[-1] if s.hashes else None
+            h = self.chain_hash(parent, chunk)
             s.hashes.append(h)
             block = self.blocks[s.table[i]]
             if block.hash is None and h not in self._cached:
-                block.hash, block.token_ids = h, chunk
+                block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self._cached[h] = block.block_id
 
     def cached_blocks(self) -> dict[int, int]:

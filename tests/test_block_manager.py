@@ -119,10 +119,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block = self.bm.blocks[b]
             assert block.hash == h and len(block.token_ids) == BS
         for seq in self.bm.sequences():
+            parent = None
             for i, b in enumerate(self.bm.table(seq)):
                 block = self.bm.blocks[b]
-                if block.hash is not None and (i + 1) * BS <= self.verified[seq]:
-                    assert block.token_ids == tuple(self.tokens[seq][i * BS:(i + 1) * BS])
+                chunk = tuple(self.tokens[seq][i * BS:(i + 1) * BS])
+                if block.hash is not None:
+                    # registered hashes cover only committed, verified tokens of their writer: a holder whose
+                    # verified tokens end inside one shares it, and copies it before writing there
+                    assert (i + 1) * BS <= self.verified[seq] or block.ref_count > 1, \
+                        "a registered block that its only holder will write into"
+                    if (i + 1) * BS <= self.verified[seq]:
+                        assert block.token_ids == chunk and block.parent_hash == parent
+                parent = BlockManager.chain_hash(parent, chunk) if len(chunk) == BS else None
 
 
 TestBlockManager = BlockManagerMachine.TestCase
@@ -144,7 +152,7 @@ def test_prefix_hit_survives_free_until_evicted():
 
 def test_hash_collision_is_rejected_by_token_check(monkeypatch):
     bm = BlockManager(4, 2)
-    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda parent, tokens: 7))  # everything collides
+    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda parent, tokens: b"7"))  # everything collides
     assert bm.allocate("a", 3)
     bm.commit("a", [1, 2, 3], 2)
     assert bm.match_prefix("b", [5, 6, 7], 2) == 0
@@ -161,3 +169,19 @@ def test_can_admit_counts_cached_free_blocks_as_used_once_attached():
     assert bm.can_admit(tokens, 4, 8) and not bm.can_admit(tokens, 4, 10)
     assert bm.match_prefix("b", tokens, 4) == 4
     assert bm.can_allocate("b", 8) and not bm.can_allocate("b", 10)
+
+
+def test_a_collision_with_matching_tokens_but_another_parent_is_rejected(monkeypatch):
+    """The chain is compared on a hit, not only the block's own tokens: with every hash colliding, [1, 2, 1, 2]
+    must not reuse the block of [1, 2] as its second block."""
+    bm = BlockManager(4, 2)
+    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda parent, tokens: b"collide"))
+    assert bm.allocate("a", 3)
+    bm.commit("a", [1, 2, 9], 2)
+    assert bm.match_prefix("b", [1, 2, 1, 2, 5], 4) == 2
+
+
+def test_chain_hashes_are_sha256_of_parent_and_tokens():
+    first = BlockManager.chain_hash(None, [1, 2])
+    assert len(first) == 32 and first != BlockManager.chain_hash(None, [2, 1])
+    assert BlockManager.chain_hash(first, [3, 4]) != BlockManager.chain_hash(None, [3, 4])
