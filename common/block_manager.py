@@ -110,10 +110,7 @@ class BlockManager:
         return True
 
     def truncate(self, seq: Hashable, num_tokens: int) -> None:
-        """Shrink `seq` to its first `num_tokens` tokens (rollback after a verdict); freed blocks are reused.
-        A registered block that the cut leaves partly filled and that only `seq` holds is unregistered: `seq`
-        writes its next tokens there, so the cache must not serve it any more (a shared one is copied on write
-        instead, and stays valid for its other holders)."""
+        """Shrink `seq` to its first `num_tokens` tokens (rollback after a verdict); freed blocks are reused."""
         s = self._seqs.get(seq)
         if s is None:
             return
@@ -121,10 +118,6 @@ class BlockManager:
         while len(s.table) > keep:
             self._release(s.table.pop())
         del s.hashes[num_tokens // self.block_size:]
-        if num_tokens % self.block_size and s.table:
-            block = self.blocks[s.table[-1]]
-            if block.hash is not None and block.ref_count == 1:
-                self._unregister(block)
 
     def _unregister(self, block: Block) -> None:
         if self._cached.get(block.hash) == block.block_id:
@@ -148,7 +141,9 @@ class BlockManager:
         self._seqs[child] = _SeqBlocks(list(p.table), list(p.hashes))
 
     def copy_on_write(self, seq: Hashable, start: int, end: int) -> list[tuple[int, int]] | None:
-        """Make the blocks covering positions [start, end) exclusively `seq`'s before it writes there.
+        """Make the blocks covering positions [start, end) exclusively `seq`'s before it writes there: a
+        shared block is copied, and a registered block that only `seq` holds leaves the prefix cache (after a
+        rollback below it, what `seq` writes there is not what the hash promises).
         Returns the (source, destination) block copies the caller must apply to the KV tensors, or None when
         blocks are short (nothing changed)."""
         s = self._seqs[seq]
@@ -163,6 +158,10 @@ class BlockManager:
             self._release(src)
             s.table[i] = dst
             copies.append((src, dst))
+        for i in range(first, last):
+            block = self.blocks[s.table[i]]
+            if block.hash is not None:
+                self._unregister(block)
         del s.hashes[first:]
         return copies
 

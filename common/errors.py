@@ -9,6 +9,7 @@ class ErrorCode(enum.Enum):
     """The subset of gRPC status codes the services answer with (same names as grpc.StatusCode)."""
 
     INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
     NOT_FOUND = 5
     RESOURCE_EXHAUSTED = 8
     FAILED_PRECONDITION = 9

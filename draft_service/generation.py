@@ -93,7 +93,7 @@ class Generator:
         prompt = self._prompt_ids(req)
         k = await self._num_speculative_tokens(req)
         seq = DraftSequence(req.sampling.with_seed(), list(prompt))
-        adaptive = AdaptiveDraftLength(k) if self.adaptive_k and k else None
+        adaptive = AdaptiveDraftLength(k) if self.adapts_k(req, k) else None
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
         seq_id = await self.link.open(prompt, seq.sampling)
@@ -135,6 +135,13 @@ class Generator:
                  rounds=stats.num_rounds, drafted=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
                  k=k, wall_s=round(stats.wall_time_s, 3), finish=stats.finish_reason and stats.finish_reason.value)
         yield stats
+
+    def adapts_k(self, req: GenerationRequest, k: int) -> bool:
+        """Adaptive k reads clocks, and a sampled token depends on where rounds start (a bonus token and a
+        drafted one are decided differently). A seeded sampled request therefore keeps the fixed k, so the same
+        seed gives the same tokens from the same service whatever the load; greedy output never depends on k."""
+        seeded_sampling = req.sampling.seed is not None and not req.sampling.is_greedy
+        return self.adaptive_k and k > 0 and not seeded_sampling
 
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:

@@ -22,6 +22,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(POOL, BS)
         self.tokens: dict[int, list[int]] = {}  # verified tokens of each live sequence
         self.verified: dict[int, int] = {}  # tokens whose K/V is committed
+        self.written: dict[int, int] = {}  # tokens whose K/V was ever written (a rollback does not unwrite)
         self.next_id = 0
 
     def _new_id(self) -> int:
@@ -42,6 +43,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.blocks[self.bm.table(seq)[i]].token_ids == tuple(tokens[i * BS:(i + 1) * BS])
         self.tokens[seq] = tokens
         self.verified[seq] = matched
+        self.written[seq] = matched
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), num_drafts=st.integers(0, 6))
@@ -56,10 +58,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for src, dst in copies:
             assert src != dst and self.bm.blocks[dst].ref_count == 1
         for b in self._blocks_touched(seq, self.verified[seq], end):  # nobody else may see our writes
-            assert self.bm.blocks[b].ref_count == 1
+            assert self.bm.blocks[b].ref_count == 1 and self.bm.blocks[b].hash is None
         accepted = data.draw(st.integers(0, num_drafts))
         new_tokens = tokens + data.draw(st.lists(st.integers(0, 2), min_size=accepted + 1, max_size=accepted + 1))
         self.verified[seq] = len(tokens) + accepted
+        self.written[seq] = max(self.written[seq], self.verified[seq])
         self.bm.truncate(seq, self.verified[seq])
         self.bm.commit(seq, new_tokens, self.verified[seq])
         self.tokens[seq] = new_tokens
@@ -85,13 +88,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
         self.verified[child] = self.verified[parent]
+        self.written[child] = self.written[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.bm.free(seq)
-        del self.tokens[seq], self.verified[seq]
+        del self.tokens[seq], self.verified[seq], self.written[seq]
 
     @invariant()
     def pool_is_whole(self):
@@ -124,12 +128,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 block = self.bm.blocks[b]
                 chunk = tuple(self.tokens[seq][i * BS:(i + 1) * BS])
                 if block.hash is not None:
-                    # registered hashes cover only committed, verified tokens of their writer: a holder whose
-                    # verified tokens end inside one shares it, and copies it before writing there
-                    assert (i + 1) * BS <= self.verified[seq] or block.ref_count > 1, \
-                        "a registered block that its only holder will write into"
-                    if (i + 1) * BS <= self.verified[seq]:
-                        assert block.token_ids == chunk and block.parent_hash == parent
+                    # registered hashes cover only tokens whose K/V was written as verified tokens
+                    assert (i + 1) * BS <= self.written[seq], "a registered block holds unwritten tokens"
+                    assert block.token_ids == chunk and block.parent_hash == parent
                 parent = BlockManager.chain_hash(parent, chunk) if len(chunk) == BS else None
 
 

@@ -69,3 +69,28 @@ def test_ngram_sampling_is_seeded_and_drafts_get_accepted(text_stack, extra_draf
         greedy = client.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
     assert one.token_ids == two.token_ids
     assert greedy.stats.num_draft_tokens > 0
+
+
+def test_seeded_sampled_requests_keep_a_fixed_k_under_adaptive_k():
+    from common.sampling import SamplingParams
+    from draft_service.config import DraftConfig
+    from draft_service.generation import Generator
+    from draft_service.types import GenerationRequest
+
+    gen = Generator(DraftConfig(model="m", adaptive_k=True), tokenizer=None, vocab_size=10, link=None, drafter=None)
+
+    def request(**sampling):
+        return GenerationRequest("hi", None, SamplingParams(**sampling))
+
+    assert gen.adapts_k(request(temperature=0.8), 4)  # unseeded: adapt
+    assert gen.adapts_k(request(temperature=0.0, seed=3), 4)  # greedy: output does not depend on k
+    assert not gen.adapts_k(request(temperature=0.8, seed=3), 4)  # seeded sampling: fixed k, reproducible
+    assert not gen.adapts_k(request(temperature=0.8), 0)
+
+
+def test_seeded_sampling_is_reproducible_through_an_adaptive_draft(text_stack, extra_drafts):
+    kwargs = dict(max_tokens=16, temperature=0.8, seed=11, ignore_eos=True)
+    with specwire.Client(extra_drafts["adaptive"]) as client:
+        one = client.generate("The quick brown fox", **kwargs)
+        two = client.generate("The quick brown fox", **kwargs)
+    assert one.token_ids == two.token_ids

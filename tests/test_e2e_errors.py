@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -168,6 +169,36 @@ def test_a_wrong_address_fails_fast_with_unavailable():
     cli = subprocess.run([sys.executable, "-m", "specwire.cli", "generate", "hi", "--server", address,
                           "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 1 and address in cli.stderr
+
+
+def test_a_sequence_opened_and_left_idle_is_ended_by_the_verifier(text_stack, tmp_path):
+    from specwire.launch import Stack
+
+    with Stack() as stack:
+        verifier = stack.start("idle-verifier", ["verifier", "--model", str(text_stack.target_dir), "--dtype",
+                                                 "float64", "--num-blocks", "64", "--block-size", "4",
+                                                 "--sequence-idle-timeout", "1"], log_dir=tmp_path, timeout_s=120)
+        open_msg = verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
+            seq_id=7, prompt_token_ids=[5, 6, 7, 8, 9], sampling=common_pb2.SamplingParams(temperature=0.0)))
+        with grpc.insecure_channel(verifier.address) as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            info = stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=10)
+            hello = verifier_pb2.DraftMessage(hello=verifier_pb2.Hello(
+                draft_model_id="quiet", vocab_size=info.vocab_size, tokenizer_fingerprint=info.tokenizer_fingerprint))
+            gate = threading.Event()
+
+            def requests():  # hello, open, then silence: the stream stays open
+                yield hello
+                yield open_msg
+                gate.wait(30)
+
+            replies = stub.Verify(requests(), timeout=30)
+            assert next(replies).WhichOneof("kind") == "welcome"
+            error = next(replies)
+            gate.set()
+            replies.cancel()
+    assert error.WhichOneof("kind") == "error" and error.error.seq_id == 7
+    assert error.error.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0] and "no proposal" in error.error.message
 
 
 def _grpcurl() -> str:

@@ -139,3 +139,21 @@ def test_a_failing_step_ends_exactly_its_sequences_and_the_engine_goes_on(pair, 
     (out,), _ = _run(engine, [[3, 4, 5, 6]], 4, oracle=[greedy_continuation(target, [3, 4, 5, 6], 4)])
     assert out == greedy_continuation(target, [3, 4, 5, 6], 4)
     assert engine.blocks.num_used_blocks == 0
+
+
+def test_a_sequence_idle_past_the_timeout_is_ended_and_its_blocks_freed(pair):
+    import time
+
+    target, _ = pair
+    engine = _engine(target, num_blocks=32, sequence_idle_timeout_s=0.2)
+    quiet, busy = SeqKey(1, 1), SeqKey(1, 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True).with_seed()
+    engine.submit(OpenCmd(quiet, (3, 4, 5, 6, 7, 8), greedy))
+    engine.step()  # admitted and prefilled: it holds blocks
+    assert engine.blocks.num_used_blocks > 0 and engine.next_idle_deadline() is not None
+    time.sleep(0.3)
+    engine.submit(OpenCmd(busy, (3, 4, 5), greedy))
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert [(e.key, e.code) for e in errors] == [(quiet, ErrorCode.DEADLINE_EXCEEDED)]
+    assert "idle" in errors[0].message or "no proposal" in errors[0].message
+    assert quiet not in engine.scheduler.sequences and busy in engine.scheduler.sequences

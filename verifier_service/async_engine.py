@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import structlog
@@ -64,9 +65,20 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.engine.step)
 
+    async def _wait_for_work(self) -> None:
+        """Until something is submitted, or until the next idle sequence is due to time out."""
+        deadline = self.engine.next_idle_deadline()
+        if deadline is None:
+            await self._wakeup.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), max(0.0, deadline - time.monotonic()) + 0.01)
+        except TimeoutError:
+            pass
+
     async def _run(self) -> None:
         while True:
-            await self._wakeup.wait()
+            await self._wait_for_work()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
             await coalesce(min(0.002, 0.02 * self._last_step_s))
             self._wakeup.clear()

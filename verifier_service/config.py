@@ -28,6 +28,9 @@ class VerifierConfig:
                                          show=format_bytes)
     num_blocks: int | None = option(None, "KV blocks (overrides --kv-cache-memory)", parse=int)
     max_num_batched_tokens: int = option(2048, "token budget of one step")
+    sequence_idle_timeout_s: float = option(120.0, "end a sequence (DEADLINE_EXCEEDED) that has waited this long "
+                                            "for a proposal, freeing its KV blocks (0: never)",
+                                            flag="--sequence-idle-timeout")
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 
@@ -48,6 +51,8 @@ class VerifierConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.sequence_idle_timeout_s < 0:
+            raise ValueError(f"sequence_idle_timeout_s must be >= 0, got {self.sequence_idle_timeout_s}")
         if self.max_num_batched_tokens < self.max_draft_tokens + 1:
             raise ValueError("max_num_batched_tokens must hold at least one full verification block "
                              f"({self.max_draft_tokens + 1} tokens)")

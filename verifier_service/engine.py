@@ -8,6 +8,7 @@ no lock guards the sequence state.
 from __future__ import annotations
 
 import queue
+import time
 
 import structlog
 
@@ -37,7 +38,8 @@ log = structlog.get_logger(__name__)
 
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
-                 max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32") -> None:
+                 max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
+                 sequence_idle_timeout_s: float = 0.0) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -49,6 +51,7 @@ class VerifierEngine:
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
                                    eos_token_ids=frozenset(loaded.eos_token_ids))
         self.runner = VerifierRunner(model, blocks)
+        self.sequence_idle_timeout_s = sequence_idle_timeout_s
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     # -- called from any thread -------------------------------------------------------------------------------
@@ -63,6 +66,7 @@ class VerifierEngine:
 
     def step(self) -> StepResult:
         outcomes = self._apply_commands()
+        outcomes.extend(self._end_idle_sequences())
         scheduled = self.scheduler.schedule()
         outcomes.extend(scheduled.outcomes)
         if not scheduled.scheduled:
@@ -74,6 +78,9 @@ class VerifierEngine:
             outcomes.extend(self._fail(scheduled, err))
             return StepResult(outcomes, None)
         outcomes.extend(verdicts)
+        now = time.monotonic()
+        for item in scheduled.scheduled:
+            item.seq.last_active = now
         stats = StepStats(
             num_seqs=len(scheduled.scheduled),
             num_tokens=ran.num_tokens,
@@ -89,6 +96,28 @@ class VerifierEngine:
             if tokens is not None:
                 stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
         return StepResult(outcomes, stats)
+
+    def _end_idle_sequences(self) -> list[Outcome]:
+        """A sequence that has waited longer than the idle timeout for its next proposal (a draft that opened it
+        and went quiet, or a peer that vanished without closing its stream) ends with DEADLINE_EXCEEDED, and its
+        KV blocks go back to the pool."""
+        if not self.sequence_idle_timeout_s:
+            return []
+        now = time.monotonic()
+        idle = [seq for seq in self.scheduler.sequences.values()
+                if not seq.proposals and now - seq.last_active > self.sequence_idle_timeout_s]
+        for seq in idle:
+            self.scheduler.release(seq.key)
+            log.info("sequence_idle_timeout", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id)
+        return [ErrorOut(seq.key, ErrorCode.DEADLINE_EXCEEDED, f"no proposal for "
+                         f"{self.sequence_idle_timeout_s:g}s (--sequence-idle-timeout): the sequence was ended and "
+                         "its KV blocks freed") for seq in idle]
+
+    def next_idle_deadline(self) -> float | None:
+        """When the next idle sequence would time out (time.monotonic()), or None."""
+        if not self.sequence_idle_timeout_s or not self.scheduler.sequences:
+            return None
+        return min(seq.last_active for seq in self.scheduler.sequences.values()) + self.sequence_idle_timeout_s
 
     def _fail(self, scheduled: SchedulerOutput, err: Exception) -> list[Outcome]:
         """A step that raised ends exactly the sequences it ran, with INTERNAL, and frees their blocks: their
@@ -130,7 +159,8 @@ class VerifierEngine:
                                        "stream")
                 check_open(cmd, self.limits)
                 prompt = list(cmd.prompt_token_ids)
-                self.scheduler.add(Sequence(cmd.key, prompt, len(prompt), cmd.sampling))
+                self.scheduler.add(Sequence(cmd.key, prompt, len(prompt), cmd.sampling,
+                                            last_active=time.monotonic()))
             case ProposeCmd():
                 seq = self.scheduler.sequences.get(cmd.key)
                 if seq is None:
@@ -138,6 +168,7 @@ class VerifierEngine:
                                        "(or it has already finished)")
                 check_proposal(cmd, self.limits)
                 seq.proposals.append(cmd)
+                seq.last_active = time.monotonic()
             case CloseCmd():
                 self.scheduler.release(cmd.key)
             case CloseStreamCmd():

@@ -26,6 +26,7 @@ class Sequence:
     num_cached: int = 0
     proposals: deque[ProposeCmd] = field(default_factory=deque)
     status: SequenceStatus = SequenceStatus.WAITING
+    last_active: float = 0.0  # time.monotonic() of its open, last proposal or last verdict
 
     @property
     def num_tokens(self) -> int:

@@ -42,7 +42,8 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     model = PagedCausalLM(loaded.model, kv, release_unpacked=True)
     return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size),
                           max_draft_tokens=config.max_draft_tokens,
-                          max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype)
+                          max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
+                          sequence_idle_timeout_s=config.sequence_idle_timeout_s)
 
 
 def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:

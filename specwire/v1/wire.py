@@ -16,13 +16,25 @@ PROTOCOL_VERSION = "1"
 # NOTE: one Proposal carries at most max_draft_tokens sparse distributions of q_max_support entries: 16 x 64
 # entries are about 10 KB. 64 MiB leaves room for long prompts (a 1M-token prompt is 5 MB of varints).
 MAX_MESSAGE_BYTES = 64 << 20
-SERVER_OPTIONS: list[tuple[str, int]] = [
+_MESSAGE_LIMITS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-CHANNEL_OPTIONS: list[tuple[str, int]] = [
-    *SERVER_OPTIONS,
+# NOTE: keepalive both ways. The servers ping every 30 s and drop a peer that has not answered within 10 s, so
+# a dead draft's stream (and its sequences) goes away; they accept the drafts' own 30 s pings even on an idle
+# stream (gRPC's default policy would answer such pings with GOAWAY after two).
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    *_MESSAGE_LIMITS,
     ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    *_MESSAGE_LIMITS,
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
