@@ -157,3 +157,36 @@ def test_a_sequence_idle_past_the_timeout_is_ended_and_its_blocks_freed(pair):
     assert [(e.key, e.code) for e in errors] == [(quiet, ErrorCode.DEADLINE_EXCEEDED)]
     assert "idle" in errors[0].message or "no proposal" in errors[0].message
     assert quiet not in engine.scheduler.sequences and busy in engine.scheduler.sequences
+
+
+def test_a_draft_that_floods_proposals_gets_resource_exhausted(pair):
+    from verifier_service.engine import MAX_QUEUED_PROPOSALS
+
+    target, _ = pair
+    engine = _engine(target, num_blocks=32)
+    key = SeqKey(4, 1)
+    engine.submit(OpenCmd(key, (3, 4, 5), SamplingParams(temperature=0.0).with_seed()))
+    for i in range(MAX_QUEUED_PROPOSALS + 1):
+        engine.submit(ProposeCmd(key, 3 + i, (7,), None))
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert [e.code for e in errors] == [ErrorCode.RESOURCE_EXHAUSTED] and "proposals waiting" in errors[0].message
+    assert key not in engine.scheduler.sequences and engine.blocks.num_used_blocks == 0
+
+
+def test_a_sequence_admitted_between_two_steps_of_another_reuses_only_verified_kv(pair):
+    """A's verification writes rejected drafts' K/V into slots past its verified tokens; B, opened right after
+    with A's tokens as its prompt prefix, may reuse only blocks whose every slot holds verified K/V."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    a = SeqKey(2, 0)
+    a_prompt = [3, 4, 5, 6, 7, 8, 9]
+    first = greedy_continuation(target, a_prompt, 1)[0]
+    wrong = (first + 1) % 300
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True).with_seed()
+    engine.submit(OpenCmd(a, tuple(a_prompt), greedy))
+    engine.submit(ProposeCmd(a, len(a_prompt), (wrong,) * 4, None))
+    verdict = next(o for o in engine.step().outcomes if isinstance(o, VerdictOut))
+    assert verdict.num_accepted == 0 and list(verdict.token_ids) == [first]
+    b_prompt = a_prompt + [first, 11]
+    (b_out,), _ = _run(engine, [b_prompt], 4)
+    assert b_out == greedy_continuation(target, b_prompt, 4)

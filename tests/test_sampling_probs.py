@@ -54,3 +54,19 @@ def test_rows_without_top_p_keep_every_token_beside_rows_with_it():
     logits = torch.randn(2, 100, generator=gen) * 3  # found by the Triton comparison: a tail token was dropped
     probs = compute_probs(logits, torch.ones(2), torch.zeros(2, dtype=torch.int64), torch.tensor([1.0, 0.5]))
     assert bool((probs[0] > 0).all())
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_top_k_binds_before_top_p_and_its_renormalisation_moves_the_cut(impl):
+    """logits [3, 2, 1, 0], top_k 2, top_p 0.7: after top-k the first token has 0.73 of the mass, so top-p keeps
+    it alone. Applying top-p first (0.64 of the full mass) would keep two tokens."""
+    from kernels.sampling_probs import compute_probs_reference, compute_probs_triton
+
+    fn = compute_probs_reference if impl == "reference" else compute_probs_triton
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    out = fn(logits, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([2, 3, 2]), torch.tensor([0.7, 0.8, 0.7]))
+    assert (out[0] > 0).tolist() == [True, False, False, False]
+    # top-k 3 renormalised: 0.665, 0.245, 0.090; top-p 0.8 needs the first two
+    assert (out[1] > 0).tolist() == [True, True, False, False]
+    assert (out[2] > 0).tolist() == [False, False, False, True]
+    torch.testing.assert_close(out.sum(dim=1), torch.ones(3))

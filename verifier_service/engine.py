@@ -35,6 +35,9 @@ from verifier_service.validation import Limits, check_open, check_proposal
 
 log = structlog.get_logger(__name__)
 
+# Backpressure: proposals a sequence may have waiting. A synchronous draft has one; a pipelined one a few.
+MAX_QUEUED_PROPOSALS = 8
+
 
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
@@ -167,6 +170,10 @@ class VerifierEngine:
                     raise ServiceError(ErrorCode.NOT_FOUND, f"unknown sequence {cmd.key.seq_id}: open it first "
                                        "(or it has already finished)")
                 check_proposal(cmd, self.limits)
+                if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
+                    raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "
+                                       f"{len(seq.proposals)} proposals waiting; a draft may run at most "
+                                       f"{MAX_QUEUED_PROPOSALS} ahead of its verdicts")
                 seq.proposals.append(cmd)
                 seq.last_active = time.monotonic()
             case CloseCmd():
