@@ -36,7 +36,7 @@ protos: $(STAMP)
 # Pure-Python wheels the GPU check machine lacks (bench/gpu_check.sh installs them there, offline).
 gpu-wheels: $(STAMP)
 	rm -rf .gpu-wheels && $(PY) -m pip download -q --no-deps --only-binary=:all: -d .gpu-wheels \
-	  structlog grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 gguf pytest pluggy iniconfig
+	  structlog grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 gguf pytest pluggy iniconfig packaging pygments
 	# NOTE: the stubs check the grpcio and protobuf runtimes they were generated for: bring those for Python 3.12.
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels grpcio==1.85.1 'protobuf>=6.31,<8'
