@@ -6,7 +6,8 @@
 Steps, each recorded in $OUT/gpu_check.json (or --out), and a table on stdout:
 1. the environment: torch, triton, device, platform;
 2. every kernel against its reference on the device, and the Philox generator bit for bit (bench/kernels.py);
-3. the end-to-end tests through both services on the device (tests/test_e2e_triton.py with SPECWIRE_TEST_DEVICE);
+3. the end-to-end tests through both services on the device (tests/test_e2e_triton.py with SPECWIRE_TEST_DEVICE),
+   and a verifier that sizes its KV pool by --gpu-memory-utilization;
 4. kernel timings against the measured copy bandwidth (bench/kernels.py);
 5. verify-step timings of random-weight bf16 models shaped like Qwen2.5-1.5B and a 7B (Qwen2.5-7B): batch 1, 8,
    32 and 64, k + 1 = 1 and 5: step time, tokens/s, the share of the weight-read floor (weight bytes / copy
@@ -84,6 +85,27 @@ def end_to_end(out_dir: Path) -> dict:
     if " skipped" in run.stdout:
         raise CheckFailed("an end-to-end test skipped on the GPU")
     return {"passed": True, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def gpu_pool_sizing(out_dir: Path) -> dict:
+    """A verifier started without --kv-cache-memory or --num-blocks sizes its pool by --gpu-memory-utilization
+    after a profiling forward: its log must say so, with a positive number of blocks."""
+    import re
+
+    from specwire.launch import Stack
+
+    from tiny_models import make_text_pair
+
+    target, _ = make_text_pair(out_dir / "models", "qwen2", dtype=torch.float32)
+    with Stack() as stack:
+        service = stack.start("sizing-verifier", ["verifier", "--model", str(target), "--device", "cuda",
+                                                  "--gpu-memory-utilization", "0.5"], log_dir=out_dir, timeout_s=180)
+        log = service.log_text()
+    sizing = re.search(r"kv_cache_sizing.*", log)
+    blocks = re.search(r"num_blocks[\"=: ]+(\d+)", log)
+    if not sizing or not blocks or int(blocks.group(1)) < 1:
+        raise CheckFailed(f"the verifier did not size its pool from the GPU's memory:\n{log[-3000:]}")
+    return {"num_blocks": int(blocks.group(1)), "log": sizing.group(0)[:300]}
 
 
 def build_random_model(shape: tuple, device: str, dtype: torch.dtype):
@@ -195,6 +217,8 @@ def main() -> int:
         report["kernels"] = kernels(args.smoke, args.out)
         if not (args.smoke and args.skip_e2e):
             report["end_to_end"] = end_to_end(args.out)
+        if not args.smoke:
+            report["pool_sizing"] = gpu_pool_sizing(args.out)
         bandwidth = report["kernels"].get("copy_gbps", 0.0) * 1e9
         print("| model | batch | k+1 | step ms | tokens/s | host ms (share) | floor share |\n|---|---|---|---|---|---|---|")
         rows = []
