@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,13 @@ class RunningStack:
     target_dir: Path
     draft_dir: Path
     log_dir: Path
+
+    def wait_for_metric(self, name: str, value: float, *, draft: bool = False, timeout_s: float = 10.0) -> None:
+        """Poll until the metric has `value` (a stream's teardown frees its blocks a moment after it ends)."""
+        deadline = time.monotonic() + timeout_s
+        while self.metric(name, draft=draft) != value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.metric(name, draft=draft) == value, f"{name} stayed at {self.metric(name, draft=draft)}"
 
     def metric(self, name: str, *, draft: bool = False) -> float:
         url = self.draft_metrics_url if draft else self.metrics_url
