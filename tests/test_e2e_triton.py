@@ -8,12 +8,11 @@ kernels, no interpreter."""
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 
 import pytest
 import torch
-from test_e2e import exact_two_token_marginals, sample_first_two_tokens
+from test_e2e import assert_first_two_tokens_follow_the_target
 
 import specwire
 
@@ -109,17 +108,6 @@ def triton_stat_stack(models_dir):
 
 
 def test_sampled_tokens_follow_the_target_through_the_triton_path(triton_stat_stack):
-    """As tests/test_e2e.py's statistical test, through the kernels: N = 1000, so TV <= 0.128 (t for 1e-6); the
-    negative control (the draft's own marginals) must be further than that."""
-    prompt, n = [1, 5, 2], 1000
-    bound = 0.5 * math.sqrt(STAT_VOCAB / n) + math.sqrt(math.log(1e6) / (2 * n))
-    p1, p2, _ = exact_two_token_marginals(triton_stat_stack.target_dir, prompt, STAT_VOCAB)
-    q1, _, _ = exact_two_token_marginals(triton_stat_stack.draft_dir, prompt, STAT_VOCAB)
-    tokens = sample_first_two_tokens(triton_stat_stack.draft, prompt, n)
-    emp1 = torch.bincount(tokens[:, 0], minlength=STAT_VOCAB).double() / n
-    emp2 = torch.bincount(tokens[:, 1], minlength=STAT_VOCAB).double() / n
-    tv = [0.5 * float((emp1 - p1).abs().sum()), 0.5 * float((emp2 - p2).abs().sum())]
-    assert max(tv) <= bound, (tv, bound)
-    control = 0.5 * float((emp1 - q1).abs().sum())
-    assert control > bound, f"the test could not tell the draft's distribution apart: {control} <= {bound}"
+    """As tests/test_e2e.py's statistical test, through the kernels: N = 1000, so TV <= 0.128."""
+    assert_first_two_tokens_follow_the_target(triton_stat_stack, 1000)
     _assert_triton_ran(triton_stat_stack)
