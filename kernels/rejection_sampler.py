@@ -200,7 +200,7 @@ def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: 
     """Shapes and dtypes that the kernels and the reference rely on; a ValueError names the first mismatch."""
     batch, num_draft = spec.batch_size, spec.num_draft_tokens
     cu = spec.cu_num_draft_tokens
-    if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0 or int(cu[-1]) != num_draft:
+    if cu.dim() != 1 or cu.numel() < 1 or cu[[0, -1]].tolist() != [0, num_draft]:  # one device sync
         raise ValueError(f"cu_num_draft_tokens must run from 0 to num_draft_tokens = {num_draft}, got "
                          f"{cu.tolist()}")
     num_rows = num_draft + batch

@@ -114,9 +114,12 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 _HEALTH_CHECK = health_pb2.HealthCheckRequest(service="")
 
 
-def _unreachable(target: str, connect_timeout: float) -> UnavailableError:
-    return UnavailableError(f"no draft service answered at {target} within {connect_timeout:g}s: check the address, "
-                            "and that the service is up (raise connect_timeout to wait longer)")
+def _probe_failed(err: grpc.RpcError, target: str, connect_timeout: float):
+    """The error for a failed reachability probe: UnavailableError naming the address when nothing answered."""
+    if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+        return UnavailableError(f"no draft service answered at {target} within {connect_timeout:g}s: check the "
+                                "address, and that the service is up (raise connect_timeout to wait longer)")
+    return from_rpc_error(err)
 
 
 class Client:
@@ -152,9 +155,7 @@ class Client:
         try:
             self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True)
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                raise _unreachable(self._target, self._connect_timeout) from None
-            raise from_rpc_error(err) from None
+            raise _probe_failed(err, self._target, self._connect_timeout) from None
 
     def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
         self._wait_connected()
@@ -209,9 +210,7 @@ class AsyncClient:
         try:
             await self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True)
         except grpc.RpcError as err:
-            if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
-                raise _unreachable(self._target, self._connect_timeout) from None
-            raise from_rpc_error(err) from None
+            raise _probe_failed(err, self._target, self._connect_timeout) from None
 
     async def close(self) -> None:
         await self._channel.close()

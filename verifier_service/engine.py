@@ -47,14 +47,13 @@ class VerifierEngine:
         self.dtype = dtype
         self.device = model.device
         self.blocks = blocks
-        self.max_draft_tokens = max_draft_tokens
-        self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, blocks.block_size,
-                             blocks.num_blocks)
+        self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens)
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
                                    eos_token_ids=frozenset(loaded.eos_token_ids))
         self.runner = VerifierRunner(model, blocks)
         self.sequence_idle_timeout_s = sequence_idle_timeout_s
+        self._next_idle_scan = 0.0  # the scan walks every sequence: at most a few times per timeout, not per step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     # -- called from any thread -------------------------------------------------------------------------------
@@ -104,9 +103,10 @@ class VerifierEngine:
         """A sequence that has waited longer than the idle timeout for its next proposal (a draft that opened it
         and went quiet, or a peer that vanished without closing its stream) ends with DEADLINE_EXCEEDED, and its
         KV blocks go back to the pool."""
-        if not self.sequence_idle_timeout_s:
-            return []
         now = time.monotonic()
+        if not self.sequence_idle_timeout_s or now < self._next_idle_scan:
+            return []
+        self._next_idle_scan = now + min(1.0, self.sequence_idle_timeout_s / 4)
         idle = [seq for seq in self.scheduler.sequences.values()
                 if not seq.proposals and now - seq.last_active > self.sequence_idle_timeout_s]
         for seq in idle:
@@ -160,7 +160,7 @@ class VerifierEngine:
                 if cmd.key in self.scheduler.sequences:
                     raise ServiceError(ErrorCode.ABORTED, f"sequence {cmd.key.seq_id} is already open on this "
                                        "stream")
-                check_open(cmd, self.limits)
+                check_open(cmd, self.limits, self.blocks)
                 prompt = list(cmd.prompt_token_ids)
                 self.scheduler.add(Sequence(cmd.key, prompt, len(prompt), cmd.sampling,
                                             last_active=time.monotonic()))

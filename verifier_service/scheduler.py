@@ -38,8 +38,11 @@ class ScheduledSeq:
 
     @property
     def token_ids(self) -> list[int]:
-        drafts = list(self.proposal.draft_token_ids) if self.proposal else []
-        return (self.seq.token_ids + drafts)[self.start:self.end]
+        """The tokens fed: verified ones from `start`, then the drafts (no copy of the whole sequence)."""
+        verified = self.seq.token_ids[self.start:self.end]
+        if self.proposal is None:
+            return verified
+        return verified + list(self.proposal.draft_token_ids[:self.end - self.seq.num_tokens])
 
 
 @dataclass

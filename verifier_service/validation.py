@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError, invalid_argument
 from common.sampling import SparseProbs, validate_token_ids
 from verifier_service.types import OpenCmd, ProposeCmd
@@ -19,23 +20,18 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_draft_tokens: int
-    block_size: int
-    num_blocks: int
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
 
 
-def check_open(cmd: OpenCmd, limits: Limits) -> None:
+def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
     prompt = list(cmd.prompt_token_ids)
     validate_token_ids(prompt, limits.vocab_size)
     if len(prompt) >= limits.max_model_len:
         raise invalid_argument(f"prompt has {len(prompt)} tokens; the target's context length is "
                                f"{limits.max_model_len} and one token must remain to generate")
-    needed = limits.blocks_for(len(prompt) + limits.max_draft_tokens + 1)
-    if needed > limits.num_blocks:
+    needed = blocks.blocks_for(len(prompt) + limits.max_draft_tokens + 1)
+    if needed > blocks.num_blocks:
         raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt of {len(prompt)} tokens plus a draft block "
-                           f"needs {needed} KV blocks; the verifier's pool has {limits.num_blocks} (raise "
+                           f"needs {needed} KV blocks; the verifier's pool has {blocks.num_blocks} (raise "
                            "--kv-cache-memory or --num-blocks)")
 
 

@@ -57,11 +57,15 @@ def verify_batch(
     target_probs = compute_target_probs(logits, inputs)  # [num_draft_tokens + batch, vocab_size]
     spec = densify_draft_probs(inputs, logits.shape[1], target_probs.dtype)
     out = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling)  # [batch, max_spec_len + 1]
-    finite_rows = torch.isfinite(logits).all(dim=1)  # [num_draft_tokens + batch]
-    per_item = finite_rows.split([it.num_draft_tokens + 1 for it in items])
-    finite = torch.stack([rows.all() for rows in per_item]).tolist()
-    return [[t for t in row if t != PLACEHOLDER_TOKEN_ID] if ok else None
-            for row, ok in zip(out.tolist(), finite, strict=True)]
+    rows = out.tolist()
+    if not bool(torch.isfinite(logits).all()):  # rare: find the items with a non-finite row
+        finite_rows = torch.isfinite(logits).all(dim=1).tolist()  # [num_draft_tokens + batch]
+        first = 0
+        for i, it in enumerate(items):
+            if not all(finite_rows[first:first + it.num_draft_tokens + 1]):
+                rows[i] = None
+            first += it.num_draft_tokens + 1
+    return [None if row is None else [t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in rows]
 
 
 def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
