@@ -28,6 +28,26 @@ def option(default: Any, help: str, *, parse: Any = None, choices: tuple[str, ..
     return dataclasses.field(default=default, metadata={"option": metadata})
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerSecurityConfig:
+    """The flags both servers share for TLS, bearer tokens and reflection (checked by common.security)."""
+
+    tls_cert: str | None = option(None, "PEM certificate chain: serve TLS (with --tls-key)", parse=str)
+    tls_key: str | None = option(None, "PEM private key of --tls-cert", parse=str)
+    tls_client_ca: str | None = option(None, "PEM CA bundle: require client certificates it signed (mutual TLS)",
+                                       parse=str)
+    auth_token_file: str | None = option(None, "file of accepted bearer tokens, one per line, re-read when it "
+                                         "changes; calls without one get UNAUTHENTICATED (health stays open)",
+                                         parse=str)
+    reflection: bool = option(True, "serve gRPC server reflection")
+
+    def check_security(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("TLS needs both --tls-cert and --tls-key")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """One flag per field of `config_cls` declared with option(); a field without a default (the model path)
     becomes an optional flag, and the command checks it."""

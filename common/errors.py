@@ -17,6 +17,8 @@ class ErrorCode(enum.Enum):
     INTERNAL = 13
     UNAVAILABLE = 14
     CANCELLED = 1
+    PERMISSION_DENIED = 7
+    UNAUTHENTICATED = 16
 
 
 class ServiceError(Exception):

@@ -1,5 +1,6 @@
-"""The gRPC server both services run: grpc.aio with health checking and reflection, served until SIGINT or
-SIGTERM, then shut down gracefully (health says NOT_SERVING first, then in-flight calls get a grace period)."""
+"""The gRPC server both services run: grpc.aio with health checking, reflection (can be switched off), TLS or
+mutual TLS and bearer tokens when configured, served until SIGINT or SIGTERM, then shut down gracefully (health
+says NOT_SERVING first, then in-flight calls get a grace period)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from common.config import ServerSecurityConfig
+from common.security import BearerTokenInterceptor, TokenFile, server_credentials
 
 log = structlog.get_logger(__name__)
 
@@ -35,15 +39,29 @@ class GrpcServer:
         await self.server.stop(grace=SHUTDOWN_GRACE_S)
 
 
+def _log_refused(method: str, reason: str) -> None:
+    log.warning("call_unauthenticated", method=method, reason=reason)  # the reason never quotes a token
+
+
 def build_grpc_server(host: str, port: int, *, add_servicers: Callable[[grpc.aio.Server], None],
-                      service_names: Sequence[str], options: Sequence[tuple[str, int]]) -> GrpcServer:
+                      service_names: Sequence[str], options: Sequence[tuple[str, int]],
+                      security: ServerSecurityConfig | None = None) -> GrpcServer:
     """A bound, not yet started server with the servicers `add_servicers` registers, health and reflection."""
-    server = grpc.aio.server(options=list(options))
+    security = security or ServerSecurityConfig()
+    security.check_security()
+    interceptors = []
+    if security.auth_token_file:
+        interceptors.append(BearerTokenInterceptor(TokenFile(security.auth_token_file), on_refused=_log_refused))
+    server = grpc.aio.server(options=list(options), interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    if security.reflection:
+        reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    credentials = server_credentials(security.tls_cert, security.tls_key, security.tls_client_ca)
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, credentials) if credentials is not None
+             else server.add_insecure_port(address))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     return GrpcServer(server, health_servicer, tuple(service_names), bound)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DTYPES, format_bytes, option, parse_bytes
+from common.config import DTYPES, ServerSecurityConfig, format_bytes, option, parse_bytes
 from common.device import DEVICE_CHOICES_HELP
 
 WIRE_MODES = ("sparse", "one-hot")
@@ -13,7 +13,7 @@ PROPOSERS = ("model", "ngram")
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(ServerSecurityConfig):
     model: str = option(None, "draft: HF model directory or .gguf file (with --proposer ngram: the tokenizer)")
     verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT")
     host: str = option("127.0.0.1", "address to bind")
@@ -35,12 +35,31 @@ class DraftConfig:
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: int = option(512 << 20, "bytes for the draft's KV pool", parse=parse_bytes, show=format_bytes)
     connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
+    verifier_retry_deadline_s: float = option(30.0, "when the verifier connection breaks, how long a sequence "
+                                              "waits for it to come back and resume before it ends with "
+                                              "UNAVAILABLE", flag="--verifier-retry-deadline")
+    verifier_tls: bool = option(False, "connect to the verifier with TLS (implied by --verifier-tls-ca); without "
+                                "a CA, the system's trust store checks its certificate")
+    verifier_tls_ca: str | None = option(None, "PEM CA bundle that signed the verifier's certificate", parse=str)
+    verifier_tls_cert: str | None = option(None, "PEM client certificate for a verifier that requires mutual TLS",
+                                           parse=str)
+    verifier_tls_key: str | None = option(None, "PEM private key of --verifier-tls-cert", parse=str)
+    verifier_tls_server_name: str | None = option(None, "check the verifier's certificate against this name "
+                                                  "instead of the host of --verifier", parse=str)
+    verifier_token_file: str | None = option(None, "file whose first token is sent to the verifier as a bearer "
+                                             "token", parse=str)
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the draft's HF directory or .gguf file")
+        self.check_security()
+        if bool(self.verifier_tls_cert) != bool(self.verifier_tls_key):
+            raise ValueError("a client certificate for the verifier needs both --verifier-tls-cert and "
+                             "--verifier-tls-key")
+        if self.verifier_retry_deadline_s < 0:
+            raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.num_speculative_tokens < 0:
@@ -57,3 +76,7 @@ class DraftConfig:
             raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
+
+    @property
+    def verifier_uses_tls(self) -> bool:
+        return self.verifier_tls or bool(self.verifier_tls_ca or self.verifier_tls_cert)

@@ -21,14 +21,16 @@ from draft_service.metrics import DraftMetrics
 from draft_service.sequence import DraftSequence
 from draft_service.stop_strings import StopStringMatcher
 from draft_service.types import (
+    DraftBlock,
     DroppedEvent,
     ErrorEvent,
     GenerationRequest,
     GenerationStats,
+    StreamLost,
     TextChunk,
     VerdictEvent,
 )
-from draft_service.verifier_link import VerifierLink
+from draft_service.verifier_link import LinkDown, VerifierLink
 
 log = structlog.get_logger(__name__)
 
@@ -96,7 +98,8 @@ class Generator:
         adaptive = AdaptiveDraftLength(k) if self.adapts_k(req, k) else None
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
-        seq_id = await self.link.open(prompt, seq.sampling)
+        seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
+                                      deadline=req.deadline)
         structlog.contextvars.bind_contextvars(seq_id=seq_id)
         finished = False
         try:
@@ -104,9 +107,8 @@ class Generator:
                 t_draft = time.perf_counter()
                 block = await self.drafter.draft(seq, adaptive.next_k() if adaptive else k)
                 t_sent = time.perf_counter()
-                self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=self.send_draft_probs)
                 try:
-                    verdict = await self._await_verdict(seq_id)
+                    verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline)
                 except ServiceError:
                     finished = True  # the verifier has already freed the sequence
                     raise
@@ -116,6 +118,7 @@ class Generator:
                 finished = verdict.finish_reason is not None
                 tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
                 stats.record_round(block, verdict, tokens, t_sent - t_draft, wait_s)
+                self.metrics.observe_round(t_sent - t_draft, wait_s, verdict.step_time_s)
                 if stats.num_rounds == 1:
                     stats.time_to_first_token_s = time.perf_counter() - t0
                 if adaptive:
@@ -154,7 +157,7 @@ class Generator:
         return ids
 
     async def _num_speculative_tokens(self, req: GenerationRequest) -> int:
-        identity = self.link.identity if self.link.connected else await self.link.connect()
+        identity = await self.link.ensure_connected(self._retry_s(req.deadline))
         k = self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
         if k < 0:
             raise invalid_argument(f"num_speculative_tokens must be >= 0, got {k}")
@@ -163,11 +166,44 @@ class Generator:
                                    f"{identity.max_draft_tokens}")
         return k
 
-    async def _await_verdict(self, seq_id: int) -> VerdictEvent:
-        event = await self.link.next_event(seq_id)
-        if isinstance(event, ErrorEvent):
-            raise ServiceError(event.code, event.message)
-        if isinstance(event, DroppedEvent):
-            raise ServiceError(ErrorCode.INTERNAL, f"verifier dropped a proposal at {event.start_position}; it has "
-                               f"{event.num_verified} verified tokens")
-        return event
+    def _retry_s(self, deadline: float | None) -> float:
+        """How long to wait for the verifier: --verifier-retry-deadline, or less if the client's deadline is
+        nearer."""
+        retry_s = self.config.verifier_retry_deadline_s
+        return retry_s if deadline is None else max(0.0, min(retry_s, deadline - time.monotonic()))
+
+    async def _verify(self, seq_id: int, seq: DraftSequence, num_prompt_tokens: int, block: DraftBlock,
+                      deadline: float | None) -> VerdictEvent:
+        """Propose the block at the sequence's end and return its verdict. When the stream breaks meanwhile, the
+        sequence is reopened on a new stream with its verified tokens and the same block proposed again: the
+        verdict is the one the lost stream would have given (the random numbers are keyed by position)."""
+        while True:
+            try:
+                self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=self.send_draft_probs)
+                event = await self.link.next_event(seq_id)
+            except LinkDown as err:
+                event = StreamLost(str(err))
+            if isinstance(event, StreamLost):
+                await self._resume(seq_id, seq, num_prompt_tokens, deadline, event.reason)
+                continue
+            if isinstance(event, ErrorEvent):
+                raise ServiceError(event.code, event.message)
+            if isinstance(event, DroppedEvent):
+                self.metrics.dropped_proposals.inc()
+                raise ServiceError(ErrorCode.INTERNAL, f"verifier dropped a proposal at {event.start_position}; it "
+                                   f"has {event.num_verified} verified tokens")
+            return event
+
+    async def _resume(self, seq_id: int, seq: DraftSequence, num_prompt_tokens: int, deadline: float | None,
+                      reason: str) -> None:
+        retry_s = self._retry_s(deadline)
+        log.warning("sequence_resuming", reason=reason, verified_tokens=seq.num_tokens, retry_s=round(retry_s, 3))
+        try:
+            await self.link.reopen(seq_id, seq.token_ids, seq.sampling,
+                                   num_output_tokens=seq.num_tokens - num_prompt_tokens, retry_s=retry_s,
+                                   deadline=deadline)
+        except ServiceError as err:
+            self.metrics.resume_failures.inc()
+            raise ServiceError(err.code, f"{reason}, and the sequence could not be resumed within {retry_s:g}s "
+                               f"(--verifier-retry-deadline): {err.message}") from err
+        self.metrics.resumes.inc()

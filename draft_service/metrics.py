@@ -21,8 +21,25 @@ class DraftMetrics:
         self.active = Gauge("specwire_draft_active_generations", "Generations in progress", registry=r)
         self.latency = Histogram("specwire_draft_generation_seconds", "Wall time of a generation", registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        # one round, split: drafting, the network and queueing (wait minus the verifier's step), the verify step
+        self.round_seconds = Histogram("specwire_draft_round_seconds", "Time of one round, by part", ["part"],
+                                       registry=r, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                            1, 2.5))
+        self.reconnects = Counter("specwire_draft_verifier_reconnects", "Verify streams re-established after a "
+                                  "break", registry=r)
+        self.resumes = Counter("specwire_draft_resumed_sequences", "Sequences reopened on a new Verify stream",
+                               registry=r)
+        self.resume_failures = Counter("specwire_draft_resume_failures", "Sequences that could not be resumed "
+                                       "within --verifier-retry-deadline", registry=r)
+        self.dropped_proposals = Counter("specwire_draft_dropped_proposals", "Proposals the verifier dropped as "
+                                         "stale", registry=r)
         self.ttft = Histogram("specwire_draft_time_to_first_token_seconds", "Time to the first verified token",
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+
+    def observe_round(self, draft_s: float, wait_s: float, verify_s: float) -> None:
+        self.round_seconds.labels(part="draft").observe(draft_s)
+        self.round_seconds.labels(part="network").observe(max(0.0, wait_s - verify_s))
+        self.round_seconds.labels(part="verify").observe(verify_s)
 
     def observe(self, stats: GenerationStats) -> None:
         self.generated_tokens.inc(stats.num_generated_tokens)

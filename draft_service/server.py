@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import structlog
 from prometheus_client import start_http_server
 
@@ -23,7 +20,7 @@ from draft_service.generation import Generator
 from draft_service.metrics import DraftMetrics
 from draft_service.proposer import DraftModel, Proposer
 from draft_service.servicer import DraftServicer
-from draft_service.verifier_link import VerifierLink
+from draft_service.verifier_link import LinkSecurity, VerifierLink
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
@@ -32,22 +29,18 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
 
 
 class HandshakeRefused(RuntimeError):
-    """The verifier refused this draft (tokenizer or vocabulary mismatch): retrying cannot help."""
+    """The verifier refused this draft (tokenizer or vocabulary mismatch, a refused token): retrying cannot
+    help."""
 
 
-async def connect_with_retry(link: VerifierLink, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            await link.connect(timeout_s=min(10.0, max(1.0, deadline - time.monotonic())))
-            return
-        except ServiceError as err:
-            if err.code is ErrorCode.FAILED_PRECONDITION:
-                raise HandshakeRefused(err.message) from err
-            if time.monotonic() > deadline:
-                raise
-            log.warning("verifier_not_ready", message=err.message)
-            await asyncio.sleep(1.0)
+async def connect_at_start(link: VerifierLink, timeout_s: float) -> None:
+    """Wait for the verifier (it may still be loading its model); a refused handshake ends the wait at once."""
+    try:
+        await link.ensure_connected(timeout_s)
+    except ServiceError as err:
+        if err.code in (ErrorCode.FAILED_PRECONDITION, ErrorCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED):
+            raise HandshakeRefused(err.message) from err
+        raise
 
 
 async def serve(config: DraftConfig) -> None:
@@ -72,22 +65,28 @@ async def serve(config: DraftConfig) -> None:
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
         drafter = ModelDrafter(proposer, config.draft_confidence_threshold)
+    metrics = DraftMetrics()
+    security = LinkSecurity.from_files(tls=config.verifier_uses_tls, ca=config.verifier_tls_ca,
+                                       cert=config.verifier_tls_cert, key=config.verifier_tls_key,
+                                       server_name=config.verifier_tls_server_name,
+                                       token_file=config.verifier_token_file)
     link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
-                        tokenizer_fingerprint=fingerprint)
-    await connect_with_retry(link, config.connect_timeout_s)
+                        tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc)
+    await connect_at_start(link, config.connect_timeout_s)
     if proposer is not None:
         proposer.start()
-    metrics = DraftMetrics()
     generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics)
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
     servicer = DraftServicer(generator)
-    server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS,
+    server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
                                add_servicers=lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
     await server.start()
     log.info("draft_ready", address=f"{config.host}:{server.port}", model=model_id, verifier=config.verifier,
              proposer=config.proposer, num_speculative_tokens=config.num_speculative_tokens,
-             adaptive_k=config.adaptive_k, wire_mode=config.wire_mode)
+             adaptive_k=config.adaptive_k, wire_mode=config.wire_mode, tls=bool(config.tls_cert),
+             mutual_tls=bool(config.tls_client_ca), tokens_required=bool(config.auth_token_file),
+             verifier_tls=config.verifier_uses_tls)
 
     async def stop_draft() -> None:
         if proposer is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import structlog
@@ -15,7 +16,7 @@ from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 log = structlog.get_logger(__name__)
 
 
-def request_from_proto(msg: draft_pb2.GenerateRequest) -> GenerationRequest:
+def request_from_proto(msg: draft_pb2.GenerateRequest, deadline: float | None = None) -> GenerationRequest:
     sampling = wire.sampling_from_proto(msg.sampling)
     kind = msg.WhichOneof("prompt")
     return GenerationRequest(
@@ -24,6 +25,7 @@ def request_from_proto(msg: draft_pb2.GenerateRequest) -> GenerationRequest:
         sampling=sampling,
         stop=tuple(msg.stop),
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
+        deadline=deadline,
     )
 
 
@@ -50,7 +52,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         async def produce() -> None:
             try:
                 try:
-                    req = request_from_proto(request)
+                    remaining = context.time_remaining()  # the client's deadline travels on to the verifier
+                    req = request_from_proto(request, None if remaining is None else time.monotonic() + remaining)
                 except ServiceError:
                     self._generator.metrics.requests.labels(outcome="error").inc()
                     raise

@@ -43,7 +43,14 @@ class ErrorEvent:
     message: str
 
 
-LinkEvent = VerdictEvent | DroppedEvent | ErrorEvent
+@dataclass(frozen=True)
+class StreamLost:
+    """The Verify stream broke: the verifier has forgotten the sequence, which must be resumed on a new one."""
+
+    reason: str
+
+
+LinkEvent = VerdictEvent | DroppedEvent | ErrorEvent | StreamLost
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,7 @@ class GenerationRequest:
     sampling: SamplingParams
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int | None = None
+    deadline: float | None = None  # time.monotonic() of the client's deadline; None: none
 
 
 @dataclass(frozen=True)

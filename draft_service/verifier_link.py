@@ -1,26 +1,79 @@
 """The draft side of the Verify stream: one long-lived bidirectional stream multiplexing every sequence of
-this draft process. Protobuf ends here; callers see the typed events of draft_service/types.py."""
+this draft process. Protobuf ends here; callers see the typed events of draft_service/types.py.
+
+When the stream breaks (the verifier restarted, the network dropped), every live sequence gets a StreamLost
+event and the link reconnects in the background, with exponential backoff and jitter, on a fresh channel each
+attempt (so gRPC's own reconnect backoff never delays noticing that the verifier is back). Each generation then
+reopens its sequence on the new stream with its verified tokens (`reopen`) and proposes again.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
+import time
+from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from common.errors import ErrorCode, ServiceError
 from common.sampling import SamplingParams
-from draft_service.types import DraftBlock, DroppedEvent, ErrorEvent, LinkEvent, VerdictEvent, VerifierIdentity
+from common.security import channel_credentials, read_file, read_token, tls_name_override, token_metadata
+from draft_service.types import (
+    DraftBlock,
+    DroppedEvent,
+    ErrorEvent,
+    LinkEvent,
+    StreamLost,
+    VerdictEvent,
+    VerifierIdentity,
+)
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
 
+ATTEMPT_TIMEOUT_S = 5.0  # one connection attempt: GetInfo, then the hello/welcome handshake
+BACKOFF_INITIAL_S = 0.05
+BACKOFF_MAX_S = 2.0
+# Errors no retry can fix: the attempt's error is reported at once to whoever waits with fail_fast.
+_PERMANENT = (ErrorCode.FAILED_PRECONDITION, ErrorCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED)
+
+
+class LinkDown(Exception):
+    """A message could not be sent: the stream is down (the caller resumes, as for StreamLost)."""
+
+
+@dataclass(frozen=True)
+class LinkSecurity:
+    """How the draft reaches the verifier: TLS credentials (None: plaintext), the name its certificate must
+    carry when it differs from the address's host, and the bearer token sent on every call."""
+
+    credentials: grpc.ChannelCredentials | None = None
+    server_name: str | None = None
+    token: str | None = None
+
+    @classmethod
+    def from_files(cls, *, tls: bool, ca: str | None, cert: str | None, key: str | None,
+                   server_name: str | None, token_file: str | None) -> LinkSecurity:
+        credentials = None
+        if tls:
+            credentials = channel_credentials(
+                root_certificates=read_file(ca, "verifier CA") if ca else None,
+                private_key=read_file(key, "client key") if key else None,
+                certificate_chain=read_file(cert, "client certificate") if cert else None)
+        return cls(credentials, server_name, read_token(token_file) if token_file else None)
+
 
 class VerifierLink:
-    def __init__(self, target: str, *, draft_model_id: str, vocab_size: int | None, tokenizer_fingerprint: str) -> None:
-        """vocab_size None: a proposer without logits (n-gram) takes the verifier's."""
+    def __init__(self, target: str, *, draft_model_id: str, vocab_size: int | None, tokenizer_fingerprint: str,
+                 security: LinkSecurity | None = None, on_reconnect=None) -> None:
+        """vocab_size None: a proposer without logits (n-gram) takes the verifier's. on_reconnect: called after
+        each successful reconnection (not the first connection)."""
         self._target = target
+        self._security = security or LinkSecurity()
+        self._metadata = token_metadata(self._security.token)
         self._hello = verifier_pb2.Hello(draft_model_id=draft_model_id, vocab_size=vocab_size or 0,
                                          tokenizer_fingerprint=tokenizer_fingerprint,
                                          protocol_version=wire.PROTOCOL_VERSION)
@@ -31,44 +84,105 @@ class VerifierLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._inboxes: dict[int, asyncio.Queue[LinkEvent]] = {}
         self._seq_ids = itertools.count(1)
-        self._connect_lock = asyncio.Lock()
+        self._reconnect_task: asyncio.Task | None = None
+        self._attempted = asyncio.Event()  # set (and replaced) after every connection attempt
+        self._last_error: ServiceError | None = None
+        self._closed = False
+        self._num_connections = 0
+        self._on_reconnect = on_reconnect
         self.identity: VerifierIdentity | None = None
 
     @property
     def connected(self) -> bool:
         return self._reader is not None and not self._reader.done()
 
-    async def connect(self, timeout_s: float = 10.0) -> VerifierIdentity:
-        """GetInfo, then the hello/welcome handshake. A mismatch raises ServiceError(FAILED_PRECONDITION)."""
-        async with self._connect_lock:
-            if self.connected:
-                return self.identity
-            await self._teardown()
-            self._channel = grpc.aio.insecure_channel(self._target, options=wire.CHANNEL_OPTIONS)
-            stub = verifier_pb2_grpc.VerifierStub(self._channel)
+    # -- connection -------------------------------------------------------------------------------------------
+
+    async def ensure_connected(self, timeout_s: float, *, fail_fast: bool = True) -> VerifierIdentity:
+        """The verifier's identity once the stream is up; starts (re)connecting if it is not. Raises
+        ServiceError: UNAVAILABLE after timeout_s, or at once, with fail_fast, an error no retry can fix (a
+        handshake mismatch, a refused token)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.connected:
+            error = self._last_error
+            if fail_fast and error is not None and error.code in _PERMANENT:
+                raise error
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                detail = f": {error.message}" if error is not None else ""
+                code = error.code if error is not None and error.code in _PERMANENT else ErrorCode.UNAVAILABLE
+                raise ServiceError(code, f"the verifier at {self._target} was not reachable within "
+                                   f"{timeout_s:g}s{detail}")
+            self._start_reconnecting()
+            attempted = self._attempted
             try:
-                info = await stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=timeout_s, wait_for_ready=True)
-                self._check_identity(info)
-                self._call = stub.Verify()
-                await self._call.write(verifier_pb2.DraftMessage(hello=self._hello))
-                first = await asyncio.wait_for(self._call.read(), timeout_s)
-            except grpc.aio.AioRpcError as err:
-                await self._teardown()
-                raise ServiceError(wire.error_code_from_status_name(err.code().name),
-                                   f"verifier {self._target}: {err.details()}") from err
-            except TimeoutError as err:
-                await self._teardown()
-                raise ServiceError(ErrorCode.UNAVAILABLE, f"verifier {self._target} did not answer the handshake "
-                                    f"within {timeout_s}s") from err
-            if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
-                await self._teardown()
-                raise ServiceError(ErrorCode.UNAVAILABLE, f"verifier {self._target} closed the stream at handshake")
-            self._outbox = asyncio.Queue()
-            self._reader = asyncio.create_task(self._read_loop(), name="verifier-link-reader")
-            self._writer = asyncio.create_task(self._write_loop(), name="verifier-link-writer")
-            log.info("verifier_connected", target=self._target, model=info.model_id,
-                     max_draft_tokens=info.max_draft_tokens)
-            return self.identity
+                await asyncio.wait_for(attempted.wait(), remaining)
+            except TimeoutError:
+                pass
+        return self.identity
+
+    def _start_reconnecting(self) -> None:
+        if self._closed:
+            raise ServiceError(ErrorCode.UNAVAILABLE, "the draft service is shutting down")
+        if self._reconnect_task is None or self._reconnect_task.done():
+            self._reconnect_task = asyncio.create_task(self._reconnect(), name="verifier-link-reconnect")
+
+    async def _reconnect(self) -> None:
+        delay = BACKOFF_INITIAL_S
+        while not self._closed and not self.connected:
+            try:
+                await self._connect_once()
+                self._last_error = None
+            except ServiceError as err:
+                self._last_error = err
+                log.warning("verifier_connect_failed", target=self._target, code=err.code.name, message=err.message,
+                            retry_in_s=round(delay, 3))
+            self._attempted.set()
+            self._attempted = asyncio.Event()
+            if self.connected:
+                return
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))  # jitter: drafts do not retry in lockstep
+            delay = min(delay * 2, BACKOFF_MAX_S)
+
+    async def _connect_once(self) -> None:
+        """GetInfo, then the hello/welcome handshake, on a fresh channel."""
+        await self._teardown()
+        options = [*wire.CHANNEL_OPTIONS, *tls_name_override(self._security.server_name)]
+        if self._security.credentials is not None:
+            self._channel = grpc.aio.secure_channel(self._target, self._security.credentials, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(self._target, options=options)
+        stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        try:
+            info = await stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=ATTEMPT_TIMEOUT_S,
+                                      metadata=self._metadata)
+            self._check_identity(info)
+            self._call = stub.Verify(metadata=self._metadata)
+            await self._call.write(verifier_pb2.DraftMessage(hello=self._hello))
+            first = await asyncio.wait_for(self._call.read(), ATTEMPT_TIMEOUT_S)
+        except grpc.aio.AioRpcError as err:
+            await self._teardown()
+            raise ServiceError(wire.error_code_from_status_name(err.code().name),
+                               f"verifier {self._target}: {err.details()}") from err
+        except TimeoutError as err:
+            await self._teardown()
+            raise ServiceError(ErrorCode.UNAVAILABLE, f"verifier {self._target} did not answer the handshake "
+                               f"within {ATTEMPT_TIMEOUT_S:g}s") from err
+        except ServiceError:
+            await self._teardown()
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "welcome":
+            await self._teardown()
+            raise ServiceError(ErrorCode.UNAVAILABLE, f"verifier {self._target} closed the stream at handshake")
+        self._outbox = asyncio.Queue()
+        self._reader = asyncio.create_task(self._read_loop(), name="verifier-link-reader")
+        self._writer = asyncio.create_task(self._write_loop(), name="verifier-link-writer")
+        self._num_connections += 1
+        log.info("verifier_connected", target=self._target, model=info.model_id,
+                 max_draft_tokens=info.max_draft_tokens, tls=self._security.credentials is not None,
+                 reconnect=self._num_connections > 1)
+        if self._num_connections > 1 and self._on_reconnect is not None:
+            self._on_reconnect()
 
     def _check_identity(self, info: verifier_pb2.VerifierInfo) -> None:
         if not self._hello.vocab_size:  # a proposer without logits takes the verifier's vocabulary
@@ -80,6 +194,10 @@ class VerifierLink:
                                          info.max_draft_tokens, info.max_model_len)
 
     async def close(self) -> None:
+        self._closed = True
+        if self._reconnect_task is not None:
+            self._reconnect_task.cancel()
+            await asyncio.gather(self._reconnect_task, return_exceptions=True)
         await self._teardown()
 
     async def _teardown(self) -> None:
@@ -97,14 +215,30 @@ class VerifierLink:
 
     # -- sequences --------------------------------------------------------------------------------------------
 
-    async def open(self, prompt_token_ids: list[int], sampling: SamplingParams) -> int:
-        if not self.connected:
-            await self.connect()
+    async def open(self, prompt_token_ids: list[int], sampling: SamplingParams, *, retry_s: float,
+                   deadline: float | None = None) -> int:
+        """Open a sequence (waiting up to retry_s for the stream); returns its id on this link."""
         seq_id = next(self._seq_ids)
-        self._inboxes[seq_id] = asyncio.Queue()
-        self._send(verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
-            seq_id=seq_id, prompt_token_ids=prompt_token_ids, sampling=wire.sampling_to_proto(sampling))))
+        await self.reopen(seq_id, prompt_token_ids, sampling, num_output_tokens=0, retry_s=retry_s,
+                          deadline=deadline)
         return seq_id
+
+    async def reopen(self, seq_id: int, token_ids: list[int], sampling: SamplingParams, *, num_output_tokens: int,
+                     retry_s: float, deadline: float | None = None) -> None:
+        """(Re)open `seq_id` on the current stream with `token_ids`, the last num_output_tokens of them its
+        verified output so far. Events of an earlier stream still queued for it are discarded."""
+        while True:
+            await self.ensure_connected(retry_s)
+            self._inboxes[seq_id] = asyncio.Queue()
+            msg = verifier_pb2.OpenSequence(seq_id=seq_id, prompt_token_ids=token_ids, num_output_tokens=num_output_tokens,
+                                            sampling=wire.sampling_to_proto(sampling))
+            if deadline is not None:
+                msg.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            try:
+                self._send(verifier_pb2.DraftMessage(open=msg))
+                return
+            except LinkDown:
+                continue
 
     def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool) -> None:
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
@@ -122,7 +256,7 @@ class VerifierLink:
 
     def _send(self, msg: verifier_pb2.DraftMessage) -> None:
         if not self.connected:
-            raise ServiceError(ErrorCode.UNAVAILABLE, f"the Verify stream to {self._target} is down")
+            raise LinkDown(f"the Verify stream to {self._target} is down")
         self._outbox.put_nowait(msg)
 
     async def _write_loop(self) -> None:
@@ -131,7 +265,8 @@ class VerifierLink:
             await self._call.write(msg)
 
     async def _read_loop(self) -> None:
-        error = ErrorEvent(ErrorCode.UNAVAILABLE, f"the Verify stream to {self._target} ended")
+        reason = "the verifier ended the stream"
+        cancelled = False
         try:
             while True:
                 msg = await self._call.read()
@@ -139,16 +274,19 @@ class VerifierLink:
                     break
                 self._dispatch(msg)
         except grpc.aio.AioRpcError as err:
-            error = ErrorEvent(wire.error_code_from_status_name(err.code().name),
-                               f"verifier {self._target}: {err.details()}")
+            reason = f"{err.code().name}: {err.details()}"
         except asyncio.CancelledError:
-            error = ErrorEvent(ErrorCode.UNAVAILABLE, f"the Verify stream to {self._target} was closed")
+            reason, cancelled = "the link was closed", True
             raise
         finally:
-            log.warning("verifier_stream_ended", target=self._target, reason=error.message,
+            log.warning("verifier_stream_ended", target=self._target, reason=reason,
                         live_sequences=len(self._inboxes))
+            lost = StreamLost(f"the Verify stream to {self._target} broke ({reason})")
             for inbox in self._inboxes.values():
-                inbox.put_nowait(error)
+                inbox.put_nowait(lost)
+            if not cancelled and not self._closed and self._reader is asyncio.current_task():
+                self._reader = None  # `connected` turns false at once, not only once this task is done
+                asyncio.get_running_loop().call_soon(self._start_reconnecting)
 
     def _dispatch(self, msg: verifier_pb2.VerifierMessage) -> None:
         kind = msg.WhichOneof("kind")

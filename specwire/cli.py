@@ -36,6 +36,11 @@ def _generate_parser(sub) -> None:
     add_flag(p, "--server", default="127.0.0.1:50052", help="draft service HOST:PORT")
     add_flag(p, "--connect-timeout", default=10.0, type=float,
              help="seconds to wait for the draft service to be reachable before failing")
+    add_flag(p, "--root-certificates", default=None, help="PEM CA bundle: connect with TLS, trusting it")
+    add_flag(p, "--client-cert", default=None, help="PEM client certificate (mutual TLS, with --client-key)")
+    add_flag(p, "--client-key", default=None, help="PEM private key of --client-cert")
+    add_flag(p, "--tls-server-name", default=None, help="check the certificate against this name")
+    add_flag(p, "--token-file", default=None, help="file whose first line is the bearer token to send")
     add_flag(p, "--max-tokens", default=64, type=int, help="tokens to generate")
     add_flag(p, "--temperature", default=1.0, type=float, help="0 for greedy")
     add_flag(p, "--top-k", default=0, type=int, help="0: off")
@@ -113,11 +118,23 @@ def _run_draft(args) -> int:
 
 
 def _run_generate(args) -> int:
+    from common.security import read_file, read_token
     from specwire import Client, Result, SpecwireError
 
     result = Result()
     try:
-        with Client(args.server, connect_timeout=args.connect_timeout) as client:
+        def pem(path: str | None, what: str) -> bytes | None:
+            return read_file(path, what) if path else None
+
+        security = {"token": read_token(args.token_file) if args.token_file else None,
+                    "root_certificates": pem(args.root_certificates, "CA bundle"),
+                    "certificate_chain": pem(args.client_cert, "client certificate"),
+                    "private_key": pem(args.client_key, "client key"), "tls_server_name": args.tls_server_name}
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        with Client(args.server, connect_timeout=args.connect_timeout, **security) as client:
             stream = client.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
                                    num_speculative_tokens=args.num_speculative_tokens, result=result)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common import security
 from specwire.errors import InvalidArgumentError, UnavailableError, from_rpc_error
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
@@ -114,6 +115,27 @@ DEFAULT_CONNECT_TIMEOUT_S = 10.0
 _HEALTH_CHECK = health_pb2.HealthCheckRequest(service="")
 
 
+@dataclass(frozen=True)
+class _Connection:
+    """What both clients derive from their security arguments."""
+
+    credentials: grpc.ChannelCredentials | None
+    options: list[tuple[str, str]]
+    metadata: tuple[tuple[str, str], ...]
+
+
+def _connection(token: str | None, root_certificates: bytes | None, private_key: bytes | None,
+                certificate_chain: bytes | None, channel_credentials: grpc.ChannelCredentials | None,
+                tls_server_name: str | None) -> _Connection:
+    if channel_credentials is not None and (root_certificates or private_key or certificate_chain):
+        raise ValueError("give channel_credentials or root_certificates/private_key/certificate_chain, not both")
+    credentials = channel_credentials
+    if credentials is None and (root_certificates or private_key or certificate_chain):
+        credentials = security.channel_credentials(root_certificates=root_certificates, private_key=private_key,
+                                                   certificate_chain=certificate_chain)
+    return _Connection(credentials, security.tls_name_override(tls_server_name), security.token_metadata(token))
+
+
 def _probe_failed(err: grpc.RpcError, target: str, connect_timeout: float):
     """The error for a failed reachability probe: UnavailableError naming the address when nothing answered."""
     if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
@@ -125,16 +147,28 @@ def _probe_failed(err: grpc.RpcError, target: str, connect_timeout: float):
 class Client:
     """Blocking client of a draft service. `target` is HOST:PORT.
 
-    `timeout`: a deadline for each whole call (None: none). `connect_timeout`: how long a call waits for the
-    service to be reachable before it fails with UnavailableError naming the address (None: wait forever).
-    Breaking out of `stream()` (or closing it) cancels the generation on both services."""
+    `timeout`: a deadline for each whole call (None: none); it also bounds the sequence on the verifier.
+    `connect_timeout`: how long a call waits for the service to be reachable before it fails with
+    UnavailableError naming the address (None: wait forever). Breaking out of `stream()` (or closing it) cancels
+    the generation on both services.
+
+    Security, in grpc's own terms: `root_certificates` (PEM bytes) turns on TLS and names the CA to trust
+    (grpc.ssl_channel_credentials semantics); `private_key` and `certificate_chain` add a client certificate
+    (mutual TLS); or pass ready `channel_credentials`. `token` is sent as `authorization: Bearer <token>` on
+    every call; a refused one raises UnauthenticatedError. `tls_server_name` checks the certificate against
+    that name instead of the target's host."""
 
     def __init__(self, target: str, *, timeout: float | None = None,
-                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
-                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S, token: str | None = None,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None, channel_credentials: grpc.ChannelCredentials | None = None,
+                 tls_server_name: str | None = None) -> None:
         self._target = target
-        self._channel = (grpc.secure_channel(target, channel_credentials) if channel_credentials
-                         else grpc.insecure_channel(target))
+        conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
+                           tls_server_name)
+        self._metadata = conn.metadata
+        self._channel = (grpc.secure_channel(target, conn.credentials, options=conn.options) if conn.credentials
+                         else grpc.insecure_channel(target, options=conn.options))
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
@@ -153,13 +187,14 @@ class Client:
         if self._connect_timeout is None:
             return
         try:
-            self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True)
+            self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True,
+                               metadata=self._metadata)
         except grpc.RpcError as err:
             raise _probe_failed(err, self._target, self._connect_timeout) from None
 
     def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
         self._wait_connected()
-        call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True)
+        call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True, metadata=self._metadata)
         try:
             yield from call
         except grpc.RpcError as err:
@@ -194,11 +229,16 @@ class AsyncClient:
     """asyncio client of a draft service, with Client's arguments and behaviour."""
 
     def __init__(self, target: str, *, timeout: float | None = None,
-                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S,
-                 channel_credentials: grpc.ChannelCredentials | None = None) -> None:
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S, token: str | None = None,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None, channel_credentials: grpc.ChannelCredentials | None = None,
+                 tls_server_name: str | None = None) -> None:
         self._target = target
-        self._channel = (grpc.aio.secure_channel(target, channel_credentials) if channel_credentials
-                         else grpc.aio.insecure_channel(target))
+        conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
+                           tls_server_name)
+        self._metadata = conn.metadata
+        self._channel = (grpc.aio.secure_channel(target, conn.credentials, options=conn.options)
+                         if conn.credentials else grpc.aio.insecure_channel(target, options=conn.options))
         self._stub = draft_pb2_grpc.DraftStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout
@@ -208,7 +248,8 @@ class AsyncClient:
         if self._connect_timeout is None:
             return
         try:
-            await self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True)
+            await self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True,
+                                     metadata=self._metadata)
         except grpc.RpcError as err:
             raise _probe_failed(err, self._target, self._connect_timeout) from None
 
@@ -232,7 +273,7 @@ class AsyncClient:
         req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
                             num_speculative_tokens, ignore_eos)
         await self._wait_connected()
-        call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True)
+        call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True, metadata=self._metadata)
         try:
             async for msg in call:
                 chunk = acc.add(msg)

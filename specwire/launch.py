@@ -27,9 +27,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Until the health service says SERVING (`credentials` for a TLS server)."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -70,7 +73,8 @@ class Stack:
     services: list[Service] = field(default_factory=list)
 
     def start(self, name: str, args: list[str], *, log_dir: Path | None = None, port: int | None = None,
-              timeout_s: float = 300.0, env: dict[str, str] | None = None) -> Service:
+              timeout_s: float = 300.0, env: dict[str, str] | None = None,
+              credentials: grpc.ChannelCredentials | None = None) -> Service:
         port = port or free_port()
         address = f"127.0.0.1:{port}"
         log_path = None
@@ -85,7 +89,7 @@ class Stack:
         service = Service(name, address, proc, log_path)
         self.services.append(service)
         try:
-            wait_serving(address, timeout_s, proc)
+            wait_serving(address, timeout_s, proc, credentials)
         except Exception as err:
             raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
         return service

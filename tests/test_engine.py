@@ -150,7 +150,7 @@ def test_a_sequence_idle_past_the_timeout_is_ended_and_its_blocks_freed(pair):
     greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True).with_seed()
     engine.submit(OpenCmd(quiet, (3, 4, 5, 6, 7, 8), greedy))
     engine.step()  # admitted and prefilled: it holds blocks
-    assert engine.blocks.num_used_blocks > 0 and engine.next_idle_deadline() is not None
+    assert engine.blocks.num_used_blocks > 0 and engine.next_expiry() is not None
     time.sleep(0.3)
     engine.submit(OpenCmd(busy, (3, 4, 5), greedy))
     errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
@@ -190,3 +190,96 @@ def test_a_sequence_admitted_between_two_steps_of_another_reuses_only_verified_k
     b_prompt = a_prompt + [first, 11]
     (b_out,), _ = _run(engine, [b_prompt], 4)
     assert b_out == greedy_continuation(target, b_prompt, 4)
+
+
+def test_a_sequence_past_its_client_deadline_is_ended_and_its_blocks_freed(pair):
+    import time
+
+    target, _ = pair
+    engine = _engine(target, num_blocks=32)
+    late, patient = SeqKey(1, 1), SeqKey(1, 2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True).with_seed()
+    engine.submit(OpenCmd(late, (3, 4, 5, 6, 7, 8), greedy, deadline=time.monotonic() + 0.2))
+    engine.submit(OpenCmd(patient, (3, 4, 5), greedy, deadline=time.monotonic() + 60))
+    engine.step()
+    assert engine.blocks.num_used_blocks > 0 and engine.next_expiry() is not None
+    time.sleep(0.3)
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert [(e.key, e.code) for e in errors] == [(late, ErrorCode.DEADLINE_EXCEEDED)]
+    assert "deadline" in errors[0].message
+    assert late not in engine.scheduler.sequences and patient in engine.scheduler.sequences
+
+
+def _rounds(engine, key, prompt, sampling, n_rounds, *, num_output_tokens=0):
+    """Open `key` and run n_rounds rounds of 3 fixed (mostly wrong) drafts: the verified tokens of each round."""
+    engine.submit(OpenCmd(key, tuple(prompt), sampling, num_output_tokens=num_output_tokens))
+    tokens, rounds = list(prompt), []
+    for _ in range(n_rounds):
+        engine.submit(ProposeCmd(key, len(tokens), (7, 8, 9), None))
+        verdict = None
+        while verdict is None:
+            verdict = next((o for o in engine.step().outcomes if o.key == key), None)
+        assert isinstance(verdict, VerdictOut), verdict
+        rounds.append(list(verdict.token_ids))
+        tokens.extend(verdict.token_ids)
+        if verdict.finish_reason:
+            break
+    return rounds
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_resumed_sequence_continues_exactly_where_it_was(pair, temperature):
+    """A resume sends the verified tokens so far as the prompt with num_output_tokens: the continuation (seeded
+    random numbers are keyed by position) and the max_tokens count are those of the uninterrupted sequence."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    sampling = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=1234)
+    prompt = [3, 4, 5, 6, 7]
+    whole = _rounds(engine, SeqKey(1, 1), prompt, sampling, 100)
+    assert sum(map(len, whole)) == 12
+    cut = 2  # the stream broke after two rounds
+    so_far = [t for r in whole[:cut] for t in r]
+    resumed = _rounds(engine, SeqKey(2, 1), prompt + so_far, sampling, 100, num_output_tokens=len(so_far))
+    assert resumed == whole[cut:]
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_a_resume_that_claims_too_much_output_is_refused(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=32)
+    sampling = SamplingParams(temperature=0.0, max_tokens=4).with_seed()
+    engine.submit(OpenCmd(SeqKey(1, 1), (3, 4, 5), sampling, num_output_tokens=3))
+    engine.submit(OpenCmd(SeqKey(1, 2), (3, 4, 5, 6, 7, 8), sampling, num_output_tokens=4))
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert [e.code for e in errors] == [ErrorCode.INVALID_ARGUMENT] * 2
+    assert "at least one prompt token" in errors[0].message and "finished" in errors[1].message
+
+
+def test_the_token_budget_is_shared_fairly_between_streams(pair):
+    """One stream runs 16 sequences, another 1; the budget holds three verifications a step. Admitted after
+    the 16, the single sequence still gets a verification in every step while it has a proposal waiting."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=256, max_num_batched_tokens=15)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_seed()
+    many = [SeqKey(1, i) for i in range(16)]
+    single = SeqKey(2, 0)
+    tokens = {key: [3, 4, 5] for key in [*many, single]}
+    for key in [*many, single]:
+        engine.submit(OpenCmd(key, tuple(tokens[key]), greedy))
+    served = {key: 0 for key in tokens}
+    waiting = set()
+    for _ in range(24):
+        for key in tokens:
+            if key not in waiting:
+                engine.submit(ProposeCmd(key, len(tokens[key]), (7, 8, 9, 10), None))
+                waiting.add(key)
+        result = engine.step()
+        verdicts = [o for o in result.outcomes if isinstance(o, VerdictOut)]
+        assert result.stats.num_tokens <= 15 and verdicts
+        assert single in {v.key for v in verdicts}
+        for v in verdicts:
+            tokens[v.key].extend(v.token_ids)
+            served[v.key] += 1
+            waiting.discard(v.key)
+    assert served[single] == 24
+    assert min(served[k] for k in many) >= 1  # and the 16 take turns among themselves

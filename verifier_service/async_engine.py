@@ -50,6 +50,7 @@ class AsyncEngine:
         """Frees every sequence of the stream (a disconnected draft leaks no KV blocks)."""
         self._streams.pop(stream_id, None)
         self.metrics.streams.set(len(self._streams))
+        self.metrics.forget_stream(stream_id)
         self.submit(CloseStreamCmd(stream_id))
 
     def submit(self, command: Command) -> None:
@@ -67,7 +68,7 @@ class AsyncEngine:
 
     async def _wait_for_work(self) -> None:
         """Until something is submitted, or until the next idle sequence is due to time out."""
-        deadline = self.engine.next_idle_deadline()
+        deadline = self.engine.next_expiry()
         if deadline is None:
             await self._wakeup.wait()
             return
@@ -102,6 +103,12 @@ class AsyncEngine:
         self.metrics.live_sequences.set(len(engine.scheduler.sequences))
         self.metrics.waiting_sequences.set(len(engine.scheduler.waiting))
         self.metrics.kv_blocks_used.set(engine.blocks.num_used_blocks)
+        per_stream = dict.fromkeys(self._streams, 0)
+        for key in engine.scheduler.sequences:
+            if key.stream_id in per_stream:
+                per_stream[key.stream_id] += 1
+        for stream_id, count in per_stream.items():
+            self.metrics.stream_sequences.labels(stream=str(stream_id)).set(count)
         s = result.stats
         if s is None:
             return

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DTYPES, format_bytes, option, parse_bytes
+from common.config import DTYPES, ServerSecurityConfig, format_bytes, option, parse_bytes
 from common.device import DEVICE_CHOICES_HELP
 
 CPU_KV_CACHE_MEMORY = 1 << 30  # the pool's default size on CPU, where the host's memory is shared
 
 
 @dataclass(frozen=True)
-class VerifierConfig:
+class VerifierConfig(ServerSecurityConfig):
     model: str = option(None, "target: HF model directory or .gguf file")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50051, "gRPC port")
@@ -37,6 +37,7 @@ class VerifierConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
+        self.check_security()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:

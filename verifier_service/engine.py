@@ -37,6 +37,7 @@ log = structlog.get_logger(__name__)
 
 # Backpressure: proposals a sequence may have waiting. A synchronous draft has one; a pipelined one a few.
 MAX_QUEUED_PROPOSALS = 8
+EXPIRY_SCAN_INTERVAL_S = 0.25
 
 
 class VerifierEngine:
@@ -53,7 +54,7 @@ class VerifierEngine:
                                    eos_token_ids=frozenset(loaded.eos_token_ids))
         self.runner = VerifierRunner(model, blocks)
         self.sequence_idle_timeout_s = sequence_idle_timeout_s
-        self._next_idle_scan = 0.0  # the scan walks every sequence: at most a few times per timeout, not per step
+        self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
     # -- called from any thread -------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ class VerifierEngine:
 
     def step(self) -> StepResult:
         outcomes = self._apply_commands()
-        outcomes.extend(self._end_idle_sequences())
+        outcomes.extend(self._end_expired_sequences())
         scheduled = self.scheduler.schedule()
         outcomes.extend(scheduled.outcomes)
         if not scheduled.scheduled:
@@ -93,34 +94,43 @@ class VerifierEngine:
             forward_s=ran.forward_s,
             sample_s=ran.sample_s,
             host_s=ran.host_s,
+            tokens_by_stream=scheduled.tokens_by_stream,
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:
                 stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
         return StepResult(outcomes, stats)
 
-    def _end_idle_sequences(self) -> list[Outcome]:
-        """A sequence that has waited longer than the idle timeout for its next proposal (a draft that opened it
-        and went quiet, or a peer that vanished without closing its stream) ends with DEADLINE_EXCEEDED, and its
-        KV blocks go back to the pool."""
+    def _end_expired_sequences(self) -> list[Outcome]:
+        """Sequences end with DEADLINE_EXCEEDED, and their KV blocks go back to the pool, when their client's
+        deadline has passed, or when they have waited longer than the idle timeout for their next proposal (a
+        draft that opened them and went quiet, or a peer that vanished without closing its stream)."""
         now = time.monotonic()
-        if not self.sequence_idle_timeout_s or now < self._next_idle_scan:
+        if now < self._next_expiry_scan:
             return []
-        self._next_idle_scan = now + min(1.0, self.sequence_idle_timeout_s / 4)
-        idle = [seq for seq in self.scheduler.sequences.values()
-                if not seq.proposals and now - seq.last_active > self.sequence_idle_timeout_s]
-        for seq in idle:
+        self._next_expiry_scan = now + EXPIRY_SCAN_INTERVAL_S
+        idle_s = self.sequence_idle_timeout_s
+        ended: list[Outcome] = []
+        for seq in list(self.scheduler.sequences.values()):
+            if seq.deadline is not None and now >= seq.deadline:
+                reason = "the client's deadline passed: the sequence was ended and its KV blocks freed"
+            elif idle_s and not seq.proposals and now - seq.last_active > idle_s:
+                reason = (f"no proposal for {idle_s:g}s (--sequence-idle-timeout): the sequence was ended and its "
+                          "KV blocks freed")
+            else:
+                continue
             self.scheduler.release(seq.key)
-            log.info("sequence_idle_timeout", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id)
-        return [ErrorOut(seq.key, ErrorCode.DEADLINE_EXCEEDED, f"no proposal for "
-                         f"{self.sequence_idle_timeout_s:g}s (--sequence-idle-timeout): the sequence was ended and "
-                         "its KV blocks freed") for seq in idle]
+            log.info("sequence_expired", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id, reason=reason)
+            ended.append(ErrorOut(seq.key, ErrorCode.DEADLINE_EXCEEDED, reason))
+        return ended
 
-    def next_idle_deadline(self) -> float | None:
-        """When the next idle sequence would time out (time.monotonic()), or None."""
-        if not self.sequence_idle_timeout_s or not self.scheduler.sequences:
-            return None
-        return min(seq.last_active for seq in self.scheduler.sequences.values()) + self.sequence_idle_timeout_s
+    def next_expiry(self) -> float | None:
+        """When the next sequence would expire (time.monotonic()), or None: the engine loop's wake-up time."""
+        times = [seq.deadline for seq in self.scheduler.sequences.values() if seq.deadline is not None]
+        if self.sequence_idle_timeout_s and self.scheduler.sequences:
+            times.append(min(seq.last_active for seq in self.scheduler.sequences.values())
+                         + self.sequence_idle_timeout_s)
+        return max(min(times), self._next_expiry_scan) if times else None
 
     def _fail(self, scheduled: SchedulerOutput, err: Exception) -> list[Outcome]:
         """A step that raised ends exactly the sequences it ran, with INTERNAL, and frees their blocks: their
@@ -162,8 +172,8 @@ class VerifierEngine:
                                        "stream")
                 check_open(cmd, self.limits, self.blocks)
                 prompt = list(cmd.prompt_token_ids)
-                self.scheduler.add(Sequence(cmd.key, prompt, len(prompt), cmd.sampling,
-                                            last_active=time.monotonic()))
+                self.scheduler.add(Sequence(cmd.key, prompt, len(prompt) - cmd.num_output_tokens, cmd.sampling,
+                                            last_active=time.monotonic(), deadline=cmd.deadline))
             case ProposeCmd():
                 seq = self.scheduler.sequences.get(cmd.key)
                 if seq is None:

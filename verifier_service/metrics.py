@@ -32,9 +32,26 @@ class VerifierMetrics:
         self.kv_blocks_used = Gauge("specwire_kv_blocks_used", "KV blocks held by sequences", registry=r)
         self.kv_blocks_total = Gauge("specwire_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.streams = Gauge("specwire_verify_streams", "Open Verify streams", registry=r)
+        # per Verify stream (one per draft process); a stream's series go away when it closes
+        self.stream_sequences = Gauge("specwire_stream_sequences", "Open sequences per Verify stream", ["stream"],
+                                      registry=r)
+        self.stream_tokens = Counter("specwire_stream_scheduled_tokens", "Tokens of the step budget given to each "
+                                     "Verify stream", ["stream"], registry=r)
+        self.budget_fairness = Gauge("specwire_token_budget_fairness", "Jain's index of the last step's tokens "
+                                     "per stream with work (1: equal shares, 1/n: one stream took all)", registry=r)
+
+    def forget_stream(self, stream_id: int) -> None:
+        for metric in (self.stream_sequences, self.stream_tokens):
+            try:
+                metric.remove(str(stream_id))
+            except KeyError:
+                pass
 
     def observe_step(self, stats: StepStats) -> None:
         self.steps.inc()
+        for stream_id, tokens in stats.tokens_by_stream.items():
+            self.stream_tokens.labels(stream=str(stream_id)).inc(tokens)
+        self.budget_fairness.set(stats.budget_fairness)
         self.step_seconds.observe(stats.forward_s + stats.sample_s)
         self.batch_size.observe(stats.num_seqs)
         self.num_drafts.inc(stats.num_verifications)

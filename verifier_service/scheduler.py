@@ -3,6 +3,10 @@ token budget, whom to preempt when the pool is short, and what a verdict does to
 
 Plain Python over the block manager; the model runner does the tensors. Admission is first come, first served;
 preemption takes the most recently admitted sequence with no work in the step, which is recomputed later.
+
+The step's token budget is shared fairly between Verify streams (one per draft process): streams take turns,
+the least recently served first, and so do the sequences within a stream. A draft running 16 sequences and one
+running 1 each get a turn per step; admission order alone would let the 16 fill every step.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class SchedulerOutput:
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
     num_prefix_hit_tokens: int = 0
     num_preempted: int = 0
+    tokens_by_stream: dict[int, int] = field(default_factory=dict)  # every stream with work, scheduled or not
 
     @property
     def verifications(self) -> list[ScheduledSeq]:
@@ -70,6 +75,8 @@ class Scheduler:
         self.running: dict[SeqKey, Sequence] = {}  # admitted, in admission order
         self.waiting: deque[Sequence] = deque()  # not admitted (new or preempted), first come first served
         self.num_preemptions = 0
+        self._num_steps = 0
+        self._stream_last_served: dict[int, int] = {}  # stream id -> the step it last had a sequence scheduled
 
     # -- membership -------------------------------------------------------------------------------------------
 
@@ -98,7 +105,10 @@ class Scheduler:
         out.num_prefix_hit_tokens = self._admit()
         preemptions_before = self.num_preemptions
         budget = self.max_num_batched_tokens
-        for seq in list(self.running.values()):
+        self._num_steps += 1
+        order = self._service_order()
+        out.tokens_by_stream = dict.fromkeys(self._stream_last_served, 0)
+        for seq in order:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for a sequence earlier in this step
@@ -108,8 +118,21 @@ class Scheduler:
             if item is not None:
                 out.scheduled.append(item)
                 budget -= item.num_tokens
+                out.tokens_by_stream[seq.key.stream_id] += item.num_tokens
+                seq.last_scheduled_step = self._stream_last_served[seq.key.stream_id] = self._num_steps
         out.num_preempted = self.num_preemptions - preemptions_before
         return out
+
+    def _service_order(self) -> list[Sequence]:
+        """Running sequences with work, in the order the budget serves them: round-robin over streams, the
+        stream served least recently first; within a stream, its least recently served sequence first (ties in
+        admission order)."""
+        by_stream: dict[int, list[Sequence]] = {}
+        for seq in sorted((s for s in self.running.values() if s.has_work), key=lambda s: s.last_scheduled_step):
+            by_stream.setdefault(seq.key.stream_id, []).append(seq)
+        self._stream_last_served = {sid: self._stream_last_served.get(sid, 0) for sid in by_stream}
+        turns = sorted(by_stream.values(), key=lambda seqs: self._stream_last_served[seqs[0].key.stream_id])
+        return [seqs[i] for i in range(max(map(len, turns), default=0)) for seqs in turns if i < len(seqs)]
 
     def postprocess(self, out: SchedulerOutput, sampled: list[list[int] | None],
                     step_time_s: float) -> list[VerdictOut | ErrorOut]:

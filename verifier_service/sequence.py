@@ -27,6 +27,8 @@ class Sequence:
     proposals: deque[ProposeCmd] = field(default_factory=deque)
     status: SequenceStatus = SequenceStatus.WAITING
     last_active: float = 0.0  # time.monotonic() of its open, last proposal or last verdict
+    deadline: float | None = None  # time.monotonic() of the client's deadline
+    last_scheduled_step: int = 0  # the scheduler's step count when it last ran (fair turns)
 
     @property
     def num_tokens(self) -> int:

@@ -74,7 +74,7 @@ async def serve(config: VerifierConfig) -> None:
     async_engine = AsyncEngine(engine, metrics)
     servicer = VerifierServicer(async_engine, verifier_info(engine, config))
     server = build_grpc_server(
-        config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS,
+        config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
         add_servicers=lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s))
     if config.metrics_port:
         start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
@@ -83,5 +83,6 @@ async def serve(config: VerifierConfig) -> None:
     info = describe_device(engine.device)
     log.info("verifier_ready", address=f"{config.host}:{server.port}", model=engine.loaded.model_id,
              vocab_size=engine.loaded.vocab_size, device=info.device, device_name=info.name, platform=info.platform,
-             dtype=engine.dtype, metrics_port=config.metrics_port or None)
+             dtype=engine.dtype, metrics_port=config.metrics_port or None, tls=bool(config.tls_cert),
+             mutual_tls=bool(config.tls_client_ca), tokens_required=bool(config.auth_token_file))
     await serve_until_signal(server, on_stop=async_engine.stop)

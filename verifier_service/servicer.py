@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -85,7 +86,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         outbox.put_nowait(ErrorOut(key, err.code, err.message))
                         continue
                     live.add(key.seq_id)
-                    self._engine.submit(OpenCmd(key, tuple(msg.open.prompt_token_ids), sampling))
+                    o = msg.open
+                    deadline = time.monotonic() + o.timeout_ms / 1000 if o.HasField("timeout_ms") else None
+                    self._engine.submit(OpenCmd(key, tuple(o.prompt_token_ids), sampling,
+                                                num_output_tokens=o.num_output_tokens, deadline=deadline))
                 elif kind == "propose":
                     p = msg.propose
                     self._engine.submit(ProposeCmd(SeqKey(stream_id, p.seq_id), p.start_position,

@@ -19,6 +19,8 @@ class OpenCmd:
     key: SeqKey
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
+    num_output_tokens: int = 0  # a resume: the tail of prompt_token_ids is earlier output
+    deadline: float | None = None  # time.monotonic() past which the client no longer waits
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,14 @@ class StepStats:
     forward_s: float = 0.0
     sample_s: float = 0.0
     host_s: float = 0.0  # of forward_s: building the batch on the host
+    tokens_by_stream: dict[int, int] = field(default_factory=dict)  # streams with work -> tokens scheduled
+
+    @property
+    def budget_fairness(self) -> float:
+        """Jain's index of the tokens scheduled per stream with work: 1 when equal, 1/n when one took all."""
+        shares = list(self.tokens_by_stream.values())
+        total = sum(shares)
+        return total * total / (len(shares) * sum(x * x for x in shares)) if total else 1.0
 
     @property
     def step_time_s(self) -> float:

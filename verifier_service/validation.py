@@ -25,6 +25,12 @@ class Limits:
 def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
     prompt = list(cmd.prompt_token_ids)
     validate_token_ids(prompt, limits.vocab_size)
+    if not 0 <= cmd.num_output_tokens < len(prompt):
+        raise invalid_argument(f"num_output_tokens {cmd.num_output_tokens} must be below the {len(prompt)} tokens "
+                               "sent (a resumed sequence keeps at least one prompt token)")
+    if cmd.num_output_tokens >= cmd.sampling.max_tokens:
+        raise invalid_argument(f"the resumed sequence already has {cmd.num_output_tokens} output tokens, "
+                               f"max_tokens is {cmd.sampling.max_tokens}: it has finished")
     if len(prompt) >= limits.max_model_len:
         raise invalid_argument(f"prompt has {len(prompt)} tokens; the target's context length is "
                                f"{limits.max_model_len} and one token must remain to generate")

@@ -1,0 +1,149 @@
+"""Tokens/s against the round-trip time between draft and verifier (issue 10): the draft reaches the verifier
+through bench/delay_proxy.py, which adds 0, 5, 20 and 50 ms of RTT; 1 stream and 8 concurrent streams.
+
+Models: on this CPU today's real target takes ~300 ms a step, which would hide any RTT. The synthetic pair here
+is sized so a verify step takes 10-30 ms, about a GPU's step for a 7B target: a random Qwen2 target (hidden
+768, 6 layers) whose layers after the first add little to the residual stream, and a draft made of the
+target's first layer (same embeddings and head), so the draft agrees often and costs about a sixth of a
+target step. `--real` also runs the default pair from `make models` (1 stream).
+
+    python bench/rtt.py [--rtts 0,5,20,50] [--tokens 64] [--reps 3] [--real]
+
+Prints a markdown table and writes JSON next to it (--out). Greedy; each figure is the median of --reps runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import torch  # noqa: E402
+
+from delay_proxy import LinkShape, ProxyThread  # noqa: E402
+from specwire import AsyncClient, Client  # noqa: E402
+from specwire.launch import Stack  # noqa: E402
+
+from tiny_models import build_model, byte_bpe_tokenizer, model_config, save  # noqa: E402
+
+PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43], [100, 7, 3, 9, 11], [60, 61, 2], [8, 8, 9], [300, 12, 4],
+           [17, 18, 19, 20, 21], [250, 251, 3]]
+
+
+def synthetic_pair(root: Path, hidden: int = 768, layers: int = 6, damp: float = 0.1) -> tuple[Path, Path]:
+    tok = byte_bpe_tokenizer(320)
+    config = model_config("qwen2", len(tok), eos_token_id=tok.eos_token_id, hidden=hidden, layers=layers,
+                          heads=12, kv_heads=2, init=0.05)
+    target = build_model(config, seed=0, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:  # later layers write little into the residual stream
+            layer.self_attn.o_proj.weight.mul_(damp)
+            layer.mlp.down_proj.weight.mul_(damp)
+    draft_config = model_config("qwen2", len(tok), eos_token_id=tok.eos_token_id, hidden=hidden, layers=1,
+                                heads=12, kv_heads=2, init=0.05)
+    draft = build_model(draft_config, seed=1, dtype=torch.float32)
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")
+             or k.startswith("model.layers.0.")}
+    draft.load_state_dict(state)
+    return save(target, tok, root / "target"), save(draft, tok, root / "draft")
+
+
+def one_stream(address: str, tokens: int, reps: int) -> dict:
+    runs = []
+    with Client(address, timeout=600) as client:
+        client.generate(prompt_token_ids=PROMPTS[0], max_tokens=4, temperature=0.0)  # warm-up
+        for i in range(reps):
+            s = client.generate(prompt_token_ids=PROMPTS[i % len(PROMPTS)], max_tokens=tokens, temperature=0.0,
+                                ignore_eos=True).stats
+            runs.append(s)
+    return {"tok_s": statistics.median(s.tokens_per_second for s in runs),
+            "tokens_per_round": statistics.median(s.mean_acceptance_length for s in runs),
+            "verify_ms_per_round": statistics.median(1e3 * s.verify_time_s / s.num_rounds for s in runs),
+            "draft_ms_per_round": statistics.median(1e3 * s.draft_time_s / s.num_rounds for s in runs),
+            "round_ms": statistics.median(1e3 * s.wall_time_s / s.num_rounds for s in runs)}
+
+
+def many_streams(address: str, tokens: int, reps: int, n: int = 8) -> dict:
+    async def run_once() -> float:
+        async with AsyncClient(address, timeout=600) as client:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(client.generate(prompt_token_ids=PROMPTS[i % len(PROMPTS)],
+                                                             max_tokens=tokens, temperature=0.0, ignore_eos=True)
+                                             for i in range(n)))
+            wall = time.perf_counter() - t0
+        return sum(r.stats.num_generated_tokens for r in results) / wall
+
+    return {"aggregate_tok_s": statistics.median(asyncio.run(run_once()) for _ in range(reps))}
+
+
+def measure(target: Path, draft: Path, rtts: list[float], tokens: int, reps: int, streams: bool, log_dir: Path,
+            draft_args: list[str]) -> list[dict]:
+    rows = []
+    with Stack() as stack:
+        verifier = stack.start("verifier", ["verifier", "--model", str(target), "--dtype", "float32"],
+                               log_dir=log_dir)
+        for rtt in rtts:
+            with ProxyThread(verifier.address, LinkShape(delay_s=rtt / 2000)) as proxy:
+                d = stack.start(f"draft-{rtt:g}", ["draft", "--model", str(draft), "--verifier", proxy.address,
+                                                   *draft_args], log_dir=log_dir)
+                row = {"rtt_ms": rtt, **one_stream(d.address, tokens, reps)}
+                if streams:
+                    row.update(many_streams(d.address, tokens, reps))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                d.stop()
+                stack.services.remove(d)
+    return rows
+
+
+def table(rows: list[dict], title: str) -> str:
+    base = rows[0]
+    lines = [f"{title}", "", "| RTT ms | 1 stream tok/s | vs 0 ms | tokens/round | verify ms/round | round ms | "
+             "8 streams tok/s | vs 0 ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        agg = r.get("aggregate_tok_s")
+        lines.append(f"| {r['rtt_ms']:g} | {r['tok_s']:.1f} | {r['tok_s'] / base['tok_s']:.0%} | "
+                     f"{r['tokens_per_round']:.2f} | {r['verify_ms_per_round']:.1f} | {r['round_ms']:.1f} | "
+                     + (f"{agg:.1f} | {agg / base['aggregate_tok_s']:.0%} |" if agg else "- | - |"))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rtts", default="0,5,20,50")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--real", action="store_true", help="also the default pair from .models (1 stream)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON results (default: a temp dir)")
+    args = parser.parse_args()
+    rtts = [float(x) for x in args.rtts.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="specwire-rtt-"))
+    target, draft = synthetic_pair(root)
+    results = {"synthetic": measure(target, draft, rtts, args.tokens, args.reps, True, root / "logs",
+                                    ["--num-speculative-tokens", str(args.k)])}
+    print(table(results["synthetic"], f"synthetic pair (hidden 768, 6 layers / 1 layer), k={args.k}, greedy, "
+                f"{args.tokens} tokens"))
+    if args.real:
+        results["real"] = measure(ROOT / ".models" / "target", ROOT / ".models" / "draft", rtts, args.tokens,
+                                  1, False, root / "logs-real",
+                                  ["--num-speculative-tokens", str(args.k), "--dtype", "bfloat16"])
+        print(table(results["real"], f"default pair, k={args.k}, greedy, {args.tokens} tokens"))
+    out = args.out or root / "rtt.json"
+    out.write_text(json.dumps(results, indent=2))
+    print(f"results: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

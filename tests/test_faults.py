@@ -1,0 +1,139 @@
+"""Faults between real processes: the verifier SIGKILLed mid-generation and restarted on its port (the draft
+reconnects and resumes every live sequence: no token lost, duplicated or changed, greedy or seeded), a request
+made while the verifier is down, a draft SIGKILLed (the verifier frees its sequences and blocks at once), and a
+verifier that does not come back (UNAVAILABLE after --verifier-retry-deadline)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from specwire import AsyncClient, Client, UnavailableError
+
+from stacks import start_stack
+from tiny_models import greedy_continuation, make_text_pair
+
+PROMPT = [5, 9, 14, 3, 22, 7]
+N = 300
+GREEDY = dict(max_tokens=N, temperature=0.0, ignore_eos=True)
+SEEDED = dict(max_tokens=N, temperature=1.0, seed=4242, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def fault_stack(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults")
+    target, draft = make_text_pair(d, "qwen2")
+    running = start_stack(target, draft, d / "logs", extra_draft=["--verifier-retry-deadline", "60"])
+    yield running, target
+    running.stack.stop()
+
+
+async def _interrupted(running, kill_after_tokens: int, requests: list[dict]) -> list[list[int]]:
+    """Run the requests concurrently; once each has streamed kill_after_tokens tokens, SIGKILL the verifier and
+    restart it on its port while the streams wait."""
+    progressed = [asyncio.Event() for _ in requests]
+
+    async def one(i: int, kwargs: dict) -> list[int]:
+        tokens: list[int] = []
+        async with AsyncClient(running.draft, timeout=180) as client:
+            async for chunk in client.stream(prompt_token_ids=PROMPT, **kwargs):
+                tokens.extend(chunk.token_ids)
+                if len(tokens) >= kill_after_tokens:
+                    progressed[i].set()
+        return tokens
+
+    tasks = [asyncio.create_task(one(i, kw)) for i, kw in enumerate(requests)]
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 60)
+    running.kill("verifier")
+    assert not any(t.done() for t in tasks), "a generation ended before the verifier was killed"
+    await asyncio.to_thread(running.restart, "verifier")
+    return await asyncio.gather(*tasks)
+
+
+def test_verifier_killed_and_restarted_mid_generation_resumes_losslessly(fault_stack):
+    running, target = fault_stack
+    with Client(running.draft) as client:
+        seeded_reference = client.generate(prompt_token_ids=PROMPT, **SEEDED).token_ids
+    greedy_reference = greedy_continuation(target, PROMPT, N)
+    resumes_before = running.metric("specwire_draft_resumed_sequences_total", draft=True)
+    greedy, seeded = asyncio.run(_interrupted(running, 8, [GREEDY, SEEDED]))
+    assert greedy == greedy_reference
+    assert seeded == seeded_reference
+    assert running.metric("specwire_draft_resumed_sequences_total", draft=True) >= resumes_before + 2
+    assert running.metric("specwire_draft_verifier_reconnects_total", draft=True) >= 1
+    running.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+def test_a_request_made_while_the_verifier_is_down_waits_for_it(fault_stack):
+    running, target = fault_stack
+    running.kill("verifier")
+    result: dict = {}
+
+    def request() -> None:
+        with Client(running.draft, timeout=120) as client:
+            result["tokens"] = client.generate(prompt_token_ids=PROMPT, max_tokens=16, temperature=0.0,
+                                               ignore_eos=True).token_ids
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(1.0)
+    running.restart("verifier")
+    t_up = time.monotonic()
+    thread.join(60)
+    assert result.get("tokens") == greedy_continuation(target, PROMPT, 16)
+    # the draft retries with a capped backoff on fresh channels: it notices the verifier within seconds
+    assert time.monotonic() - t_up < 10
+
+
+def test_a_killed_draft_frees_its_sequences_on_the_verifier(fault_stack):
+    running, _ = fault_stack
+
+    def stream() -> None:
+        try:
+            with Client(running.draft, timeout=60) as client:
+                for _ in client.stream(prompt_token_ids=PROMPT, **GREEDY):
+                    pass
+        except Exception:  # noqa: BLE001 - the draft is killed under it
+            pass
+
+    threads = [threading.Thread(target=stream) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while running.metric("specwire_live_sequences") < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert running.metric("specwire_kv_blocks_used") > 0
+    running.kill("draft")
+    t_killed = time.monotonic()
+    running.wait_for_metric("specwire_kv_blocks_used", 0, timeout_s=5)
+    running.wait_for_metric("specwire_live_sequences", 0, timeout_s=1)
+    assert time.monotonic() - t_killed < 5
+    for t in threads:
+        t.join(30)
+    running.restart("draft")
+
+
+def test_a_verifier_that_stays_down_ends_sequences_with_unavailable(tmp_path_factory):
+    d = tmp_path_factory.mktemp("retry")
+    target, draft = make_text_pair(d, "qwen2")
+    running = start_stack(target, draft, d / "logs", extra_draft=["--verifier-retry-deadline", "2"])
+    try:
+        with Client(running.draft, timeout=60) as client:
+            stream = client.stream(prompt_token_ids=PROMPT, **GREEDY)
+            next(stream)
+            running.kill("verifier")
+            t_killed = time.monotonic()
+            with pytest.raises(UnavailableError) as err:
+                for _ in stream:
+                    pass
+        assert "--verifier-retry-deadline" in err.value.message
+        assert time.monotonic() - t_killed < 15
+        assert running.metric("specwire_draft_resume_failures_total", draft=True) >= 1
+        with Client(running.draft, timeout=30) as client, pytest.raises(UnavailableError) as err:
+            client.generate(prompt_token_ids=PROMPT, max_tokens=4)
+        assert "not reachable" in err.value.message
+    finally:
+        running.stack.stop()

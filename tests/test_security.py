@@ -1,0 +1,170 @@
+"""TLS, mutual TLS and bearer tokens on both services: a verifier that requires client certificates and tokens,
+a draft service that serves TLS and requires tokens and reaches the verifier with its own certificate and token.
+Refusals are UNAUTHENTICATED before any work, health stays open, tokens rotate without a restart and never reach
+a log."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from common.errors import ErrorCode, ServiceError
+from common.security import read_token
+from draft_service.verifier_link import LinkSecurity, VerifierLink
+from specwire import Client, UnauthenticatedError, UnavailableError
+from specwire.v1 import verifier_pb2, verifier_pb2_grpc
+
+from stacks import start_stack
+from tiny_models import greedy_continuation, make_text_pair
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("certs")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_dev_certs.py"), str(out)], check=True,
+                   capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def secure_stack(tmp_path_factory, certs):
+    d = tmp_path_factory.mktemp("secure")
+    target, draft = make_text_pair(d, "qwen2")
+    ca, client_cert, client_key = (certs / n for n in ("ca.pem", "client.pem", "client.key"))
+    mtls = grpc.ssl_channel_credentials(ca.read_bytes(), client_key.read_bytes(), client_cert.read_bytes())
+    tls = grpc.ssl_channel_credentials(ca.read_bytes())
+    server = ["--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server.key")]
+    running = start_stack(
+        target, draft, d / "logs",
+        extra_verifier=[*server, "--tls-client-ca", str(ca), "--auth-token-file", str(certs / "verifier.tokens"),
+                        "--reflection", "false"],
+        extra_draft=[*server, "--auth-token-file", str(certs / "draft.tokens"), "--verifier-tls-ca", str(ca),
+                     "--verifier-tls-cert", str(client_cert), "--verifier-tls-key", str(client_key),
+                     "--verifier-token-file", str(certs / "verifier.tokens")],
+        verifier_credentials=mtls, draft_credentials=tls)
+    yield running, target
+    running.stack.stop()
+
+
+def _client(certs: Path, address: str, **kwargs) -> Client:
+    return Client(address, root_certificates=(certs / "ca.pem").read_bytes(), connect_timeout=20, **kwargs)
+
+
+PROMPT = [5, 9, 14, 3, 22]
+
+
+def test_generation_through_tls_and_tokens_is_lossless(secure_stack, certs):
+    running, target = secure_stack
+    with _client(certs, running.draft, token=read_token(str(certs / "draft.tokens"))) as client:
+        result = client.generate(prompt_token_ids=PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert result.token_ids == greedy_continuation(target, PROMPT, 12)
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token", "verifier", "almost", "prefix", "longer"])
+def test_a_missing_or_wrong_token_is_refused_before_any_work(secure_stack, certs, token):
+    running, _ = secure_stack
+    right = read_token(str(certs / "draft.tokens"))
+    if token == "verifier":  # a token of the other service is not one of this service's
+        token = read_token(str(certs / "verifier.tokens"))
+    elif token == "almost":
+        token = right[:-1] + ("A" if right[-1] != "A" else "B")
+    elif token == "prefix":
+        token = right[:-1]
+    elif token == "longer":
+        token = right + "x"
+    prefilled = running.metric("specwire_prompt_tokens_total")
+    with _client(certs, running.draft, token=token) as client, pytest.raises(UnauthenticatedError) as err:
+        client.generate(prompt_token_ids=PROMPT, max_tokens=4, temperature=0.0)
+    assert "bearer token" in err.value.message
+    assert running.metric("specwire_prompt_tokens_total") == prefilled  # nothing reached the verifier
+
+
+def test_plaintext_clients_cannot_reach_tls_servers(secure_stack, certs):
+    running, _ = secure_stack
+    with Client(running.draft, connect_timeout=2, token=read_token(str(certs / "draft.tokens"))) as client, \
+            pytest.raises(UnavailableError):
+        client.generate(prompt_token_ids=PROMPT, max_tokens=2)
+
+
+def test_health_is_open_and_reflection_can_be_switched_off(secure_stack, certs):
+    running, _ = secure_stack
+    mtls = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes(), (certs / "client.key").read_bytes(),
+                                        (certs / "client.pem").read_bytes())
+    with grpc.secure_channel(running.verifier, mtls) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # no token needed
+        with pytest.raises(grpc.RpcError) as err:
+            verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetInfoRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+        token = (("authorization", "Bearer " + read_token(str(certs / "verifier.tokens"))),)
+        with pytest.raises(grpc.RpcError) as err:
+            reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5, metadata=token).next()
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED  # --reflection false
+        del reflect
+
+
+def test_the_verifier_requires_a_client_certificate(secure_stack, certs):
+    running, _ = secure_stack
+    tls_only = grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+    token = (("authorization", "Bearer " + read_token(str(certs / "verifier.tokens"))),)
+    with grpc.secure_channel(running.verifier, tls_only) as channel, pytest.raises(grpc.RpcError) as err:
+        verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetInfoRequest(), timeout=5, metadata=token)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_draft_with_a_refused_token_fails_fast_with_unauthenticated(secure_stack, certs):
+    running, _ = secure_stack
+    security = LinkSecurity.from_files(tls=True, ca=str(certs / "ca.pem"), cert=str(certs / "client.pem"),
+                                       key=str(certs / "client.key"), server_name=None, token_file=None)
+    security = LinkSecurity(security.credentials, None, "not-a-token")
+
+    async def connect() -> ServiceError:
+        link = VerifierLink(running.verifier, draft_model_id="x", vocab_size=None, tokenizer_fingerprint="x",
+                            security=security)
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(ServiceError) as err:
+                await link.ensure_connected(30.0)
+        finally:
+            await link.close()
+        assert time.monotonic() - t0 < 10  # no retrying until the deadline
+        return err.value
+
+    error = asyncio.run(connect())
+    assert error.code is ErrorCode.UNAUTHENTICATED and "not accepted" in error.message
+
+
+def test_tokens_rotate_without_a_restart_and_never_reach_the_logs(secure_stack, certs):
+    running, _ = secure_stack
+    token_file = certs / "draft.tokens"
+    old = read_token(str(token_file))
+    new = "rotated-" + old[:16]
+    token_file.write_text(f"{old}\n{new}\n")  # step 1: both are accepted
+    time.sleep(1.2)
+    for token in (old, new):
+        with _client(certs, running.draft, token=token) as client:
+            assert client.generate(prompt_token_ids=PROMPT, max_tokens=2, temperature=0.0).token_ids
+    token_file.write_text(f"{new}\n")  # step 2: the old one is retired
+    time.sleep(1.2)
+    with _client(certs, running.draft, token=old) as client, pytest.raises(UnauthenticatedError):
+        client.generate(prompt_token_ids=PROMPT, max_tokens=2)
+    with _client(certs, running.draft, token=new) as client:
+        assert client.generate(prompt_token_ids=PROMPT, max_tokens=2, temperature=0.0).token_ids
+    token_file.write_text(f"{old}\n")
+    logs = "".join(service.log_text() for service in running.stack.services)
+    assert "call_unauthenticated" in logs
+    for secret in (old, new, read_token(str(certs / "verifier.tokens"))):
+        assert secret not in logs
