@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
+
 from specwire import AsyncClient, Client  # noqa: E402
 from specwire.launch import Stack  # noqa: E402
 
