@@ -3,8 +3,8 @@ through bench/delay_proxy.py, which adds 0, 5, 20 and 50 ms of RTT; 1 stream and
 
 Models: on this CPU today's real target takes ~300 ms a step, which would hide any RTT. The synthetic pair here
 is sized so a verify step takes 10-30 ms, about a GPU's step for a 7B target: a random Qwen2 target (hidden
-768, 6 layers) whose layers after the first add little to the residual stream, and a draft made of the
-target's first layer (same embeddings and head), so the draft agrees often and costs about a sixth of a
+1024, 8 layers) whose layers after the first add little to the residual stream, and a draft made of the
+target's first layer (same embeddings and head), so the draft agrees often and costs about an eighth of a
 target step. `--real` also runs the default pair from `make models` (1 stream).
 
     python bench/rtt.py [--rtts 0,5,20,50] [--tokens 64] [--reps 3] [--real]
@@ -40,17 +40,17 @@ PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43], [100, 7, 3, 9, 11], [60, 61, 
            [17, 18, 19, 20, 21], [250, 251, 3]]
 
 
-def synthetic_pair(root: Path, hidden: int = 768, layers: int = 6, damp: float = 0.1) -> tuple[Path, Path]:
+def synthetic_pair(root: Path, hidden: int = 1024, layers: int = 8, damp: float = 0.05) -> tuple[Path, Path]:
     tok = byte_bpe_tokenizer(320)
     config = model_config("qwen2", len(tok), eos_token_id=tok.eos_token_id, hidden=hidden, layers=layers,
-                          heads=12, kv_heads=2, init=0.05)
+                          heads=16, kv_heads=2, init=0.05)
     target = build_model(config, seed=0, dtype=torch.float32)
     with torch.no_grad():
         for layer in target.model.layers[1:]:  # later layers write little into the residual stream
             layer.self_attn.o_proj.weight.mul_(damp)
             layer.mlp.down_proj.weight.mul_(damp)
     draft_config = model_config("qwen2", len(tok), eos_token_id=tok.eos_token_id, hidden=hidden, layers=1,
-                                heads=12, kv_heads=2, init=0.05)
+                                heads=16, kv_heads=2, init=0.05)
     draft = build_model(draft_config, seed=1, dtype=torch.float32)
     state = {k: v for k, v in target.state_dict().items() if not k.startswith("model.layers.")
              or k.startswith("model.layers.0.")}
@@ -132,7 +132,7 @@ def main() -> int:
     target, draft = synthetic_pair(root)
     results = {"synthetic": measure(target, draft, rtts, args.tokens, args.reps, True, root / "logs",
                                     ["--num-speculative-tokens", str(args.k)])}
-    print(table(results["synthetic"], f"synthetic pair (hidden 768, 6 layers / 1 layer), k={args.k}, greedy, "
+    print(table(results["synthetic"], f"synthetic pair (hidden 1024, 8 layers / 1 layer), k={args.k}, greedy, "
                 f"{args.tokens} tokens"))
     if args.real:
         results["real"] = measure(ROOT / ".models" / "target", ROOT / ".models" / "draft", rtts, args.tokens,

@@ -25,6 +25,9 @@ class DraftConfig(ServerSecurityConfig):
                                          "(0: target only)")
     proposer: str = option("model", "model: the draft model; ngram: prompt lookup, no model weights used",
                            choices=PROPOSERS)
+    pipeline: bool = option(False, "pipelined drafting: while a verdict is in flight, draft the next block "
+                            "assuming the current one is fully accepted (and guessing the bonus token) and send it "
+                            "at once; hides the round trip when the verifier is on another host")
     adaptive_k: bool = option(False, "choose k per sequence and round from its acceptance and the measured draft "
                               "and verify times")
     draft_confidence_threshold: float = option(0.0, "end a draft block early when the draft's top probability "

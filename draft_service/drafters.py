@@ -42,7 +42,7 @@ class NgramDrafter:
     """Prompt lookup: one-hot proposals, so sampled requests stay lossless without any q."""
 
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
-        return DraftBlock(tuple(propose_ngram(seq.token_ids, k)), None)
+        return DraftBlock(tuple(propose_ngram(seq.context_ids, k)), None)
 
     async def release(self, seq: DraftSequence) -> None:
         return None

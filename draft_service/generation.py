@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -33,6 +34,24 @@ from draft_service.types import (
 from draft_service.verifier_link import LinkDown, VerifierLink
 
 log = structlog.get_logger(__name__)
+
+
+@dataclass
+class _Flight:
+    """One generation's proposals the verifier has not answered."""
+
+    proposed: bool = False  # the block at the sequence's end has been sent on the current stream
+    stale: int = 0  # pipelined proposals whose guess missed: the verifier drops them, their ProposalDropped is due
+    resumed: bool = False  # the stream broke during the last wait: any pipelined proposal was lost with it
+
+
+@dataclass(frozen=True)
+class _Ahead:
+    """A pipelined proposal: `block`, drafted after the in-flight block and the guessed bonus token."""
+
+    guess: int
+    block: DraftBlock
+    sent: bool
 
 
 class TextOutput:
@@ -73,6 +92,7 @@ class Generator:
         self.adaptive_k = config.adaptive_k and config.proposer == "model"
         # one-hot wire mode sends ids only: the verifier then takes q = delta(x), lossless for any q
         self.send_draft_probs = config.wire_mode == "sparse"
+        self.pipeline = config.pipeline
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
@@ -102,27 +122,46 @@ class Generator:
                                       deadline=req.deadline)
         structlog.contextvars.bind_contextvars(seq_id=seq_id)
         finished = False
+        flight = _Flight()
+        block: DraftBlock | None = None  # the block proposed at the sequence's end, once drafted
         try:
             while not finished:
                 t_draft = time.perf_counter()
-                block = await self.drafter.draft(seq, adaptive.next_k() if adaptive else k)
+                k_round = adaptive.next_k() if adaptive else k
+                if block is None:
+                    block = await self.drafter.draft(seq, k_round)
+                    flight.proposed = self._try_propose(seq_id, seq.num_tokens, block)
+                ahead = await self._draft_ahead(seq_id, seq, block, k_round) if self.pipeline else None
                 t_sent = time.perf_counter()
                 try:
-                    verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline)
+                    verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline, flight)
                 except ServiceError:
                     finished = True  # the verifier has already freed the sequence
                     raise
                 wait_s = time.perf_counter() - t_sent
+                seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)
-                seq.roll_back()
                 finished = verdict.finish_reason is not None
+                verified_block, block = block, None
+                if ahead is not None and not flight.resumed and not finished:
+                    if verdict.token_ids == (*verified_block.token_ids, ahead.guess):
+                        block = ahead.block  # already proposed where this verdict ends: no round trip
+                        flight.proposed = ahead.sent
+                        seq.assumed_token_ids.extend(block.token_ids)
+                        self.metrics.pipelined_proposals.labels(outcome="used").inc()
+                    else:
+                        flight.stale += ahead.sent  # the verifier will drop it: its ProposalDropped is expected
+                        self.metrics.pipelined_proposals.labels(outcome="dropped").inc()
+                flight.resumed = False
+                seq.roll_back()
+                block_for_stats = verified_block
                 tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
-                stats.record_round(block, verdict, tokens, t_sent - t_draft, wait_s)
+                stats.record_round(block_for_stats, verdict, tokens, t_sent - t_draft, wait_s)
                 self.metrics.observe_round(t_sent - t_draft, wait_s, verdict.step_time_s)
                 if stats.num_rounds == 1:
                     stats.time_to_first_token_s = time.perf_counter() - t0
                 if adaptive:
-                    adaptive.observe(block.num_draft_tokens, verdict.num_accepted, t_sent - t_draft, wait_s)
+                    adaptive.observe(block_for_stats.num_draft_tokens, verdict.num_accepted, t_sent - t_draft, wait_s)
                 stats.finish_reason = FinishReason.STOP if stopped else verdict.finish_reason
                 if stopped and not finished:  # the verifier would go on: tell it to free the sequence now
                     finished = True
@@ -172,24 +211,57 @@ class Generator:
         retry_s = self.config.verifier_retry_deadline_s
         return retry_s if deadline is None else max(0.0, min(retry_s, deadline - time.monotonic()))
 
+    def _try_propose(self, seq_id: int, start: int, block: DraftBlock, after_token_id: int | None = None) -> bool:
+        """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""
+        try:
+            self.link.propose(seq_id, start, block, send_draft_probs=self.send_draft_probs,
+                              after_token_id=after_token_id)
+        except LinkDown:
+            return False
+        return True
+
+    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int) -> _Ahead | None:
+        """Pipelining: while `block`'s verdict is in flight, draft as if the verifier accepts all of it: guess
+        the bonus token with the draft model, draft the next block after the guess and propose it at once,
+        marked with the guess. The verifier verifies it only if the verdict ends exactly there with that token;
+        otherwise it drops it, so what is verified never depends on pipelining."""
+        if block.num_draft_tokens == 0 or k == 0:
+            return None
+        seq.assumed_token_ids[:] = block.token_ids
+        drafted = await self.drafter.draft(seq, k + 1)
+        if not drafted.token_ids:  # non-finite draft logits: no guess
+            seq.assumed_token_ids.clear()
+            return None
+        guess = drafted.token_ids[0]
+        nxt = DraftBlock(drafted.token_ids[1:], drafted.draft_probs[1:] if drafted.draft_probs is not None else None)
+        seq.assumed_token_ids.append(guess)
+        sent = self._try_propose(seq_id, seq.num_tokens + block.num_draft_tokens + 1, nxt, after_token_id=guess)
+        return _Ahead(guess, nxt, sent)
+
     async def _verify(self, seq_id: int, seq: DraftSequence, num_prompt_tokens: int, block: DraftBlock,
-                      deadline: float | None) -> VerdictEvent:
-        """Propose the block at the sequence's end and return its verdict. When the stream breaks meanwhile, the
-        sequence is reopened on a new stream with its verified tokens and the same block proposed again: the
-        verdict is the one the lost stream would have given (the random numbers are keyed by position)."""
+                      deadline: float | None, flight: _Flight) -> VerdictEvent:
+        """The verdict of `block`, proposed at the sequence's end. When the stream breaks meanwhile, the sequence
+        is reopened on a new stream with its verified tokens and the block proposed again: the verdict is the
+        one the lost stream would have given (the random numbers are keyed by position)."""
         while True:
             try:
-                self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=self.send_draft_probs)
+                if not flight.proposed:
+                    self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=self.send_draft_probs)
+                    flight.proposed = True
                 event = await self.link.next_event(seq_id)
             except LinkDown as err:
                 event = StreamLost(str(err))
             if isinstance(event, StreamLost):
                 await self._resume(seq_id, seq, num_prompt_tokens, deadline, event.reason)
+                flight.proposed, flight.stale, flight.resumed = False, 0, True
                 continue
             if isinstance(event, ErrorEvent):
                 raise ServiceError(event.code, event.message)
             if isinstance(event, DroppedEvent):
                 self.metrics.dropped_proposals.inc()
+                if flight.stale > 0:  # a pipelined proposal whose guess missed: normal flow
+                    flight.stale -= 1
+                    continue
                 raise ServiceError(ErrorCode.INTERNAL, f"verifier dropped a proposal at {event.start_position}; it "
                                    f"has {event.num_verified} verified tokens")
             return event

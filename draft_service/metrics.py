@@ -31,6 +31,9 @@ class DraftMetrics:
                                registry=r)
         self.resume_failures = Counter("specwire_draft_resume_failures", "Sequences that could not be resumed "
                                        "within --verifier-retry-deadline", registry=r)
+        self.pipelined_proposals = Counter("specwire_draft_pipelined_proposals", "Proposals drafted ahead while a "
+                                           "verdict was in flight, by outcome (used: the guess held)", ["outcome"],
+                                           registry=r)
         self.dropped_proposals = Counter("specwire_draft_dropped_proposals", "Proposals the verifier dropped as "
                                          "stale", registry=r)
         self.ttft = Histogram("specwire_draft_time_to_first_token_seconds", "Time to the first verified token",

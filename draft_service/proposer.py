@@ -43,12 +43,12 @@ class DraftModel:
         """jobs: (sequence, k, min_confidence). A sequence stops drafting early when the draft's own probability
         of its next token (the max of its q) falls below min_confidence; the first token is always drafted."""
         for seq, _, _ in jobs:
-            if seq.num_cached >= seq.num_tokens:
-                raise ValueError("draft a sequence only after rolling it back to its verified prefix")
+            if seq.num_cached >= seq.num_context:
+                raise ValueError("draft a sequence only after rolling it back to its context")
             # NOTE: the blocks of rolled-back positions are returned here, not in roll_back: the block manager
             # belongs to this worker thread.
             self.blocks.truncate(seq, seq.num_cached)
-        pending: list[list[int]] = [seq.token_ids[seq.num_cached:] for seq, _, _ in jobs]
+        pending: list[list[int]] = [seq.context_ids[seq.num_cached:] for seq, _, _ in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
         stopped = [k == 0 for _, k, _ in jobs]
@@ -58,7 +58,7 @@ class DraftModel:
                 break
             logits = self._forward([(jobs[i][0], pending[i]) for i in active])
             samples = self._sample(logits, [jobs[i][0] for i in active],
-                                   [len(jobs[i][0].token_ids) + step for i in active],
+                                   [jobs[i][0].num_context + step for i in active],
                                    need_confidence=any(jobs[i][2] > 0 for i in active))
             for i, (token, q, confidence) in zip(active, samples, strict=True):
                 if token is None or (step > 0 and confidence < jobs[i][2]):  # None: non-finite draft logits

@@ -13,6 +13,18 @@ class DraftSequence:
     token_ids: list[int]  # verified tokens: prompt + generated
     # tokens whose K/V is in the draft cache, in order: verified tokens, then the drafts of the last block
     cached_token_ids: list[int] = field(default_factory=list)
+    # pipelined drafting: unverified tokens (the block in flight, the guessed bonus) that drafting continues
+    # from as if the verifier had confirmed them
+    assumed_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def context_ids(self) -> list[int]:
+        """What the next draft continues: the verified tokens, then the assumed ones."""
+        return self.token_ids + self.assumed_token_ids if self.assumed_token_ids else self.token_ids
+
+    @property
+    def num_context(self) -> int:
+        return len(self.token_ids) + len(self.assumed_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -26,11 +38,13 @@ class DraftSequence:
         self.token_ids.extend(verified_token_ids)
 
     def roll_back(self) -> None:
-        """Keep the cache for the longest prefix the draft fed that the verifier confirmed: accepted drafts stay,
-        the rejected one and everything after it go, and nothing is recomputed. At least the last verified token
-        stays uncached, because feeding it is what gives the logits of the next draft."""
+        """Keep the cache for the longest prefix the draft fed that matches the context (the verified tokens,
+        then any assumed ones): accepted drafts stay, the rejected one and everything after it go, and nothing
+        is recomputed. At least the context's last token stays uncached, because feeding it is what gives the
+        logits of the next draft."""
+        context = self.context_ids
         n = 0
-        limit = min(len(self.cached_token_ids), len(self.token_ids) - 1)
-        while n < limit and self.cached_token_ids[n] == self.token_ids[n]:
+        limit = min(len(self.cached_token_ids), len(context) - 1)
+        while n < limit and self.cached_token_ids[n] == context[n]:
             n += 1
         del self.cached_token_ids[n:]

@@ -83,6 +83,7 @@ class VerifierLink:
         self._writer: asyncio.Task | None = None
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._inboxes: dict[int, asyncio.Queue[LinkEvent]] = {}
+        self._open_on: dict[int, int] = {}  # seq id -> the connection it was (re)opened on
         self._seq_ids = itertools.count(1)
         self._reconnect_task: asyncio.Task | None = None
         self._attempted = asyncio.Event()  # set (and replaced) after every connection attempt
@@ -230,6 +231,7 @@ class VerifierLink:
         while True:
             await self.ensure_connected(retry_s)
             self._inboxes[seq_id] = asyncio.Queue()
+            self._open_on[seq_id] = self._num_connections
             msg = verifier_pb2.OpenSequence(seq_id=seq_id, prompt_token_ids=token_ids, num_output_tokens=num_output_tokens,
                                             sampling=wire.sampling_to_proto(sampling))
             if deadline is not None:
@@ -240,10 +242,17 @@ class VerifierLink:
             except LinkDown:
                 continue
 
-    def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool) -> None:
+    def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool,
+                after_token_id: int | None = None) -> None:
+        """Raises LinkDown when the sequence is not open on the current stream (it broke, and the sequence was
+        not reopened yet): a proposal sent there would reach a verifier that does not know the sequence."""
+        if self._open_on.get(seq_id) != self._num_connections:
+            raise LinkDown(f"sequence {seq_id} is not open on the current Verify stream to {self._target}")
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
         if send_draft_probs and block.draft_probs is not None:
             msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
+        if after_token_id is not None:
+            msg.after_token_id = after_token_id
         self._send(verifier_pb2.DraftMessage(propose=msg))
 
     async def next_event(self, seq_id: int) -> LinkEvent:
@@ -251,7 +260,9 @@ class VerifierLink:
 
     def release(self, seq_id: int, *, cancel: bool) -> None:
         """Forget the sequence; with cancel, tell the verifier to free it (it frees finished ones itself)."""
-        if self._inboxes.pop(seq_id, None) is not None and cancel and self.connected:
+        open_on = self._open_on.pop(seq_id, None)
+        if self._inboxes.pop(seq_id, None) is not None and cancel and open_on == self._num_connections \
+                and self.connected:
             self._send(verifier_pb2.DraftMessage(close=verifier_pb2.CloseSequence(seq_id=seq_id)))
 
     def _send(self, msg: verifier_pb2.DraftMessage) -> None:

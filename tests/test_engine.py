@@ -283,3 +283,29 @@ def test_the_token_budget_is_shared_fairly_between_streams(pair):
             waiting.discard(v.key)
     assert served[single] == 24
     assert min(served[k] for k in many) >= 1  # and the 16 take turns among themselves
+
+
+@pytest.mark.parametrize("guess_right", [True, False])
+def test_a_pipelined_proposal_is_verified_only_after_the_token_it_assumed(pair, guess_right):
+    """Block A is fully accepted; block B, sent before A's verdict, starts where A's verdict ends. It is
+    verified when the bonus token is the one it was drafted after, and dropped otherwise, even though its
+    position matches."""
+    from verifier_service.types import DroppedOut
+
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = [3, 4, 5, 6]
+    truth = greedy_continuation(target, prompt, 9)
+    key = SeqKey(1, 1)
+    engine.submit(OpenCmd(key, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=20).with_seed()))
+    engine.submit(ProposeCmd(key, 4, tuple(truth[:3]), None))
+    guess = truth[3] if guess_right else (truth[3] + 1) % 300
+    engine.submit(ProposeCmd(key, 8, tuple(truth[4:7]), None, after_token_id=guess))
+    outcomes = engine.step().outcomes + engine.step().outcomes
+    verdicts = [o for o in outcomes if isinstance(o, VerdictOut)]
+    dropped = [o for o in outcomes if isinstance(o, DroppedOut)]
+    assert list(verdicts[0].token_ids) == truth[:4]
+    if guess_right:
+        assert not dropped and list(verdicts[1].token_ids) == truth[4:8]
+    else:
+        assert len(verdicts) == 1 and [(d.start_position, d.num_verified) for d in dropped] == [(8, 8)]

@@ -180,9 +180,11 @@ class Scheduler:
     # -- what a sequence runs ---------------------------------------------------------------------------------
 
     def _drop_stale_proposals(self, seq: Sequence) -> list[DroppedOut]:
-        """A proposal that starts anywhere but at the sequence's end was drafted from an outdated prefix."""
+        """A proposal that starts anywhere but at the sequence's end, or after another token than its last, was
+        drafted from a prefix the verdicts did not confirm (a pipelined draft's guess that missed). Only a
+        proposal drafted from the exact verified prefix is verified, so outputs do not depend on pipelining."""
         dropped = []
-        while seq.proposals and seq.proposals[0].start_position != seq.num_tokens:
+        while seq.proposals and not _follows(seq.proposals[0], seq):
             stale = seq.proposals.popleft()
             dropped.append(DroppedOut(seq.key, stale.start_position, seq.num_tokens))
         return dropped
@@ -281,3 +283,8 @@ class Scheduler:
         if seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _follows(proposal: ProposeCmd, seq: Sequence) -> bool:
+    return proposal.start_position == seq.num_tokens and (proposal.after_token_id is None
+                                                          or proposal.after_token_id == seq.token_ids[-1])

@@ -43,6 +43,9 @@ def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
 
 def check_proposal(cmd: ProposeCmd, limits: Limits) -> None:
     k = cmd.num_draft_tokens
+    if cmd.after_token_id is not None and not 0 <= cmd.after_token_id < limits.vocab_size:
+        raise invalid_argument(f"after_token_id {cmd.after_token_id} is outside the vocabulary "
+                               f"[0, {limits.vocab_size})")
     if k > limits.max_draft_tokens:
         raise invalid_argument(f"proposal has {k} draft tokens; this verifier accepts at most "
                                f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
