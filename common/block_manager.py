@@ -131,6 +131,12 @@ class BlockManager:
             for block_id in reversed(s.table):
                 self._release(block_id)
 
+    def rename(self, old: Hashable, new: Hashable) -> None:
+        """`new` takes over `old`'s blocks (a pipelined draft branch becoming the sequence); `new` must hold none."""
+        if new in self._seqs and self._seqs[new].table:
+            raise ValueError(f"rename target {new!r} already holds blocks")
+        self._seqs[new] = self._seqs.pop(old)
+
     def fork(self, parent: Hashable, child: Hashable) -> None:
         """`child` shares every block of `parent` (read-only until copy_on_write)."""
         if child in self._seqs and self._seqs[child].table:

@@ -13,11 +13,16 @@ from draft_service.types import EMPTY_BLOCK, DraftBlock
 
 class Drafter(Protocol):
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
-        """Up to k draft tokens that continue seq's verified tokens (its cache already rolled back)."""
+        """Up to k draft tokens that continue seq's context: its verified tokens, then any assumed ones (its cache
+        already rolled back)."""
         ...
 
     async def release(self, seq: DraftSequence) -> None:
         """Forget seq and free whatever it holds."""
+        ...
+
+    async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
+        """seq continues as its pipelined branch, whose assumed tokens the verifier confirmed."""
         ...
 
 
@@ -37,6 +42,9 @@ class ModelDrafter:
     async def release(self, seq: DraftSequence) -> None:
         await self.proposer.release(seq)
 
+    async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
+        await self.proposer.adopt(seq, branch)
+
 
 class NgramDrafter:
     """Prompt lookup: one-hot proposals, so sampled requests stay lossless without any q."""
@@ -46,3 +54,6 @@ class NgramDrafter:
 
     async def release(self, seq: DraftSequence) -> None:
         return None
+
+    async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
+        seq.adopt(branch)

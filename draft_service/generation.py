@@ -47,11 +47,19 @@ class _Flight:
 
 @dataclass(frozen=True)
 class _Ahead:
-    """A pipelined proposal: `block`, drafted after the in-flight block and the guessed bonus token."""
+    """A pipelined proposal: `block`, drafted on `branch` after the in-flight block's first `num_accepted`
+    drafts and `guess`, the verifier's bonus token (all accepted) or corrected token (the next one rejected)."""
 
+    num_accepted: int
     guess: int
+    branch: DraftSequence
     block: DraftBlock
     sent: bool
+
+
+# Pipelined branches per round: the verifier queues at most 8 proposals per sequence (MAX_QUEUED_PROPOSALS), and
+# the in-flight block takes one.
+MAX_BRANCHES = 6
 
 
 class TextOutput:
@@ -124,6 +132,7 @@ class Generator:
         finished = False
         flight = _Flight()
         block: DraftBlock | None = None  # the block proposed at the sequence's end, once drafted
+        aheads: list[_Ahead] = []
         try:
             while not finished:
                 t_draft = time.perf_counter()
@@ -131,7 +140,7 @@ class Generator:
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
                     flight.proposed = self._try_propose(seq_id, seq.num_tokens, block)
-                ahead = await self._draft_ahead(seq_id, seq, block, k_round) if self.pipeline else None
+                aheads = await self._draft_ahead(seq_id, seq, block, k_round) if self.pipeline else []
                 t_sent = time.perf_counter()
                 try:
                     verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline, flight)
@@ -143,15 +152,9 @@ class Generator:
                 seq.extend(verdict.token_ids)
                 finished = verdict.finish_reason is not None
                 verified_block, block = block, None
-                if ahead is not None and not flight.resumed and not finished:
-                    if verdict.token_ids == (*verified_block.token_ids, ahead.guess):
-                        block = ahead.block  # already proposed where this verdict ends: no round trip
-                        flight.proposed = ahead.sent
-                        seq.assumed_token_ids.extend(block.token_ids)
-                        self.metrics.pipelined_proposals.labels(outcome="used").inc()
-                    else:
-                        flight.stale += ahead.sent  # the verifier will drop it: its ProposalDropped is expected
-                        self.metrics.pipelined_proposals.labels(outcome="dropped").inc()
+                if aheads:
+                    block = await self._settle_branches(seq, verified_block, verdict, aheads, flight, finished)
+                    aheads = []
                 flight.resumed = False
                 seq.roll_back()
                 block_for_stats = verified_block
@@ -170,6 +173,8 @@ class Generator:
         finally:
             # cancelled by the client or failed here: free it on the verifier too
             self.link.release(seq_id, cancel=not finished)
+            for ahead in aheads:
+                await self.drafter.release(ahead.branch)
             await self.drafter.release(seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         stats.wall_time_s = time.perf_counter() - t0
@@ -211,32 +216,75 @@ class Generator:
         retry_s = self.config.verifier_retry_deadline_s
         return retry_s if deadline is None else max(0.0, min(retry_s, deadline - time.monotonic()))
 
-    def _try_propose(self, seq_id: int, start: int, block: DraftBlock, after_token_id: int | None = None) -> bool:
+    def _try_propose(self, seq_id: int, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> bool:
         """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""
         try:
             self.link.propose(seq_id, start, block, send_draft_probs=self.send_draft_probs,
-                              after_token_id=after_token_id)
+                              assumed_token_ids=assumed)
         except LinkDown:
             return False
         return True
 
-    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int) -> _Ahead | None:
-        """Pipelining: while `block`'s verdict is in flight, draft as if the verifier accepts all of it: guess
-        the bonus token with the draft model, draft the next block after the guess and propose it at once,
-        marked with the guess. The verifier verifies it only if the verdict ends exactly there with that token;
-        otherwise it drops it, so what is verified never depends on pipelining."""
+    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int) -> list[_Ahead]:
+        """Pipelining: while `block`'s verdict is in flight, draft the next block on branches that each assume
+        one verdict: all of `block` accepted, then the draft's guess of the bonus token (drafted first on that
+        branch); or its first j drafts accepted and the next one corrected to the draft's best other token.
+        Each branch's block is proposed at once, marked with what it assumed. The verifier verifies the one
+        whose assumption the verdict confirms, if any, and drops the others, so what is verified never depends
+        on pipelining. All branches draft in one batch, sharing the sequence's cache blocks."""
         if block.num_draft_tokens == 0 or k == 0:
+            return []
+        plans: list[tuple[int, int | None, DraftSequence]] = [
+            (block.num_draft_tokens, None, seq.branch(list(block.token_ids)))]
+        for j, alternative in enumerate(block.alternatives or ()):
+            if len(plans) >= MAX_BRANCHES:
+                break
+            if alternative >= 0 and alternative != block.token_ids[j]:
+                plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))
+        try:
+            drafted = await asyncio.gather(*(self.drafter.draft(branch, k + 1 if guess is None else k)
+                                             for _, guess, branch in plans))
+        except ServiceError as err:  # e.g. the draft's KV pool is short: this round goes without pipelining
+            log.warning("pipelined_drafting_failed", code=err.code.name, message=err.message)
+            for _, _, branch in plans:
+                await self.drafter.release(branch)
+            return []
+        aheads = []
+        for (j, guess, branch), d in zip(plans, drafted, strict=True):
+            if guess is None:  # the full-acceptance branch: its first drafted token is the guessed bonus token
+                if not d.token_ids:
+                    await self.drafter.release(branch)
+                    continue
+                guess = d.token_ids[0]
+                branch.assumed_token_ids.append(guess)
+                d = DraftBlock(d.token_ids[1:], d.draft_probs[1:] if d.draft_probs is not None else None,
+                               d.alternatives[1:] if d.alternatives is not None else None)
+            sent = self._try_propose(seq_id, seq.num_tokens + j + 1, d, tuple(branch.assumed_token_ids))
+            aheads.append(_Ahead(j, guess, branch, d, sent))
+        return aheads
+
+    async def _settle_branches(self, seq: DraftSequence, block: DraftBlock, verdict: VerdictEvent,
+                               aheads: list[_Ahead], flight: _Flight, finished: bool) -> DraftBlock | None:
+        """After `block`'s verdict: the sequence continues on the branch that guessed it (its block, already
+        proposed, is the new block in flight) and the other branches are freed; their proposals will be
+        dropped. Returns the block in flight, or None when no branch guessed right."""
+        match = None
+        if not flight.resumed and not finished:
+            match = next((a for a in aheads if verdict.token_ids == (*block.token_ids[:a.num_accepted], a.guess)),
+                         None)
+        for ahead in aheads:
+            if ahead is not match:
+                await self.drafter.release(ahead.branch)
+                if not flight.resumed:
+                    flight.stale += ahead.sent  # the verifier drops it: its ProposalDropped is expected
+        self.metrics.pipelined_proposals.labels(outcome="dropped").inc(len(aheads) - (match is not None))
+        if match is None:
             return None
-        seq.assumed_token_ids[:] = block.token_ids
-        drafted = await self.drafter.draft(seq, k + 1)
-        if not drafted.token_ids:  # non-finite draft logits: no guess
-            seq.assumed_token_ids.clear()
-            return None
-        guess = drafted.token_ids[0]
-        nxt = DraftBlock(drafted.token_ids[1:], drafted.draft_probs[1:] if drafted.draft_probs is not None else None)
-        seq.assumed_token_ids.append(guess)
-        sent = self._try_propose(seq_id, seq.num_tokens + block.num_draft_tokens + 1, nxt, after_token_id=guess)
-        return _Ahead(guess, nxt, sent)
+        self.metrics.pipelined_proposals.labels(outcome="used").inc()
+        await self.drafter.adopt(seq, match.branch)
+        seq.assumed_token_ids.extend(match.block.token_ids)
+        flight.proposed = match.sent
+        return match.block
 
     async def _verify(self, seq_id: int, seq: DraftSequence, num_prompt_tokens: int, block: DraftBlock,
                       deadline: float | None, flight: _Flight) -> VerdictEvent:

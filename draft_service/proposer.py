@@ -38,6 +38,13 @@ class DraftModel:
         self.blocks.free(seq)
         seq.cached_token_ids.clear()
 
+    def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
+        """`seq` continues as `branch` (the pipelined guess that held): its cache blocks and cached tokens."""
+        self.blocks.free(seq)
+        if self.blocks.has(branch):
+            self.blocks.rename(branch, seq)
+        seq.adopt(branch)
+
     @torch.inference_mode()
     def draft(self, jobs: list[tuple[DraftSequence, int, float]]) -> list[DraftBlock]:
         """jobs: (sequence, k, min_confidence). A sequence stops drafting early when the draft's own probability
@@ -46,10 +53,13 @@ class DraftModel:
             if seq.num_cached >= seq.num_context:
                 raise ValueError("draft a sequence only after rolling it back to its context")
             # NOTE: the blocks of rolled-back positions are returned here, not in roll_back: the block manager
-            # belongs to this worker thread.
+            # belongs to this worker thread. A new pipelined branch first shares its parent's blocks.
+            if seq.fork_from is not None and not self.blocks.has(seq) and self.blocks.has(seq.fork_from):
+                self.blocks.fork(seq.fork_from, seq)
             self.blocks.truncate(seq, seq.num_cached)
         pending: list[list[int]] = [seq.context_ids[seq.num_cached:] for seq, _, _ in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
+        alternatives: list[list[int]] = [[] for _ in jobs]
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
         stopped = [k == 0 for _, k, _ in jobs]
         for step in range(max(k for _, k, _ in jobs)):
@@ -60,16 +70,17 @@ class DraftModel:
             samples = self._sample(logits, [jobs[i][0] for i in active],
                                    [jobs[i][0].num_context + step for i in active],
                                    need_confidence=any(jobs[i][2] > 0 for i in active))
-            for i, (token, q, confidence) in zip(active, samples, strict=True):
+            for i, (token, q, confidence, alternative) in zip(active, samples, strict=True):
                 if token is None or (step > 0 and confidence < jobs[i][2]):  # None: non-finite draft logits
                     stopped[i] = True
                     continue
                 drafted[i].append(token)
+                alternatives[i].append(alternative)
                 if q is not None:
                     qs[i].append(q)
                 pending[i] = [token]
-        return [DraftBlock(tuple(d), None if seq.sampling.is_greedy else tuple(q))
-                for (seq, _, _), d, q in zip(jobs, drafted, qs, strict=True)]
+        return [DraftBlock(tuple(d), None if seq.sampling.is_greedy else tuple(q), tuple(alt))
+                for (seq, _, _), d, q, alt in zip(jobs, drafted, qs, alternatives, strict=True)]
 
     def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
         input_ids: list[int] = []
@@ -79,7 +90,11 @@ class DraftModel:
         for seq, tokens in feeds:
             start = seq.num_cached
             end = start + len(tokens)
-            if not self.blocks.allocate(seq, end):
+            # a pipelined branch shares its parent's last, partly written block: copy it before writing
+            copies = self.blocks.copy_on_write(seq, start, end) if self.blocks.has(seq) else []
+            if copies:
+                self.runner.kv_cache.copy_blocks(copies)
+            if copies is None or not self.blocks.allocate(seq, end):
                 raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full "
                                     "(raise its --kv-cache-memory)")
             input_ids.extend(tokens)
@@ -99,19 +114,26 @@ class DraftModel:
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,
-                need_confidence: bool = False) -> list[tuple[int | None, SparseProbs | None, float]]:
+                need_confidence: bool = False) -> list[tuple[int | None, SparseProbs | None, float, int]]:
         """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution;
-        1.0 unless need_confidence, which costs a softmax over the vocabulary per row). A row whose logits are
-        not all finite gives (None, None, 0.0): that sequence's block ends there, and the verifier, which decides
-        every token, is not misled (a draft's numerics cannot change the output, only its speed)."""
+        1.0 unless need_confidence, which costs a softmax over the vocabulary per row, and the most likely token
+        other than the drafted one). A row whose logits are not all finite gives (None, None, 0.0, -1): that
+        sequence's block ends there, and the verifier, which decides every token, is not misled (a draft's
+        numerics cannot change the output, only its speed)."""
         finite = torch.isfinite(logits).all(dim=1).tolist()
         confidence = (logits.float().softmax(dim=1).max(dim=1).values.tolist() if need_confidence
                       else [1.0] * logits.shape[0])
-        out: list[tuple[int | None, SparseProbs | None, float]] = [
-            (int(t), None, c) for t, c in zip(logits.argmax(dim=1).tolist(), confidence, strict=True)]
+        top2 = logits.topk(min(2, logits.shape[1]), dim=1).indices.tolist()  # temperature and top-k/p keep order
+
+        def other_than(token: int, row: int) -> int:
+            return next((t for t in top2[row] if t != token), token)
+
+        out: list[tuple[int | None, SparseProbs | None, float, int]] = [
+            (t, None, c, other_than(t, row))
+            for row, (t, c) in enumerate(zip(logits.argmax(dim=1).tolist(), confidence, strict=True))]
         for i, ok in enumerate(finite):
             if not ok:
-                out[i] = (None, None, 0.0)
+                out[i] = (None, None, 0.0, -1)
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy and finite[i]]
         if not sampled:
             return out
@@ -134,8 +156,9 @@ class DraftModel:
             q_sent = (top_probs[row][keep] / top_probs[row][keep].sum()).to(torch.float32).to(torch.float64)
             noise = exponential64_reference(seqs[i].sampling.seed, positions[i], Purpose.DRAFT_SAMPLE, q_ids)
             j = int(torch.argmax(q_sent / noise))
-            out[i] = (int(q_ids[j]), SparseProbs(tuple(q_ids.tolist()), tuple(q_sent.tolist())),
-                      float(q_sent.max()))
+            token = int(q_ids[j])
+            out[i] = (token, SparseProbs(tuple(q_ids.tolist()), tuple(q_sent.tolist())), float(q_sent.max()),
+                      other_than(token, i))
         return out
 
 
@@ -167,6 +190,9 @@ class Proposer:
 
     async def release(self, seq: DraftSequence) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.model.release, seq)
+
+    async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, self.model.adopt, seq, branch)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

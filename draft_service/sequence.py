@@ -16,6 +16,23 @@ class DraftSequence:
     # pipelined drafting: unverified tokens (the block in flight, the guessed bonus) that drafting continues
     # from as if the verifier had confirmed them
     assumed_token_ids: list[int] = field(default_factory=list)
+    # a pipelined branch: shares `fork_from`'s cache blocks (copied on write) until it is adopted or released
+    fork_from: DraftSequence | None = None
+
+    def branch(self, assumed: list[int]) -> DraftSequence:
+        """A branch continuing the verified tokens and then `assumed`, sharing this sequence's cache for the
+        longest prefix they have in common. Its verified token list is this sequence's own (not a copy)."""
+        context = self.token_ids + assumed
+        n = 0
+        limit = min(len(self.cached_token_ids), len(context) - 1)
+        while n < limit and self.cached_token_ids[n] == context[n]:
+            n += 1
+        return DraftSequence(self.sampling, self.token_ids, self.cached_token_ids[:n], list(assumed), fork_from=self)
+
+    def adopt(self, branch: DraftSequence) -> None:
+        """Take over a branch whose assumed tokens the verifier confirmed (the cache blocks move separately)."""
+        self.cached_token_ids = branch.cached_token_ids
+        self.assumed_token_ids = []
 
     @property
     def context_ids(self) -> list[int]:

@@ -69,8 +69,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 if isinstance(event, ServiceError):
                     log.info("generate_refused", code=event.code.name, message=event.message)
                     await context.abort(grpc.StatusCode[event.code.name], event.message)
-                if isinstance(event, Exception):
-                    raise event
+                if isinstance(event, Exception):  # a bug: say so, as INTERNAL, and keep serving
+                    log.error("generate_failed", exc_info=event)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"the draft service failed: "
+                                        f"{type(event).__name__}: {event}")
                 if isinstance(event, TextChunk):
                     yield draft_pb2.GenerateResponse(chunk=draft_pb2.Chunk(token_ids=event.token_ids, text=event.text))
                 else:

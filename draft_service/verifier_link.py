@@ -243,7 +243,7 @@ class VerifierLink:
                 continue
 
     def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool,
-                after_token_id: int | None = None) -> None:
+                assumed_token_ids: tuple[int, ...] = ()) -> None:
         """Raises LinkDown when the sequence is not open on the current stream (it broke, and the sequence was
         not reopened yet): a proposal sent there would reach a verifier that does not know the sequence."""
         if self._open_on.get(seq_id) != self._num_connections:
@@ -251,8 +251,7 @@ class VerifierLink:
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
         if send_draft_probs and block.draft_probs is not None:
             msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
-        if after_token_id is not None:
-            msg.after_token_id = after_token_id
+        msg.assumed_token_ids.extend(assumed_token_ids)
         self._send(verifier_pb2.DraftMessage(propose=msg))
 
     async def next_event(self, seq_id: int) -> LinkEvent:

@@ -74,7 +74,8 @@ class Stack:
 
     def start(self, name: str, args: list[str], *, log_dir: Path | None = None, port: int | None = None,
               timeout_s: float = 300.0, env: dict[str, str] | None = None,
-              credentials: grpc.ChannelCredentials | None = None) -> Service:
+              credentials: grpc.ChannelCredentials | None = None, cpus: set[int] | None = None) -> Service:
+        """`cpus`: pin the process to these cores (and as many OpenMP threads), as if it had a host of its own."""
         port = port or free_port()
         address = f"127.0.0.1:{port}"
         log_path = None
@@ -83,9 +84,11 @@ class Stack:
             log_dir.mkdir(parents=True, exist_ok=True)
             log_path = log_dir / f"{name}.log"
             out = open(log_path, "wb")  # noqa: SIM115 - closed when the process ends
+        pinned = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
         proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, "--host", "127.0.0.1",
                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**_COLOCATED_ENV, **os.environ, **(env or {})})
+                                env={**_COLOCATED_ENV, **os.environ, **pinned, **(env or {})},
+                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         service = Service(name, address, proc, log_path)
         self.services.append(service)
         try:

@@ -285,11 +285,11 @@ def test_the_token_budget_is_shared_fairly_between_streams(pair):
     assert min(served[k] for k in many) >= 1  # and the 16 take turns among themselves
 
 
-@pytest.mark.parametrize("guess_right", [True, False])
-def test_a_pipelined_proposal_is_verified_only_after_the_token_it_assumed(pair, guess_right):
+@pytest.mark.parametrize("assumed", ["right", "wrong guess", "wrong earlier token"])
+def test_a_pipelined_proposal_is_verified_only_after_the_tokens_it_assumed(pair, assumed):
     """Block A is fully accepted; block B, sent before A's verdict, starts where A's verdict ends. It is
-    verified when the bonus token is the one it was drafted after, and dropped otherwise, even though its
-    position matches."""
+    verified when A's tokens and the bonus token are those it was drafted after, and dropped otherwise, even
+    though its position matches."""
     from verifier_service.types import DroppedOut
 
     target, _ = pair
@@ -299,13 +299,44 @@ def test_a_pipelined_proposal_is_verified_only_after_the_token_it_assumed(pair, 
     key = SeqKey(1, 1)
     engine.submit(OpenCmd(key, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=20).with_seed()))
     engine.submit(ProposeCmd(key, 4, tuple(truth[:3]), None))
-    guess = truth[3] if guess_right else (truth[3] + 1) % 300
-    engine.submit(ProposeCmd(key, 8, tuple(truth[4:7]), None, after_token_id=guess))
+    tokens = list(truth[:4])
+    if assumed == "wrong guess":
+        tokens[3] = (tokens[3] + 1) % 300
+    elif assumed == "wrong earlier token":  # the last token right, an earlier one not: still another prefix
+        tokens[1] = (tokens[1] + 1) % 300
+    engine.submit(ProposeCmd(key, 8, tuple(truth[4:7]), None, assumed_token_ids=tuple(tokens)))
     outcomes = engine.step().outcomes + engine.step().outcomes
     verdicts = [o for o in outcomes if isinstance(o, VerdictOut)]
     dropped = [o for o in outcomes if isinstance(o, DroppedOut)]
     assert list(verdicts[0].token_ids) == truth[:4]
-    if guess_right:
+    if assumed == "right":
         assert not dropped and list(verdicts[1].token_ids) == truth[4:8]
     else:
         assert len(verdicts) == 1 and [(d.start_position, d.num_verified) for d in dropped] == [(8, 8)]
+
+
+def test_of_a_drafts_pipelined_branches_only_the_one_the_verdict_confirms_is_verified(pair):
+    """Block B's first draft is right, its second wrong. Branches for every verdict B could get were sent
+    before it: the one that assumed one accepted draft and the right correction is verified; the others are
+    dropped, including those that can never match, at once, so the queue never fills."""
+    from verifier_service.types import DroppedOut
+
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = [3, 4, 5, 6]
+    truth = greedy_continuation(target, prompt, 8)
+    wrong = [(t + 1) % 300 for t in truth]
+    key = SeqKey(1, 1)
+    engine.submit(OpenCmd(key, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=20).with_seed()))
+    block = (truth[0], wrong[1], wrong[2])
+    engine.submit(ProposeCmd(key, 4, block, None))
+    branches = {0: (wrong[0],), 1: (truth[0], truth[1]), 2: (truth[0], wrong[1], wrong[2]),
+                3: (*block, wrong[3])}
+    for j, assumed in branches.items():  # branch j assumed j accepted drafts, then its guess
+        engine.submit(ProposeCmd(key, 4 + j + 1, (7, 7), None, assumed_token_ids=assumed))
+    outcomes = engine.step().outcomes + engine.step().outcomes + engine.step().outcomes
+    verdicts = [o for o in outcomes if isinstance(o, VerdictOut)]
+    dropped = sorted(o.start_position for o in outcomes if isinstance(o, DroppedOut))
+    assert [(v.start_position, list(v.token_ids)) for v in verdicts] == [(4, truth[:2]), (6, [truth[2]])]
+    assert dropped == [5, 7, 8]
+    assert not engine.scheduler.sequences[key].proposals

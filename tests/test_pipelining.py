@@ -18,7 +18,7 @@ from specwire.launch import free_port
 
 from tiny_models import greedy_continuation
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/kernels.py must not shadow kernels/
 
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
 

@@ -156,7 +156,7 @@ class VerifierEngine:
         while not self._commands.empty():
             cmd = self._commands.get_nowait()
             try:
-                self._apply(cmd)
+                errors.extend(self._apply(cmd))
             except ServiceError as err:
                 # ABORTED: a duplicate open; the sequence already open under that id is left alone
                 if err.code is not ErrorCode.ABORTED:
@@ -164,7 +164,8 @@ class VerifierEngine:
                 errors.append(ErrorOut(cmd.key, err.code, err.message))
         return errors
 
-    def _apply(self, cmd: Command) -> None:
+    def _apply(self, cmd: Command) -> list[Outcome]:
+        """Apply one command; returns the proposals it made stale (dropped)."""
         match cmd:
             case OpenCmd():
                 if cmd.key in self.scheduler.sequences:
@@ -180,14 +181,17 @@ class VerifierEngine:
                     raise ServiceError(ErrorCode.NOT_FOUND, f"unknown sequence {cmd.key.seq_id}: open it first "
                                        "(or it has already finished)")
                 check_proposal(cmd, self.limits)
+                dropped = self.scheduler.drop_dead_proposals(seq)
                 if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
                     raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "
                                        f"{len(seq.proposals)} proposals waiting; a draft may run at most "
                                        f"{MAX_QUEUED_PROPOSALS} ahead of its verdicts")
                 seq.proposals.append(cmd)
                 seq.last_active = time.monotonic()
+                return dropped
             case CloseCmd():
                 self.scheduler.release(cmd.key)
             case CloseStreamCmd():
                 for key in [k for k in self.scheduler.sequences if k.stream_id == cmd.stream_id]:
                     self.scheduler.release(key)
+        return []

@@ -180,13 +180,23 @@ class Scheduler:
     # -- what a sequence runs ---------------------------------------------------------------------------------
 
     def _drop_stale_proposals(self, seq: Sequence) -> list[DroppedOut]:
-        """A proposal that starts anywhere but at the sequence's end, or after another token than its last, was
-        drafted from a prefix the verdicts did not confirm (a pipelined draft's guess that missed). Only a
-        proposal drafted from the exact verified prefix is verified, so outputs do not depend on pipelining."""
-        dropped = []
+        """A proposal that starts anywhere but at the sequence's end, or assumed other tokens than those verified
+        before it, was drafted from a prefix the verdicts did not confirm (a pipelined draft's guess that
+        missed). Only a proposal drafted from the exact verified prefix is verified, so outputs do not depend on
+        pipelining."""
+        dropped = self.drop_dead_proposals(seq)
         while seq.proposals and not _follows(seq.proposals[0], seq):
             stale = seq.proposals.popleft()
             dropped.append(DroppedOut(seq.key, stale.start_position, seq.num_tokens))
+        return dropped
+
+    def drop_dead_proposals(self, seq: Sequence) -> list[DroppedOut]:
+        """Drop, wherever they wait, the proposals no verdict can make current any more (the other branches of
+        a pipelined draft), so they do not fill the sequence's queue."""
+        if not any(_dead(p, seq) for p in seq.proposals):
+            return []
+        dropped = [DroppedOut(seq.key, p.start_position, seq.num_tokens) for p in seq.proposals if _dead(p, seq)]
+        seq.proposals = deque(p for p in seq.proposals if not _dead(p, seq))
         return dropped
 
     def _candidates(self, seq: Sequence, budget: int, batch_is_empty: bool) -> list[ScheduledSeq]:
@@ -286,5 +296,15 @@ class Scheduler:
 
 
 def _follows(proposal: ProposeCmd, seq: Sequence) -> bool:
-    return proposal.start_position == seq.num_tokens and (proposal.after_token_id is None
-                                                          or proposal.after_token_id == seq.token_ids[-1])
+    start, assumed = proposal.start_position, proposal.assumed_token_ids
+    return start == seq.num_tokens and (not assumed or tuple(seq.token_ids[start - len(assumed):]) == assumed)
+
+
+def _dead(proposal: ProposeCmd, seq: Sequence) -> bool:
+    """It starts before the sequence's end, or assumed a token that differs from one verified since."""
+    n = seq.num_tokens
+    start, assumed = proposal.start_position, proposal.assumed_token_ids
+    if start < n:
+        return True
+    first = start - len(assumed)
+    return any(seq.token_ids[i] != t for i, t in enumerate(assumed[:max(0, n - first)], first))

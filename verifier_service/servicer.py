@@ -94,7 +94,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     p = msg.propose
                     self._engine.submit(ProposeCmd(SeqKey(stream_id, p.seq_id), p.start_position,
                                                    tuple(p.draft_token_ids), wire.draft_probs_from_proto(p.draft_probs),
-                                                   p.after_token_id if p.HasField("after_token_id") else None))
+                                                   tuple(p.assumed_token_ids)))
                 elif kind == "close":
                     live.discard(msg.close.seq_id)
                     self._engine.submit(CloseCmd(SeqKey(stream_id, msg.close.seq_id)))

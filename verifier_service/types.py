@@ -29,7 +29,7 @@ class ProposeCmd:
     start_position: int
     draft_token_ids: tuple[int, ...]
     draft_probs: tuple[SparseProbs, ...] | None  # q of each draft token; None: one-hot (or greedy)
-    after_token_id: int | None = None  # pipelined: the token at start_position - 1 it was drafted after
+    assumed_token_ids: tuple[int, ...] = ()  # pipelined: what it was drafted after, ending at start_position
 
     @property
     def num_draft_tokens(self) -> int:
@@ -41,7 +41,7 @@ class ProposeCmd:
             return self
         draft_probs = self.draft_probs[:num_draft_tokens] if self.draft_probs else self.draft_probs
         return ProposeCmd(self.key, self.start_position, self.draft_token_ids[:num_draft_tokens], draft_probs,
-                          self.after_token_id)
+                          self.assumed_token_ids)
 
 
 @dataclass(frozen=True)

@@ -43,9 +43,12 @@ def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
 
 def check_proposal(cmd: ProposeCmd, limits: Limits) -> None:
     k = cmd.num_draft_tokens
-    if cmd.after_token_id is not None and not 0 <= cmd.after_token_id < limits.vocab_size:
-        raise invalid_argument(f"after_token_id {cmd.after_token_id} is outside the vocabulary "
-                               f"[0, {limits.vocab_size})")
+    if cmd.assumed_token_ids:
+        if len(cmd.assumed_token_ids) > min(cmd.start_position, limits.max_draft_tokens + 1):
+            raise invalid_argument(f"{len(cmd.assumed_token_ids)} assumed tokens: at most the verdict in flight's "
+                                   f"{limits.max_draft_tokens + 1}, and no more than start_position "
+                                   f"{cmd.start_position}")
+        validate_token_ids(list(cmd.assumed_token_ids), limits.vocab_size, what="assumed")
     if k > limits.max_draft_tokens:
         raise invalid_argument(f"proposal has {k} draft tokens; this verifier accepts at most "
                                f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
