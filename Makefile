@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install models demo test test-all lint protos gpu-wheels clean
+.PHONY: install models demo test test-all lint protos gpu-wheels certs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''
+
+# Development TLS material and tokens for compose.yaml (never for production).
+certs: $(STAMP)
+	$(PY) scripts/make_dev_certs.py deploy/certs --host verifier --host draft-a --host draft-b
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

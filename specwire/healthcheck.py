@@ -1,20 +1,34 @@
-"""`python -m specwire.healthcheck HOST:PORT [TIMEOUT_S]`: exit 0 when the gRPC health service says SERVING
-(for container health checks; needs only grpcio)."""
+"""`python -m specwire.healthcheck HOST:PORT [TIMEOUT_S] [--ca PEM [--cert PEM --key PEM]]`: exit 0 when the
+gRPC health service says SERVING (for container health checks; needs only grpcio). With --ca it connects with
+TLS, trusting that CA; --cert and --key add a client certificate for a server that requires mutual TLS. Health
+checks need no bearer token."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
+from common.security import channel_credentials, read_file
 from specwire.launch import wait_serving
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__, file=sys.stderr)
-        return 2
+    parser = argparse.ArgumentParser(prog="python -m specwire.healthcheck", description=__doc__)
+    parser.add_argument("address")
+    parser.add_argument("timeout_s", nargs="?", type=float, default=3.0)
+    parser.add_argument("--ca", default=None)
+    parser.add_argument("--cert", default=None)
+    parser.add_argument("--key", default=None)
+    args = parser.parse_args(argv)
     try:
-        wait_serving(argv[0], float(argv[1]) if len(argv) > 1 else 3.0)
-    except (TimeoutError, RuntimeError) as err:
+        credentials = None
+        if args.ca:
+            credentials = channel_credentials(
+                root_certificates=read_file(args.ca, "CA"),
+                private_key=read_file(args.key, "client key") if args.key else None,
+                certificate_chain=read_file(args.cert, "client certificate") if args.cert else None)
+        wait_serving(args.address, args.timeout_s, credentials=credentials)
+    except (TimeoutError, RuntimeError, ValueError) as err:
         print(f"not serving: {err}", file=sys.stderr)
         return 1
     return 0

@@ -29,10 +29,21 @@ def test_compose_file_is_valid_and_wires_the_services():
     out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config",
                           "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=True)
     services = json.loads(out.stdout)["services"]
-    assert set(services) == {"verifier", "draft", "prometheus"}
-    assert services["draft"]["environment"]["SPECWIRE_VERIFIER"] == "verifier:50051"
-    assert services["draft"]["depends_on"]["verifier"]["condition"] == "service_healthy"
+    assert set(services) == {"verifier", "draft-a", "draft-b", "prometheus"}
+    verifier = services["verifier"]["environment"]
+    assert {verifier["SPECWIRE_TLS_CLIENT_CA"], verifier["SPECWIRE_AUTH_TOKEN_FILE"]} == {
+        "/certs/ca.pem", "/certs/verifier.tokens"}  # mutual TLS and tokens
     assert "specwire.healthcheck" in services["verifier"]["healthcheck"]["test"]
+    assert "/certs/client.pem" in services["verifier"]["healthcheck"]["test"]
+    for name in ("draft-a", "draft-b"):
+        env = services[name]["environment"]
+        assert env["SPECWIRE_VERIFIER"] == "verifier:50051"
+        assert env["SPECWIRE_VERIFIER_TOKEN_FILE"] == verifier["SPECWIRE_AUTH_TOKEN_FILE"]
+        assert env["SPECWIRE_VERIFIER_TLS_CERT"] == "/certs/client.pem"
+        assert env["SPECWIRE_AUTH_TOKEN_FILE"] == "/certs/draft.tokens"
+        assert services[name]["depends_on"]["verifier"]["condition"] == "service_healthy"
+        assert {v["target"] for v in services[name]["volumes"]} == {"/models", "/certs"}
+    assert {p["published"] for n in ("draft-a", "draft-b") for p in services[n]["ports"]} == {"50052", "50053"}
 
 
 @pytest.mark.parametrize("override", ["compose.cuda.yaml", "compose.rocm.yaml"])
@@ -65,3 +76,24 @@ def test_healthcheck_entry_point_fails_fast_without_a_server():
     run = subprocess.run([sys.executable, "-m", "specwire.healthcheck", f"127.0.0.1:{free_port()}", "1"],
                          capture_output=True, text=True, timeout=30)
     assert run.returncode == 1 and "not serving" in run.stderr
+
+
+def test_compose_flags_exist_on_the_services():
+    """Every SPECWIRE_* variable compose.yaml sets is a flag of the service it is set on (a typo would be
+    silently ignored by the service)."""
+    from common.config import env_name
+    from draft_service.config import DraftConfig
+    from verifier_service.config import VerifierConfig
+
+    def env_names(cls) -> set[str]:
+        import dataclasses
+
+        return {env_name(f.metadata["option"]["flag"] or "--" + f.name.replace("_", "-"))
+                for f in dataclasses.fields(cls) if "option" in f.metadata}
+
+    out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "config", "--format", "json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    services = json.loads(out.stdout)["services"]
+    for name, cls in (("verifier", VerifierConfig), ("draft-a", DraftConfig), ("draft-b", DraftConfig)):
+        unknown = {k for k in services[name]["environment"] if k.startswith("SPECWIRE_")} - env_names(cls)
+        assert not unknown, f"{name}: {unknown}"

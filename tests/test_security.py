@@ -168,3 +168,17 @@ def test_tokens_rotate_without_a_restart_and_never_reach_the_logs(secure_stack, 
     assert "call_unauthenticated" in logs
     for secret in (old, new, read_token(str(certs / "verifier.tokens"))):
         assert secret not in logs
+
+
+def test_the_container_healthcheck_speaks_tls_and_mutual_tls(secure_stack, certs):
+    running, _ = secure_stack
+
+    def check(address: str, *extra: str) -> int:
+        return subprocess.run([sys.executable, "-m", "specwire.healthcheck", address, "3", *extra],
+                              capture_output=True, timeout=60).returncode
+
+    ca = ["--ca", str(certs / "ca.pem")]
+    assert check(running.draft, *ca) == 0
+    assert check(running.draft) == 1  # plaintext against TLS
+    assert check(running.verifier, *ca) == 1  # no client certificate
+    assert check(running.verifier, *ca, "--cert", str(certs / "client.pem"), "--key", str(certs / "client.key")) == 0
