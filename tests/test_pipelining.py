@@ -80,3 +80,15 @@ def test_seeded_sampled_output_is_the_same_with_and_without_pipelining(drafts, k
     # sampled drafts are rejected often enough that some guesses miss: those proposals were dropped, and the
     # generations went on (dropped proposals are normal flow)
     assert _pipelined_count(metrics, "dropped") > dropped_before
+
+
+def test_round_time_is_split_into_draft_network_and_verify(text_stack, drafts):
+    _, pipelined, metrics = drafts
+    asyncio.run(_generate_all(pipelined, [dict(prompt_token_ids=PROMPTS[0], max_tokens=8, temperature=0.0)]))
+    text = urllib.request.urlopen(metrics, timeout=5).read().decode()
+    for part in ("draft", "network", "verify"):
+        m = re.search(rf'^specwire_draft_round_seconds_count{{part="{part}"}} ([0-9.e+-]+)$', text, re.M)
+        assert m and float(m.group(1)) > 0, part
+    verifier = urllib.request.urlopen(text_stack.metrics_url, timeout=5).read().decode()
+    assert re.search(r'^specwire_stream_scheduled_tokens_total\{stream="\d+"\} [1-9]', verifier, re.M)
+    assert re.search(r"^specwire_token_budget_fairness [0-9.]+$", verifier, re.M)
