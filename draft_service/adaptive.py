@@ -45,3 +45,45 @@ class AdaptiveDraftLength:
             if rate > best:
                 best_k, best = k, rate
         return best_k
+
+
+@dataclass
+class PipelineWidth:
+    """How many pipelined branches a sequence drafts per round (draft_service.generation._draft_ahead).
+
+    Drafting ahead is free only while it ends before the verdict it runs beside: the verdict that arrives first
+    waits for it. So each round measures that stall (from the verdict's arrival to its processing): a stall
+    above `narrow_share` of the round drops a branch, one below `widen_share` adds one back. At width 0
+    pipelining is off for the sequence, and one branch is tried again every `probe_rounds` rounds. The width
+    only decides which proposals are sent early, never what is verified: outputs do not depend on it.
+    """
+
+    max_width: int
+    width: int = -1  # -1: start at max_width
+    narrow_share: float = 0.2
+    widen_share: float = 0.05
+    probe_rounds: int = 16
+    _off_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.width < 0:
+            self.width = self.max_width
+
+    def next_width(self) -> int:
+        if self.width > 0:
+            return self.width
+        self._off_rounds += 1
+        if self._off_rounds >= self.probe_rounds:
+            self._off_rounds = 0
+            return 1
+        return 0
+
+    def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
+        if width_used == 0 or round_s <= 0:
+            return
+        if stall_s > self.narrow_share * round_s:
+            self.width = width_used - 1
+        elif stall_s < self.widen_share * round_s:
+            self.width = min(self.max_width, width_used + 1)
+        else:
+            self.width = width_used

@@ -15,7 +15,7 @@ import structlog
 from common.errors import ErrorCode, ServiceError, invalid_argument
 from common.sampling import FinishReason, validate_token_ids
 from common.tokenizer import IncrementalDetokenizer
-from draft_service.adaptive import AdaptiveDraftLength
+from draft_service.adaptive import AdaptiveDraftLength, PipelineWidth
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
 from draft_service.metrics import DraftMetrics
@@ -133,6 +133,7 @@ class Generator:
         flight = _Flight()
         block: DraftBlock | None = None  # the block proposed at the sequence's end, once drafted
         aheads: list[_Ahead] = []
+        width = PipelineWidth(min(MAX_BRANCHES, k + 1)) if self.pipeline else None
         try:
             while not finished:
                 t_draft = time.perf_counter()
@@ -140,14 +141,18 @@ class Generator:
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
                     flight.proposed = self._try_propose(seq_id, seq.num_tokens, block)
-                aheads = await self._draft_ahead(seq_id, seq, block, k_round) if self.pipeline else []
+                width_used = width.next_width() if width else 0
+                aheads = await self._draft_ahead(seq_id, seq, block, k_round, width_used) if width_used else []
                 t_sent = time.perf_counter()
                 try:
                     verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline, flight)
                 except ServiceError:
                     finished = True  # the verifier has already freed the sequence
                     raise
-                wait_s = time.perf_counter() - t_sent
+                t_verdict = time.perf_counter()
+                wait_s = t_verdict - t_sent
+                if width:
+                    width.observe(width_used, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
                 seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)
                 finished = verdict.finish_reason is not None
@@ -225,19 +230,21 @@ class Generator:
             return False
         return True
 
-    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int) -> list[_Ahead]:
+    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int,
+                           width: int) -> list[_Ahead]:
         """Pipelining: while `block`'s verdict is in flight, draft the next block on branches that each assume
         one verdict: all of `block` accepted, then the draft's guess of the bonus token (drafted first on that
         branch); or its first j drafts accepted and the next one corrected to the draft's best other token.
         Each branch's block is proposed at once, marked with what it assumed. The verifier verifies the one
         whose assumption the verdict confirms, if any, and drops the others, so what is verified never depends
-        on pipelining. All branches draft in one batch, sharing the sequence's cache blocks."""
+        on pipelining. All branches draft in one batch, sharing the sequence's cache blocks; `width` caps
+        their number (the full-acceptance branch first, then one per rejected position, earliest first)."""
         if block.num_draft_tokens == 0 or k == 0:
             return []
         plans: list[tuple[int, int | None, DraftSequence]] = [
             (block.num_draft_tokens, None, seq.branch(list(block.token_ids)))]
         for j, alternative in enumerate(block.alternatives or ()):
-            if len(plans) >= MAX_BRANCHES:
+            if len(plans) >= width:
                 break
             if alternative >= 0 and alternative != block.token_ids[j]:
                 plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))

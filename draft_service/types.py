@@ -32,6 +32,7 @@ class VerdictEvent:
     finish_reason: FinishReason | None
     batch_size: int
     step_time_s: float = 0.0
+    received_at: float = 0.0  # time.perf_counter() when it arrived from the verifier
 
 
 @dataclass(frozen=True)

@@ -303,7 +303,8 @@ class VerifierLink:
         if kind == "verdict":
             v = msg.verdict
             event: LinkEvent = VerdictEvent(v.start_position, v.num_accepted, tuple(v.token_ids),
-                                            wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s)
+                                            wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s,
+                                            time.perf_counter())
             seq_id = v.seq_id
         elif kind == "error":
             e = msg.error

@@ -200,3 +200,23 @@ def test_non_finite_logits_fail_only_their_own_sequence():
 def test_tiny_temperatures_are_greedy():
     assert SamplingParams(temperature=1e-45).is_greedy and SamplingParams(temperature=0.0).is_greedy
     assert not SamplingParams(temperature=1e-4).is_greedy
+
+
+def test_pipeline_width_narrows_while_drafting_ahead_stalls_verdicts_and_probes_when_off():
+    from draft_service.adaptive import PipelineWidth
+
+    width = PipelineWidth(max_width=3)
+    assert width.next_width() == 3
+    width.observe(3, stall_s=0.05, round_s=0.1)  # the verdict waited half the round for the drafts
+    assert width.next_width() == 2
+    width.observe(2, stall_s=0.05, round_s=0.1)
+    width.observe(1, stall_s=0.05, round_s=0.1)
+    assert [width.next_width() for _ in range(15)] == [0] * 15  # off...
+    assert width.next_width() == 1  # ...then one branch is tried again
+    width.observe(1, stall_s=0.0, round_s=0.1)  # it fit: widen step by step up to the cap
+    assert width.next_width() == 2
+    width.observe(2, stall_s=0.0, round_s=0.1)
+    width.observe(3, stall_s=0.0, round_s=0.1)
+    assert width.next_width() == 3
+    width.observe(3, stall_s=0.01, round_s=0.1)  # in between: stays
+    assert width.next_width() == 3
