@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +34,7 @@ import torch  # noqa: E402
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
 
 from specwire import AsyncClient, Client  # noqa: E402
-from specwire.launch import Stack  # noqa: E402
+from specwire.launch import Stack, free_port  # noqa: E402
 
 from tiny_models import build_model, byte_bpe_tokenizer, model_config, save  # noqa: E402
 
@@ -98,10 +100,15 @@ def measure(target: Path, draft: Path, rtts: list[float], tokens: int, reps: int
         for rtt in rtts:
             for pipeline in (False, True):
                 with ProxyThread(verifier.address, LinkShape(delay_s=rtt / 2000)) as proxy:
+                    metrics_port = free_port()
                     d = stack.start(f"draft-{rtt:g}-{pipeline}", ["draft", "--model", str(draft), "--verifier",
                                                                   proxy.address, "--pipeline", str(pipeline),
+                                                                  "--metrics-port", str(metrics_port),
                                                                   *draft_args], log_dir=log_dir, cpus=draft_cpus)
                     row = {"rtt_ms": rtt, "pipeline": pipeline, **one_stream(d.address, tokens, reps)}
+                    counts = _counters(f"http://127.0.0.1:{metrics_port}/metrics")
+                    # rounds whose block was already at the verifier (a pipelined branch guessed the verdict)
+                    row["pipelined_share_1_stream"] = counts["used"] / counts["rounds"] if counts["rounds"] else 0.0
                     if streams:
                         row.update(many_streams(d.address, tokens, reps))
                     rows.append(row)
@@ -111,12 +118,24 @@ def measure(target: Path, draft: Path, rtts: list[float], tokens: int, reps: int
     return rows
 
 
+def _counters(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+
+    def value(pattern: str) -> float:
+        m = re.search(pattern, text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return {"used": value(r'^specwire_draft_pipelined_proposals_total\{outcome="used"\} ([0-9.e+-]+)$'),
+            "rounds": value(r"^specwire_draft_rounds_total ([0-9.e+-]+)$")}
+
+
 def table(rows: list[dict], title: str) -> str:
     """Per RTT: tokens/s without and with pipelining, and the share of the single stream's loss to the RTT
     (against 0 ms without pipelining) that pipelining recovers."""
     by = {(r["rtt_ms"], r["pipeline"]): r for r in rows}
     base = by[(rows[0]["rtt_ms"], False)]
-    lines = [title, "", "| RTT ms | 1 stream tok/s, off | on | loss recovered | tokens/round | verify ms/round | "
+    lines = [title, "", "| RTT ms | 1 stream tok/s, off | on (rounds pipelined) | loss recovered | tokens/round | "
+             "verify ms/round | "
              "8 streams tok/s, off | on | off vs 0 ms |", "|---|---|---|---|---|---|---|---|---|"]
     for rtt in dict.fromkeys(r["rtt_ms"] for r in rows):
         off, on = by[(rtt, False)], by[(rtt, True)]
@@ -125,7 +144,8 @@ def table(rows: list[dict], title: str) -> str:
         agg = (f"{off['aggregate_tok_s']:.1f} | {on['aggregate_tok_s']:.1f} | "
                f"{off['aggregate_tok_s'] / base['aggregate_tok_s']:.0%} |" if "aggregate_tok_s" in off
                else "- | - | - |")
-        lines.append(f"| {rtt:g} | {off['tok_s']:.1f} | {on['tok_s']:.1f} | {recovered} | "
+        lines.append(f"| {rtt:g} | {off['tok_s']:.1f} | {on['tok_s']:.1f} ({on['pipelined_share_1_stream']:.0%}) | "
+                     f"{recovered} | "
                      f"{off['tokens_per_round']:.2f} | {off['verify_ms_per_round']:.1f} | {agg}")
     return "\n".join(lines)
 

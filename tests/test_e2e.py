@@ -188,3 +188,26 @@ def test_shared_prompt_prefix_is_served_from_the_cache(text_stack):
     assert a.stats.num_generated_tokens == b.stats.num_generated_tokens == 6
     hits = text_stack.metric("specwire_prefix_cache_hit_tokens_total") - before
     assert hits >= 16, f"the second request recomputed the shared prompt ({hits} cached tokens)"
+
+
+@pytest.fixture(scope="module")
+def truncating_draft(stat_stack):
+    """A second draft service on the statistical stack's verifier that keeps only the 3 most probable of the 8
+    tokens of q (--q-max-support 3): sparse truncation is what gets tested."""
+    from specwire.launch import free_port
+
+    args = list(stat_stack.draft_args)
+    i = args.index("--metrics-port")
+    args[i + 1] = str(free_port())
+    service = stat_stack.stack.start("draft-truncating", [*args, "--q-max-support", "3"],
+                                     log_dir=stat_stack.log_dir, timeout_s=120)
+    yield service.address
+    service.stop()
+    stat_stack.stack.services.remove(service)
+
+
+def test_sampled_tokens_follow_the_target_when_q_is_truncated(stat_stack, truncating_draft):
+    """q truncated to 3 of 8 tokens and renormalised, as sent: still the target's distribution (N = 3000)."""
+    from dataclasses import replace
+
+    assert_first_two_tokens_follow_the_target(replace(stat_stack, draft=truncating_draft), 3000)
