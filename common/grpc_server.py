@@ -39,6 +39,53 @@ class GrpcServer:
         await self.server.stop(grace=SHUTDOWN_GRACE_S)
 
 
+class _Undecodable:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """A request that does not parse (invalid UTF-8 in a string field, truncated bytes) gets INVALID_ARGUMENT
+    with protobuf's reason, instead of grpc's UNKNOWN. Unary-request methods; a stream's undecodable message
+    ends the stream in grpc itself."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as err:  # noqa: BLE001 - protobuf's DecodeError and friends
+                return _Undecodable(err)
+
+        inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+        async def refuse(context, request) -> None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{details.method}: the request does not parse: {request.error}")
+
+        if handler.response_streaming:
+            async def behaviour(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(context, request)
+                async for item in inner(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(behaviour, request_deserializer=deserialize,
+                                                        response_serializer=handler.response_serializer)
+
+        async def unary(request, context):
+            if isinstance(request, _Undecodable):
+                await refuse(context, request)
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserialize,
+                                                   response_serializer=handler.response_serializer)
+
+
 def _log_refused(method: str, reason: str) -> None:
     log.warning("call_unauthenticated", method=method, reason=reason)  # the reason never quotes a token
 
@@ -49,9 +96,10 @@ def build_grpc_server(host: str, port: int, *, add_servicers: Callable[[grpc.aio
     """A bound, not yet started server with the servicers `add_servicers` registers, health and reflection."""
     security = security or ServerSecurityConfig()
     security.check_security()
-    interceptors = []
-    if security.auth_token_file:
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if security.auth_token_file:  # first: a call without a token learns nothing else
         interceptors.append(BearerTokenInterceptor(TokenFile(security.auth_token_file), on_refused=_log_refused))
+    interceptors.append(DecodeErrorInterceptor())
     server = grpc.aio.server(options=list(options), interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()

@@ -87,6 +87,22 @@ class TextOutput:
         return token_ids, text, False
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+
+
+def check_stop_strings(stop: tuple[str, ...]) -> None:
+    """Stop strings are matched against every streamed character: a bounded number of bounded, non-empty ones."""
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid_argument(f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS} are allowed")
+    for s in stop:
+        if not s:
+            raise invalid_argument("stop strings must be non-empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise invalid_argument(f"a stop string of {len(s)} characters; at most {MAX_STOP_STRING_CHARS} are "
+                                   "allowed")
+
+
 class Generator:
     def __init__(self, config: DraftConfig, tokenizer: Any, vocab_size: int, link: VerifierLink, drafter: Drafter,
                  metrics: DraftMetrics | None = None) -> None:
@@ -120,6 +136,7 @@ class Generator:
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         t0 = time.perf_counter()
+        check_stop_strings(req.stop)
         prompt = self._prompt_ids(req)
         k = await self._num_speculative_tokens(req)
         seq = DraftSequence(req.sampling.with_seed(), list(prompt))

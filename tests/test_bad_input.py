@@ -17,15 +17,17 @@ INVALID, NOT_FOUND, ABORTED = (grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.S
 BAD, GOOD = 1, 2  # seq ids: the case's sequence and the well-formed one beside it
 
 
-def _open(seq_id=BAD, prompt=(5, 6, 7), **sampling):
+def _open(seq_id=BAD, prompt=(5, 6, 7), num_output_tokens=0, **sampling):
     sampling = {"temperature": 0.8, "seed": 3, "max_tokens": 3, **sampling}
     return verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
-        seq_id=seq_id, prompt_token_ids=list(prompt), sampling=common_pb2.SamplingParams(**sampling)))
+        seq_id=seq_id, prompt_token_ids=list(prompt), sampling=common_pb2.SamplingParams(**sampling),
+        num_output_tokens=num_output_tokens))
 
 
-def _propose(seq_id=BAD, start=3, drafts=(9,), q=(((9,), (1.0,)),)):
+def _propose(seq_id=BAD, start=3, drafts=(9,), q=(((9,), (1.0,)),), assumed=()):
     """q: one (token ids, probs) pair per draft distribution, or None for one-hot."""
-    msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start, draft_token_ids=list(drafts))
+    msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start, draft_token_ids=list(drafts),
+                                assumed_token_ids=list(assumed))
     for t, p in q or ():
         msg.draft_probs.append(verifier_pb2.SparseDistribution(token_ids=list(t), probs=list(p)))
     return verifier_pb2.DraftMessage(propose=msg)
@@ -63,6 +65,12 @@ CASES = [
     ("q empty", [_open(), _propose(q=(((), ()),))], INVALID, "non-empty"),
     ("fewer q than drafts", [_open(), _propose(drafts=(9, 4), q=(((9,), (1.0,)),))], INVALID, "draft distributions"),
     ("q out-of-vocabulary id", [_open(), _propose(q=(((9, 10_000), (0.5, 0.5)),))], INVALID, "outside the vocabulary"),
+    ("resume claiming the whole prompt as output", [_open(num_output_tokens=3)], INVALID, "at least one prompt"),
+    ("resume past max_tokens", [_open(prompt=(5, 6, 7, 8), num_output_tokens=3)], INVALID, "has finished"),
+    ("assumed token out of vocabulary", [_open(), _propose(start=5, assumed=(9, 10_000), q=None)], INVALID,
+     "outside the vocabulary"),
+    ("more assumed tokens than positions", [_open(), _propose(start=2, assumed=(5, 6, 7), q=None)], INVALID,
+     "assumed tokens"),
     ("a message without a kind", [verifier_pb2.DraftMessage()], INVALID, "unexpected empty message"),
     ("a second hello", [HELLO], INVALID, "unexpected hello"),
 ]
@@ -129,4 +137,13 @@ def test_an_oversized_message_is_refused_by_size(text_stack):
         with pytest.raises(grpc.RpcError) as err:
             list(stub.Verify(iter([huge]), timeout=60))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    text_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+def test_a_message_before_hello_ends_the_stream_with_failed_precondition(text_stack):
+    with grpc.insecure_channel(text_stack.verifier) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Verify(iter([_open()]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "must be hello" in err.value.details()
     text_stack.wait_for_metric("specwire_kv_blocks_used", 0)

@@ -18,7 +18,7 @@ import pytest
 
 import specwire
 from specwire.launch import free_port
-from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from specwire.v1 import common_pb2, draft_pb2, verifier_pb2, verifier_pb2_grpc
 
 from tiny_models import build_model, model_config, save, word_tokenizer
 
@@ -32,6 +32,9 @@ from tiny_models import build_model, model_config, save, word_tokenizer
     ({"prompt": "hi", "top_p": 1.5}, specwire.InvalidArgumentError, "top_p"),
     ({"prompt": "hi", "top_k": -2}, specwire.InvalidArgumentError, "top_k"),
     ({"prompt": "hi", "num_speculative_tokens": 9}, specwire.InvalidArgumentError, "above the verifier's maximum"),
+    ({"prompt": "hi", "stop": [""]}, specwire.InvalidArgumentError, "non-empty"),
+    ({"prompt": "hi", "stop": ["x" * 5000]}, specwire.InvalidArgumentError, "at most 1024"),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, specwire.InvalidArgumentError, "at most 16"),
 ])
 def test_bad_generate_requests_are_refused_clearly(text_stack, kwargs, error, fragment):
     with specwire.Client(text_stack.draft) as client:
@@ -238,3 +241,24 @@ def test_draft_metrics_count_generations_and_refusals(text_stack):
     assert text_stack.metric(error, draft=True) >= 1
     assert text_stack.metric("specwire_draft_generated_tokens_total", draft=True) >= 3
     assert text_stack.metric("specwire_draft_active_generations", draft=True) == 0
+
+
+def test_a_huge_max_tokens_ends_at_the_context_length(text_stack):
+    with specwire.Client(text_stack.draft) as client:
+        result = client.generate(prompt_token_ids=[5] * 505, max_tokens=2**31 - 1, temperature=0.0, ignore_eos=True)
+    assert result.finish_reason == "length" and len(result.token_ids) == 512 - 505
+    text_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+def test_invalid_utf8_in_a_text_prompt_is_refused(text_stack):
+    """protobuf strings must be UTF-8: raw bytes that are not are refused, and the service goes on."""
+    good = draft_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
+    raw = good.SerializeToString().replace(b"hi", b"\xff\xfe")
+    with grpc.insecure_channel(text_stack.draft) as channel:
+        call = channel.unary_stream("/specwire.v1.Draft/Generate", request_serializer=None,
+                                    response_deserializer=draft_pb2.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(raw, timeout=30))
+    assert err.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INTERNAL)
+    with specwire.Client(text_stack.draft) as client:
+        assert client.generate("hi", max_tokens=2, temperature=0.0).token_ids

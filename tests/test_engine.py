@@ -9,7 +9,7 @@ from common.errors import ErrorCode
 from common.sampling import SamplingParams
 from verifier_service.config import VerifierConfig
 from verifier_service.server import build_engine
-from verifier_service.types import CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
+from verifier_service.types import CloseCmd, CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
 
 from tiny_models import greedy_continuation, make_text_pair
 
@@ -340,3 +340,18 @@ def test_of_a_drafts_pipelined_branches_only_the_one_the_verdict_confirms_is_ver
     assert [(v.start_position, list(v.token_ids)) for v in verdicts] == [(4, truth[:2]), (6, [truth[2]])]
     assert dropped == [5, 7, 8]
     assert not engine.scheduler.sequences[key].proposals
+
+
+def test_a_stream_may_hold_only_so_many_open_sequences(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=32, max_sequences_per_stream=3)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5).with_seed()
+    for i in range(4):
+        engine.submit(OpenCmd(SeqKey(1, i), (3, 4, 5), greedy))
+    engine.submit(OpenCmd(SeqKey(2, 0), (3, 4, 5), greedy))  # another stream has its own allowance
+    errors = [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+    assert [(e.key, e.code) for e in errors] == [(SeqKey(1, 3), ErrorCode.RESOURCE_EXHAUSTED)]
+    assert "--max-sequences-per-stream" in errors[0].message
+    engine.submit(CloseCmd(SeqKey(1, 0)))
+    engine.submit(OpenCmd(SeqKey(1, 4), (3, 4, 5), greedy))  # room again once one is closed
+    assert not [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]

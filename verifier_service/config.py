@@ -31,6 +31,9 @@ class VerifierConfig(ServerSecurityConfig):
     sequence_idle_timeout_s: float = option(120.0, "end a sequence (DEADLINE_EXCEEDED) that has waited this long "
                                             "for a proposal, freeing its KV blocks (0: never)",
                                             flag="--sequence-idle-timeout")
+    max_sequences_per_stream: int = option(4096, "open sequences one Verify stream (one draft process) may hold; "
+                                           "more are refused with RESOURCE_EXHAUSTED, so no draft can grow the "
+                                           "verifier's memory without bound")
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 
@@ -52,6 +55,8 @@ class VerifierConfig(ServerSecurityConfig):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.max_sequences_per_stream < 1:
+            raise ValueError(f"max_sequences_per_stream must be >= 1, got {self.max_sequences_per_stream}")
         if self.sequence_idle_timeout_s < 0:
             raise ValueError(f"sequence_idle_timeout_s must be >= 0, got {self.sequence_idle_timeout_s}")
         if self.max_num_batched_tokens < self.max_draft_tokens + 1:

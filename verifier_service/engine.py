@@ -43,7 +43,7 @@ EXPIRY_SCAN_INTERVAL_S = 0.25
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
                  max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
-                 sequence_idle_timeout_s: float = 0.0) -> None:
+                 sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -54,6 +54,7 @@ class VerifierEngine:
                                    eos_token_ids=frozenset(loaded.eos_token_ids))
         self.runner = VerifierRunner(model, blocks)
         self.sequence_idle_timeout_s = sequence_idle_timeout_s
+        self.max_sequences_per_stream = max_sequences_per_stream
         self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
@@ -172,6 +173,10 @@ class VerifierEngine:
                     raise ServiceError(ErrorCode.ABORTED, f"sequence {cmd.key.seq_id} is already open on this "
                                        "stream")
                 check_open(cmd, self.limits, self.blocks)
+                if self.scheduler.sequences_on(cmd.key.stream_id) >= self.max_sequences_per_stream:
+                    raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"this stream already has "
+                                       f"{self.max_sequences_per_stream} open sequences "
+                                       "(--max-sequences-per-stream): finish or close some first")
                 prompt = list(cmd.prompt_token_ids)
                 self.scheduler.add(Sequence(cmd.key, prompt, len(prompt) - cmd.num_output_tokens, cmd.sampling,
                                             last_active=time.monotonic(), deadline=cmd.deadline))

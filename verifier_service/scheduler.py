@@ -11,7 +11,7 @@ running 1 each get a turn per step; admission order alone would let the 16 fill 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import structlog
@@ -72,6 +72,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.sequences: dict[SeqKey, Sequence] = {}  # every open sequence
+        self._per_stream: Counter[int] = Counter()  # open sequences per Verify stream
         self.running: dict[SeqKey, Sequence] = {}  # admitted, in admission order
         self.waiting: deque[Sequence] = deque()  # not admitted (new or preempted), first come first served
         self.num_preemptions = 0
@@ -80,8 +81,12 @@ class Scheduler:
 
     # -- membership -------------------------------------------------------------------------------------------
 
+    def sequences_on(self, stream_id: int) -> int:
+        return self._per_stream[stream_id]
+
     def add(self, seq: Sequence) -> None:
         self.sequences[seq.key] = seq
+        self._per_stream[seq.key.stream_id] += 1
         self.waiting.append(seq)
 
     def release(self, key: SeqKey) -> None:
@@ -89,6 +94,9 @@ class Scheduler:
         seq = self.sequences.pop(key, None)
         if seq is None:
             return
+        self._per_stream[key.stream_id] -= 1
+        if not self._per_stream[key.stream_id]:
+            del self._per_stream[key.stream_id]
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         else:

@@ -43,7 +43,8 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size),
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
-                          sequence_idle_timeout_s=config.sequence_idle_timeout_s)
+                          sequence_idle_timeout_s=config.sequence_idle_timeout_s,
+                          max_sequences_per_stream=config.max_sequences_per_stream)
 
 
 def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:
