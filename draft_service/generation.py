@@ -19,6 +19,7 @@ from draft_service.adaptive import AdaptiveDraftLength, PipelineWidth
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
 from draft_service.metrics import DraftMetrics
+from draft_service.proposer import ALTERNATIVES
 from draft_service.sequence import DraftSequence
 from draft_service.stop_strings import StopStringMatcher
 from draft_service.types import (
@@ -57,9 +58,9 @@ class _Ahead:
     sent: bool
 
 
-# Pipelined branches per round: the verifier queues at most 8 proposals per sequence (MAX_QUEUED_PROPOSALS), and
-# the in-flight block takes one.
-MAX_BRANCHES = 6
+# Pipelined branches per round: the verifier queues at most 16 proposals per sequence (MAX_QUEUED_PROPOSALS); the
+# block in flight takes one, and the last round's branches are dropped as soon as the new ones arrive.
+MAX_BRANCHES = 8
 
 
 class TextOutput:
@@ -150,7 +151,7 @@ class Generator:
         flight = _Flight()
         block: DraftBlock | None = None  # the block proposed at the sequence's end, once drafted
         aheads: list[_Ahead] = []
-        width = PipelineWidth(min(MAX_BRANCHES, k + 1)) if self.pipeline else None
+        width = PipelineWidth(min(MAX_BRANCHES, 1 + k * ALTERNATIVES)) if self.pipeline else None
         try:
             while not finished:
                 t_draft = time.perf_counter()
@@ -255,16 +256,18 @@ class Generator:
         Each branch's block is proposed at once, marked with what it assumed. The verifier verifies the one
         whose assumption the verdict confirms, if any, and drops the others, so what is verified never depends
         on pipelining. All branches draft in one batch, sharing the sequence's cache blocks; `width` caps
-        their number (the full-acceptance branch first, then one per rejected position, earliest first)."""
+        their number: the full-acceptance branch first, then the best guess at each position (earliest first),
+        then the second best."""
         if block.num_draft_tokens == 0 or k == 0:
             return []
         plans: list[tuple[int, int | None, DraftSequence]] = [
             (block.num_draft_tokens, None, seq.branch(list(block.token_ids)))]
-        for j, alternative in enumerate(block.alternatives or ()):
-            if len(plans) >= width:
-                break
-            if alternative >= 0 and alternative != block.token_ids[j]:
-                plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))
+        alternatives = block.alternatives or ()
+        ranks = max((len(a) for a in alternatives), default=0)
+        # each position's best guess first (earliest position first), then each one's second best
+        guesses = [(j, alts[rank]) for rank in range(ranks) for j, alts in enumerate(alternatives) if rank < len(alts)]
+        for j, alternative in guesses[:max(0, width - 1)]:
+            plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))
         try:
             drafted = await asyncio.gather(*(self.drafter.draft(branch, k + 1 if guess is None else k)
                                              for _, guess, branch in plans))

@@ -25,6 +25,8 @@ from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
 from kernels.sampling_probs import compute_probs
 
+ALTERNATIVES = 2  # guesses kept per drafted position for pipelined branches (draft_service.generation)
+
 
 class DraftModel:
     """Synchronous; runs in the proposer's worker thread."""
@@ -59,7 +61,7 @@ class DraftModel:
             self.blocks.truncate(seq, seq.num_cached)
         pending: list[list[int]] = [seq.context_ids[seq.num_cached:] for seq, _, _ in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
-        alternatives: list[list[int]] = [[] for _ in jobs]
+        alternatives: list[list[tuple[int, ...]]] = [[] for _ in jobs]
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
         stopped = [k == 0 for _, k, _ in jobs]
         for step in range(max(k for _, k, _ in jobs)):
@@ -114,26 +116,27 @@ class DraftModel:
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,
-                need_confidence: bool = False) -> list[tuple[int | None, SparseProbs | None, float, int]]:
+                need_confidence: bool = False) -> list[tuple[int | None, SparseProbs | None, float, tuple[int, ...]]]:
         """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution;
-        1.0 unless need_confidence, which costs a softmax over the vocabulary per row, and the most likely token
-        other than the drafted one). A row whose logits are not all finite gives (None, None, 0.0, -1): that
-        sequence's block ends there, and the verifier, which decides every token, is not misled (a draft's
-        numerics cannot change the output, only its speed)."""
+        1.0 unless need_confidence, which costs a softmax over the vocabulary per row, and the ALTERNATIVES most
+        likely tokens other than the drafted one, best first). A row whose logits are not all finite gives
+        (None, None, 0.0, ()): that sequence's block ends there, and the verifier, which decides every token, is
+        not misled (a draft's numerics cannot change the output, only its speed)."""
         finite = torch.isfinite(logits).all(dim=1).tolist()
         confidence = (logits.float().softmax(dim=1).max(dim=1).values.tolist() if need_confidence
                       else [1.0] * logits.shape[0])
-        top2 = logits.topk(min(2, logits.shape[1]), dim=1).indices.tolist()  # temperature and top-k/p keep order
+        # temperature and top-k/p keep the logits' order
+        top = logits.topk(min(ALTERNATIVES + 1, logits.shape[1]), dim=1).indices.tolist()
 
-        def other_than(token: int, row: int) -> int:
-            return next((t for t in top2[row] if t != token), token)
+        def other_than(token: int, row: int) -> tuple[int, ...]:
+            return tuple(t for t in top[row] if t != token)[:ALTERNATIVES]
 
-        out: list[tuple[int | None, SparseProbs | None, float, int]] = [
+        out: list[tuple[int | None, SparseProbs | None, float, tuple[int, ...]]] = [
             (t, None, c, other_than(t, row))
             for row, (t, c) in enumerate(zip(logits.argmax(dim=1).tolist(), confidence, strict=True))]
         for i, ok in enumerate(finite):
             if not ok:
-                out[i] = (None, None, 0.0, -1)
+                out[i] = (None, None, 0.0, ())
         sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy and finite[i]]
         if not sampled:
             return out

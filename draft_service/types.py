@@ -12,9 +12,9 @@ from common.sampling import FinishReason, SamplingParams, SparseProbs, count_pos
 class DraftBlock:
     token_ids: tuple[int, ...]
     draft_probs: tuple[SparseProbs, ...] | None  # q of each draft token; None for greedy and n-gram drafts
-    # per position, the draft's most likely token other than the drafted one: its guess of the verifier's
-    # corrected token if that draft is rejected (pipelined drafting); None: no guesses (n-gram)
-    alternatives: tuple[int, ...] | None = None
+    # per position, the draft's most likely tokens other than the drafted one, best first: its guesses of the
+    # verifier's corrected token if that draft is rejected (pipelined drafting); None: no guesses (n-gram)
+    alternatives: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_draft_tokens(self) -> int:

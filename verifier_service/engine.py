@@ -35,8 +35,9 @@ from verifier_service.validation import Limits, check_open, check_proposal
 
 log = structlog.get_logger(__name__)
 
-# Backpressure: proposals a sequence may have waiting. A synchronous draft has one; a pipelined one a few.
-MAX_QUEUED_PROPOSALS = 8
+# Backpressure: proposals a sequence may have waiting. A synchronous draft has one; a pipelined one its block in
+# flight and up to 8 branches (draft_service.generation.MAX_BRANCHES).
+MAX_QUEUED_PROPOSALS = 16
 EXPIRY_SCAN_INTERVAL_S = 0.25
 
 
