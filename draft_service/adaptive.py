@@ -49,7 +49,8 @@ class AdaptiveDraftLength:
 
 @dataclass
 class PipelineWidth:
-    """How many pipelined branches a sequence drafts per round (draft_service.generation._draft_ahead).
+    """How many pipelined branches a sequence drafts per round (draft_service.generation._draft_ahead); one
+    instance per draft process, fed by every sequence's rounds.
 
     Drafting ahead is free only while it ends before the verdict it runs beside: the verdict that arrives first
     waits for it. So each round measures that stall (from the verdict's arrival to its processing): a stall

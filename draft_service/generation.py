@@ -118,6 +118,9 @@ class Generator:
         # one-hot wire mode sends ids only: the verifier then takes q = delta(x), lossless for any q
         self.send_draft_probs = config.wire_mode == "sparse"
         self.pipeline = config.pipeline
+        # one width for the whole process: it learns from every sequence's rounds, and a short request does not
+        # start over at the widest (drafting cost is the process's, not the sequence's)
+        self.width = PipelineWidth(MAX_BRANCHES, width=2) if config.pipeline else None
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
@@ -151,7 +154,7 @@ class Generator:
         flight = _Flight()
         block: DraftBlock | None = None  # the block proposed at the sequence's end, once drafted
         aheads: list[_Ahead] = []
-        width = PipelineWidth(min(MAX_BRANCHES, 1 + k * ALTERNATIVES)) if self.pipeline else None
+        width = self.width
         try:
             while not finished:
                 t_draft = time.perf_counter()
@@ -159,7 +162,7 @@ class Generator:
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
                     flight.proposed = self._try_propose(seq_id, seq.num_tokens, block)
-                width_used = width.next_width() if width else 0
+                width_used = min(width.next_width(), 1 + k_round * ALTERNATIVES) if width else 0
                 aheads = await self._draft_ahead(seq_id, seq, block, k_round, width_used) if width_used else []
                 t_sent = time.perf_counter()
                 try:
