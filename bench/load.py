@@ -21,13 +21,13 @@ import random
 import re
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specwire import AsyncClient, SpecwireError  # noqa: E402
+from specwire.launch import scrape_metric  # noqa: E402
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43], [100, 7, 3, 9, 11], [60, 61, 2], [8, 8, 9], [300, 12, 4],
            [17, 18, 19, 20, 21], [250, 251, 3]]
@@ -76,11 +76,6 @@ class LoadReport:
 def rss_mib(pid: int) -> float:
     text = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"^VmRSS:\s+(\d+) kB", text, re.M).group(1)) / 1024
-
-
-def metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    return float(re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M).group(1))
 
 
 async def _one(client: AsyncClient, req: dict, report: LoadReport) -> list[int] | None:
@@ -134,7 +129,7 @@ async def run_load(draft: str, *, streams: int, duration_s: float, pids: dict[st
         report.rss_mib[label] = (report.rss_mib[label][0], rss_mib(pid))
     if verifier_metrics:
         end = time.monotonic() + 10
-        while (blocks := metric(verifier_metrics, "specwire_kv_blocks_used")) != 0 and time.monotonic() < end:
+        while (blocks := scrape_metric(verifier_metrics, "specwire_kv_blocks_used")) != 0 and time.monotonic() < end:
             await asyncio.sleep(0.1)
         report.kv_blocks_at_end = blocks
     return report

@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +32,7 @@ import torch  # noqa: E402
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
 
 from specwire import AsyncClient, Client  # noqa: E402
-from specwire.launch import Stack, free_port  # noqa: E402
+from specwire.launch import Stack, free_port, scrape_metric  # noqa: E402
 
 from tiny_models import build_model, byte_bpe_tokenizer, model_config, save  # noqa: E402
 
@@ -119,14 +117,8 @@ def measure(target: Path, draft: Path, rtts: list[float], tokens: int, reps: int
 
 
 def _counters(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-
-    def value(pattern: str) -> float:
-        m = re.search(pattern, text, re.M)
-        return float(m.group(1)) if m else 0.0
-
-    return {"used": value(r'^specwire_draft_pipelined_proposals_total\{outcome="used"\} ([0-9.e+-]+)$'),
-            "rounds": value(r"^specwire_draft_rounds_total ([0-9.e+-]+)$")}
+    return {"used": scrape_metric(url, "specwire_draft_pipelined_proposals_total", {"outcome": "used"}) or 0.0,
+            "rounds": scrape_metric(url, "specwire_draft_rounds_total") or 0.0}
 
 
 def table(rows: list[dict], title: str) -> str:

@@ -17,8 +17,8 @@ class Drafter(Protocol):
         already rolled back)."""
         ...
 
-    async def release(self, seq: DraftSequence) -> None:
-        """Forget seq and free whatever it holds."""
+    async def release(self, *seqs: DraftSequence) -> None:
+        """Forget the sequences and free whatever they hold."""
         ...
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
@@ -39,8 +39,8 @@ class ModelDrafter:
             return EMPTY_BLOCK
         return await self.proposer.draft(seq, k, self.min_confidence)
 
-    async def release(self, seq: DraftSequence) -> None:
-        await self.proposer.release(seq)
+    async def release(self, *seqs: DraftSequence) -> None:
+        await self.proposer.release(*seqs)
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         await self.proposer.adopt(seq, branch)
@@ -52,7 +52,7 @@ class NgramDrafter:
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         return DraftBlock(tuple(propose_ngram(seq.context_ids, k)), None)
 
-    async def release(self, seq: DraftSequence) -> None:
+    async def release(self, *seqs: DraftSequence) -> None:
         return None
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:

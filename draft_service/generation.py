@@ -117,7 +117,6 @@ class Generator:
         self.adaptive_k = config.adaptive_k and config.proposer == "model"
         # one-hot wire mode sends ids only: the verifier then takes q = delta(x), lossless for any q
         self.send_draft_probs = config.wire_mode == "sparse"
-        self.pipeline = config.pipeline
         # one width for the whole process: it learns from every sequence's rounds, and a short request does not
         # start over at the widest (drafting cost is the process's, not the sequence's)
         self.width = PipelineWidth(MAX_BRANCHES, width=2) if config.pipeline else None
@@ -183,14 +182,13 @@ class Generator:
                     aheads = []
                 flight.resumed = False
                 seq.roll_back()
-                block_for_stats = verified_block
                 tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
-                stats.record_round(block_for_stats, verdict, tokens, t_sent - t_draft, wait_s)
+                stats.record_round(verified_block, verdict, tokens, t_sent - t_draft, wait_s)
                 self.metrics.observe_round(t_sent - t_draft, wait_s, verdict.step_time_s)
                 if stats.num_rounds == 1:
                     stats.time_to_first_token_s = time.perf_counter() - t0
                 if adaptive:
-                    adaptive.observe(block_for_stats.num_draft_tokens, verdict.num_accepted, t_sent - t_draft, wait_s)
+                    adaptive.observe(verified_block.num_draft_tokens, verdict.num_accepted, t_sent - t_draft, wait_s)
                 stats.finish_reason = FinishReason.STOP if stopped else verdict.finish_reason
                 if stopped and not finished:  # the verifier would go on: tell it to free the sequence now
                     finished = True
@@ -199,9 +197,7 @@ class Generator:
         finally:
             # cancelled by the client or failed here: free it on the verifier too
             self.link.release(seq_id, cancel=not finished)
-            for ahead in aheads:
-                await self.drafter.release(ahead.branch)
-            await self.drafter.release(seq)
+            await self.drafter.release(*(ahead.branch for ahead in aheads), seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         stats.wall_time_s = time.perf_counter() - t0
         log.info("generation_done", prompt_tokens=stats.num_prompt_tokens, generated=stats.num_generated_tokens,
@@ -276,13 +272,12 @@ class Generator:
                                              for _, guess, branch in plans))
         except ServiceError as err:  # e.g. the draft's KV pool is short: this round goes without pipelining
             log.warning("pipelined_drafting_failed", code=err.code.name, message=err.message)
-            for _, _, branch in plans:
-                await self.drafter.release(branch)
+            await self.drafter.release(*(branch for _, _, branch in plans))
             return []
         aheads = []
         for (j, guess, branch), d in zip(plans, drafted, strict=True):
             if guess is None:  # the full-acceptance branch: its first drafted token is the guessed bonus token
-                if not d.token_ids:
+                if not d.token_ids:  # non-finite draft logits: no guess
                     await self.drafter.release(branch)
                     continue
                 guess = d.token_ids[0]
@@ -302,12 +297,11 @@ class Generator:
         if not flight.resumed and not finished:
             match = next((a for a in aheads if verdict.token_ids == (*block.token_ids[:a.num_accepted], a.guess)),
                          None)
-        for ahead in aheads:
-            if ahead is not match:
-                await self.drafter.release(ahead.branch)
-                if not flight.resumed:
-                    flight.stale += ahead.sent  # the verifier drops it: its ProposalDropped is expected
-        self.metrics.pipelined_proposals.labels(outcome="dropped").inc(len(aheads) - (match is not None))
+        missed = [ahead for ahead in aheads if ahead is not match]
+        await self.drafter.release(*(ahead.branch for ahead in missed))
+        if not flight.resumed:  # the verifier drops their proposals: their ProposalDropped is expected
+            flight.stale += sum(ahead.sent for ahead in missed)
+        self.metrics.pipelined_proposals.labels(outcome="dropped").inc(len(missed))
         if match is None:
             return None
         self.metrics.pipelined_proposals.labels(outcome="used").inc()

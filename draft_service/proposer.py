@@ -36,9 +36,10 @@ class DraftModel:
         self.blocks = blocks
         self.q_max_support = q_max_support
 
-    def release(self, seq: DraftSequence) -> None:
-        self.blocks.free(seq)
-        seq.cached_token_ids.clear()
+    def release(self, *seqs: DraftSequence) -> None:
+        for seq in seqs:
+            self.blocks.free(seq)
+            seq.cached_token_ids.clear()
 
     def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         """`seq` continues as `branch` (the pipelined guess that held): its cache blocks and cached tokens."""
@@ -191,8 +192,10 @@ class Proposer:
         self._wakeup.set()
         return await future
 
-    async def release(self, seq: DraftSequence) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.model.release, seq)
+    async def release(self, *seqs: DraftSequence) -> None:
+        """One hop to the model's thread for all of them (a round's pipelined branches)."""
+        if seqs:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.model.release, *seqs)
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         await asyncio.get_running_loop().run_in_executor(self._executor, self.model.adopt, seq, branch)

@@ -22,12 +22,8 @@ class DraftSequence:
     def branch(self, assumed: list[int]) -> DraftSequence:
         """A branch continuing the verified tokens and then `assumed`, sharing this sequence's cache for the
         longest prefix they have in common. Its verified token list is this sequence's own (not a copy)."""
-        context = self.token_ids + assumed
-        n = 0
-        limit = min(len(self.cached_token_ids), len(context) - 1)
-        while n < limit and self.cached_token_ids[n] == context[n]:
-            n += 1
-        return DraftSequence(self.sampling, self.token_ids, self.cached_token_ids[:n], list(assumed), fork_from=self)
+        return DraftSequence(self.sampling, self.token_ids, self.cached_token_ids[:self._reusable(assumed)],
+                             list(assumed), fork_from=self)
 
     def adopt(self, branch: DraftSequence) -> None:
         """Take over a branch whose assumed tokens the verifier confirmed (the cache blocks move separately)."""
@@ -59,9 +55,14 @@ class DraftSequence:
         then any assumed ones): accepted drafts stay, the rejected one and everything after it go, and nothing
         is recomputed. At least the context's last token stays uncached, because feeding it is what gives the
         logits of the next draft."""
-        context = self.context_ids
+        del self.cached_token_ids[self._reusable(self.assumed_token_ids):]
+
+    def _reusable(self, assumed: list[int]) -> int:
+        """How many leading cached tokens agree with the verified tokens followed by `assumed`, leaving that
+        context's last token uncached."""
+        verified, cached = self.token_ids, self.cached_token_ids
+        limit = min(len(cached), len(verified) + len(assumed) - 1)
         n = 0
-        limit = min(len(self.cached_token_ids), len(context) - 1)
-        while n < limit and self.cached_token_ids[n] == context[n]:
+        while n < limit and cached[n] == (verified[n] if n < len(verified) else assumed[n - len(verified)]):
             n += 1
-        del self.cached_token_ids[n:]
+        return n

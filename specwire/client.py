@@ -144,7 +144,30 @@ def _probe_failed(err: grpc.RpcError, target: str, connect_timeout: float):
     return from_rpc_error(err)
 
 
-class Client:
+class _ClientBase:
+    """The channel, stubs and settings both clients share; `_aio` picks grpc's asyncio channel."""
+
+    _aio = False
+
+    def __init__(self, target: str, *, timeout: float | None = None,
+                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S, token: str | None = None,
+                 root_certificates: bytes | None = None, private_key: bytes | None = None,
+                 certificate_chain: bytes | None = None, channel_credentials: grpc.ChannelCredentials | None = None,
+                 tls_server_name: str | None = None) -> None:
+        self._target = target
+        conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
+                           tls_server_name)
+        self._metadata = conn.metadata
+        channels = grpc.aio if self._aio else grpc
+        self._channel = (channels.secure_channel(target, conn.credentials, options=conn.options) if conn.credentials
+                         else channels.insecure_channel(target, options=conn.options))
+        self._stub = draft_pb2_grpc.DraftStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+
+
+class Client(_ClientBase):
     """Blocking client of a draft service. `target` is HOST:PORT.
 
     `timeout`: a deadline for each whole call (None: none); it also bounds the sequence on the verifier.
@@ -157,22 +180,6 @@ class Client:
     (mutual TLS); or pass ready `channel_credentials`. `token` is sent as `authorization: Bearer <token>` on
     every call; a refused one raises UnauthenticatedError. `tls_server_name` checks the certificate against
     that name instead of the target's host."""
-
-    def __init__(self, target: str, *, timeout: float | None = None,
-                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S, token: str | None = None,
-                 root_certificates: bytes | None = None, private_key: bytes | None = None,
-                 certificate_chain: bytes | None = None, channel_credentials: grpc.ChannelCredentials | None = None,
-                 tls_server_name: str | None = None) -> None:
-        self._target = target
-        conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
-                           tls_server_name)
-        self._metadata = conn.metadata
-        self._channel = (grpc.secure_channel(target, conn.credentials, options=conn.options) if conn.credentials
-                         else grpc.insecure_channel(target, options=conn.options))
-        self._stub = draft_pb2_grpc.DraftStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout
 
     def close(self) -> None:
         self._channel.close()
@@ -225,24 +232,10 @@ class Client:
         return result
 
 
-class AsyncClient:
+class AsyncClient(_ClientBase):
     """asyncio client of a draft service, with Client's arguments and behaviour."""
 
-    def __init__(self, target: str, *, timeout: float | None = None,
-                 connect_timeout: float | None = DEFAULT_CONNECT_TIMEOUT_S, token: str | None = None,
-                 root_certificates: bytes | None = None, private_key: bytes | None = None,
-                 certificate_chain: bytes | None = None, channel_credentials: grpc.ChannelCredentials | None = None,
-                 tls_server_name: str | None = None) -> None:
-        self._target = target
-        conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
-                           tls_server_name)
-        self._metadata = conn.metadata
-        self._channel = (grpc.aio.secure_channel(target, conn.credentials, options=conn.options)
-                         if conn.credentials else grpc.aio.insecure_channel(target, options=conn.options))
-        self._stub = draft_pb2_grpc.DraftStub(self._channel)
-        self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout
+    _aio = True
 
     async def _wait_connected(self) -> None:
         if self._connect_timeout is None:

@@ -4,11 +4,13 @@ Used by `specwire demo`, the benchmarks and the end-to-end tests."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +27,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def scrape_metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """One sample of a Prometheus /metrics page: `name` with exactly `labels` (None: absent)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    selector = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
+    m = re.search(rf"^{re.escape(name + selector)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else None
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,

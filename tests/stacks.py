@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import re
 import signal
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specwire.launch import Stack, free_port
+from specwire.launch import Service, Stack, free_port, scrape_metric
 
 
 @dataclass
@@ -50,12 +48,23 @@ class RunningStack:
         assert self.metric(name, draft=draft) == value, f"{name} stayed at {self.metric(name, draft=draft)}"
 
     def metric(self, name: str, *, draft: bool = False) -> float:
-        url = self.draft_metrics_url if draft else self.metrics_url
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-        assert m, f"{name} not in metrics"
-        return float(m.group(1))
+        value = scrape_metric(self.draft_metrics_url if draft else self.metrics_url, name)
+        assert value is not None, f"{name} not in metrics"
+        return value
 
+    def start_draft(self, name: str, extra: list[str] = (), *, verifier: str | None = None) -> tuple[Service, str]:
+        """Another draft service on this stack's verifier (or on `verifier`, a proxy in front of it), with the
+        stack's draft arguments, its own metrics port and `extra`: (the service, its metrics URL)."""
+        metrics_port = free_port()
+        args = [verifier if verifier and a == self.verifier else a for a in self.draft_args]
+        i = args.index("--metrics-port")
+        args[i + 1] = str(metrics_port)
+        service = self.stack.start(name, [*args, *extra], log_dir=self.log_dir, timeout_s=120, env=self.env)
+        return service, f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def stop_service(self, service: Service) -> None:
+        service.stop()
+        self.stack.services.remove(service)
 
 def start_stack(target_dir: Path, draft_dir: Path, log_dir: Path, *, k: int = 4, dtype: str = "float64",
                 block_size: int = 4, env: dict[str, str] | None = None, extra_verifier: list[str] = (),

@@ -194,16 +194,9 @@ def test_shared_prompt_prefix_is_served_from_the_cache(text_stack):
 def truncating_draft(stat_stack):
     """A second draft service on the statistical stack's verifier that keeps only the 3 most probable of the 8
     tokens of q (--q-max-support 3): sparse truncation is what gets tested."""
-    from specwire.launch import free_port
-
-    args = list(stat_stack.draft_args)
-    i = args.index("--metrics-port")
-    args[i + 1] = str(free_port())
-    service = stat_stack.stack.start("draft-truncating", [*args, "--q-max-support", "3"],
-                                     log_dir=stat_stack.log_dir, timeout_s=120)
+    service, _ = stat_stack.start_draft("draft-truncating", ["--q-max-support", "3"])
     yield service.address
-    service.stop()
-    stat_stack.stack.services.remove(service)
+    stat_stack.stop_service(service)
 
 
 def test_sampled_tokens_follow_the_target_when_q_is_truncated(stat_stack, truncating_draft):

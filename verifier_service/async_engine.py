@@ -103,12 +103,8 @@ class AsyncEngine:
         self.metrics.live_sequences.set(len(engine.scheduler.sequences))
         self.metrics.waiting_sequences.set(len(engine.scheduler.waiting))
         self.metrics.kv_blocks_used.set(engine.blocks.num_used_blocks)
-        per_stream = dict.fromkeys(self._streams, 0)
-        for key in engine.scheduler.sequences:
-            if key.stream_id in per_stream:
-                per_stream[key.stream_id] += 1
-        for stream_id, count in per_stream.items():
-            self.metrics.stream_sequences.labels(stream=str(stream_id)).set(count)
+        for stream_id in self._streams:
+            self.metrics.stream_sequences.labels(stream=str(stream_id)).set(engine.scheduler.sequences_on(stream_id))
         s = result.stats
         if s is None:
             return

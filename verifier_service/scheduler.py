@@ -201,10 +201,15 @@ class Scheduler:
     def drop_dead_proposals(self, seq: Sequence) -> list[DroppedOut]:
         """Drop, wherever they wait, the proposals no verdict can make current any more (the other branches of
         a pipelined draft), so they do not fill the sequence's queue."""
-        if not any(_dead(p, seq) for p in seq.proposals):
-            return []
-        dropped = [DroppedOut(seq.key, p.start_position, seq.num_tokens) for p in seq.proposals if _dead(p, seq)]
-        seq.proposals = deque(p for p in seq.proposals if not _dead(p, seq))
+        dropped: list[DroppedOut] = []
+        kept: deque[ProposeCmd] = deque()
+        for p in seq.proposals:
+            if _dead(p, seq):
+                dropped.append(DroppedOut(seq.key, p.start_position, seq.num_tokens))
+            else:
+                kept.append(p)
+        if dropped:
+            seq.proposals = kept
         return dropped
 
     def _candidates(self, seq: Sequence, budget: int, batch_is_empty: bool) -> list[ScheduledSeq]:
