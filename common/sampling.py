@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import secrets
 from dataclasses import dataclass
@@ -22,6 +23,9 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     ignore_eos: bool = False
+    # Gumbel-max coupling (WireMode.COUPLED): every sampled token is argmax p / E with the noise of its (seed,
+    # position), so the seeded output is the target-alone output whatever the drafts; set by the draft service
+    coupled: bool = False
 
     def __post_init__(self) -> None:
         validate_sampling(self)
@@ -35,8 +39,15 @@ class SamplingParams:
         """The same parameters with a seed drawn now if none was given: every sequence gets its own stream."""
         if self.seed is not None:
             return self
-        return SamplingParams(self.temperature, self.top_k, self.top_p, secrets.randbelow(MAX_SEED),
-                              self.max_tokens, self.ignore_eos)
+        return dataclasses.replace(self, seed=secrets.randbelow(MAX_SEED))
+
+
+class WireMode(enum.Enum):
+    """How a sampled request's drafts are verified and what travels with them (greedy requests: argmax)."""
+
+    SPARSE = "sparse"  # rejection sampling against q, sent on its top tokens
+    ONE_HOT = "one-hot"  # rejection sampling with q = delta(draft token): ids only
+    COUPLED = "coupled"  # Gumbel-max coupling: ids only; the seeded output is the target-alone output
 
 
 def validate_sampling(params: SamplingParams) -> None:

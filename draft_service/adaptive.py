@@ -56,7 +56,8 @@ class PipelineWidth:
     waits for it. So each round measures that stall (from the verdict's arrival to its processing): a stall
     above `narrow_share` of the round drops a branch, one below `widen_share` adds one back. At width 0
     pipelining is off for the sequence, and one branch is tried again every `probe_rounds` rounds. The width
-    only decides which proposals are sent early, never what is verified: outputs do not depend on it.
+    only decides which proposals are sent early, never what is verified: outputs do not depend on it. With
+    `learn` False the width stays as set (--pipeline-width).
     """
 
     max_width: int
@@ -64,6 +65,7 @@ class PipelineWidth:
     narrow_share: float = 0.2
     widen_share: float = 0.05
     probe_rounds: int = 16
+    learn: bool = True
     _off_rounds: int = 0
 
     def __post_init__(self) -> None:
@@ -80,7 +82,7 @@ class PipelineWidth:
         return 0
 
     def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
-        if width_used == 0 or round_s <= 0:
+        if not self.learn or width_used == 0 or round_s <= 0:
             return
         if stall_s > self.narrow_share * round_s:
             self.width = width_used - 1

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from common.config import DTYPES, ServerSecurityConfig, format_bytes, option, parse_bytes
 from common.device import DEVICE_CHOICES_HELP
+from common.sampling import WireMode
 
-WIRE_MODES = ("sparse", "one-hot")
+WIRE_MODES = tuple(m.value for m in WireMode)
 PROPOSERS = ("model", "ngram")
 
 
@@ -28,13 +29,17 @@ class DraftConfig(ServerSecurityConfig):
     pipeline: bool = option(False, "pipelined drafting: while a verdict is in flight, draft the next block "
                             "assuming the current one is fully accepted (and guessing the bonus token) and send it "
                             "at once; hides the round trip when the verifier is on another host")
+    pipeline_width: int = option(0, "with --pipeline: branches drafted ahead per round, fixed (1: only the "
+                                 "full-acceptance guess; at most 8); 0: learned from the measured stall")
     adaptive_k: bool = option(False, "choose k per sequence and round from its acceptance and the measured draft "
                               "and verify times")
     draft_confidence_threshold: float = option(0.0, "end a draft block early when the draft's top probability "
                                                "falls below this")
-    wire_mode: str = option("sparse", "how sampled drafts send q: sparse (its top --q-max-support tokens) or "
-                            "one-hot (ids only)", choices=WIRE_MODES)
-    q_max_support: int = option(64, "tokens of q kept and sent in sparse mode")
+    wire_mode: str = option("sparse", "how sampled requests are verified (a request may choose its own): sparse "
+                            "(rejection sampling; q sent on its top --q-max-support tokens), one-hot (rejection "
+                            "sampling; ids only) or coupled (Gumbel-max coupling; ids only; a seeded output is the "
+                            "target-alone output whatever the draft, k or pipelining)", choices=WIRE_MODES)
+    q_max_support: int = option(64, "tokens of q kept: sent in sparse mode, the candidates of a coupled draft")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: int = option(512 << 20, "bytes for the draft's KV pool", parse=parse_bytes, show=format_bytes)
     connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
@@ -65,6 +70,8 @@ class DraftConfig(ServerSecurityConfig):
             raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not 0 <= self.pipeline_width <= 8:
+            raise ValueError(f"pipeline_width must be in [0, 8] (0: learned), got {self.pipeline_width}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.wire_mode not in WIRE_MODES:

@@ -5,6 +5,7 @@ ends the sequence or a stop string appears."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Any
 import structlog
 
 from common.errors import ErrorCode, ServiceError, invalid_argument
-from common.sampling import FinishReason, validate_token_ids
+from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
 from common.tokenizer import IncrementalDetokenizer
 from draft_service.adaptive import AdaptiveDraftLength, PipelineWidth
 from draft_service.config import DraftConfig
@@ -31,8 +32,10 @@ from draft_service.types import (
     StreamLost,
     TextChunk,
     VerdictEvent,
+    VerifierIdentity,
 )
 from draft_service.verifier_link import LinkDown, VerifierLink
+from specwire.v1 import wire
 
 log = structlog.get_logger(__name__)
 
@@ -115,11 +118,15 @@ class Generator:
         self.metrics = metrics or DraftMetrics()
         # n-gram drafts cost nothing to make: there is no draft time for adaptive k to weigh
         self.adaptive_k = config.adaptive_k and config.proposer == "model"
-        # one-hot wire mode sends ids only: the verifier then takes q = delta(x), lossless for any q
-        self.send_draft_probs = config.wire_mode == "sparse"
+        # one-hot and coupled wire modes send ids only: the verifier then takes q = delta(x) (lossless for any q),
+        # or decides every token from its own noise
+        self.wire_mode = WireMode(config.wire_mode)
         # one width for the whole process: it learns from every sequence's rounds, and a short request does not
         # start over at the widest (drafting cost is the process's, not the sequence's)
-        self.width = PipelineWidth(MAX_BRANCHES, width=2) if config.pipeline else None
+        self.width = None
+        if config.pipeline:
+            fixed = config.pipeline_width > 0
+            self.width = PipelineWidth(MAX_BRANCHES, width=config.pipeline_width if fixed else 2, learn=not fixed)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
@@ -141,9 +148,11 @@ class Generator:
         t0 = time.perf_counter()
         check_stop_strings(req.stop)
         prompt = self._prompt_ids(req)
-        k = await self._num_speculative_tokens(req)
-        seq = DraftSequence(req.sampling.with_seed(), list(prompt))
-        adaptive = AdaptiveDraftLength(k) if self.adapts_k(req, k) else None
+        identity = await self.link.ensure_connected(self._retry_s(req.deadline))
+        k = self._num_speculative_tokens(req, identity)
+        mode = req.wire_mode or self.wire_mode
+        seq = DraftSequence(self._sampling(req.sampling.with_seed(), mode, identity), list(prompt), wire_mode=mode)
+        adaptive = AdaptiveDraftLength(k) if self.adapts_k(req, k, coupled=seq.sampling.coupled) else None
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
@@ -160,7 +169,7 @@ class Generator:
                 k_round = adaptive.next_k() if adaptive else k
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
-                    flight.proposed = self._try_propose(seq_id, seq.num_tokens, block)
+                    flight.proposed = self._try_propose(seq_id, seq, seq.num_tokens, block)
                 width_used = min(width.next_width(), 1 + k_round * ALTERNATIVES) if width else 0
                 aheads = await self._draft_ahead(seq_id, seq, block, k_round, width_used) if width_used else []
                 t_sent = time.perf_counter()
@@ -205,12 +214,23 @@ class Generator:
                  k=k, wall_s=round(stats.wall_time_s, 3), finish=stats.finish_reason and stats.finish_reason.value)
         yield stats
 
-    def adapts_k(self, req: GenerationRequest, k: int) -> bool:
-        """Adaptive k reads clocks, and a sampled token depends on where rounds start (a bonus token and a
-        drafted one are decided differently). A seeded sampled request therefore keeps the fixed k, so the same
-        seed gives the same tokens from the same service whatever the load; greedy output never depends on k."""
-        seeded_sampling = req.sampling.seed is not None and not req.sampling.is_greedy
-        return self.adaptive_k and k > 0 and not seeded_sampling
+    def adapts_k(self, req: GenerationRequest, k: int, *, coupled: bool = False) -> bool:
+        """Adaptive k reads clocks, and under rejection sampling a sampled token depends on where rounds start (a
+        bonus token and a drafted one are decided differently). A seeded request verified by rejection sampling
+        therefore keeps the fixed k, so the same seed gives the same tokens from the same service whatever the
+        load. Greedy and coupled output never depend on k."""
+        seeded_rejection = req.sampling.seed is not None and not req.sampling.is_greedy and not coupled
+        return self.adaptive_k and k > 0 and not seeded_rejection
+
+    def _sampling(self, sampling: SamplingParams, mode: WireMode, identity: VerifierIdentity) -> SamplingParams:
+        """The sequence's sampling parameters: coupled when a sampled request's wire mode is."""
+        if mode is not WireMode.COUPLED or sampling.is_greedy:
+            return sampling
+        if wire.FEATURE_COUPLED not in identity.features:
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"the coupled wire mode needs a verifier that "
+                               f"implements it; {identity.model_id!r}'s verifier does not (upgrade it, or ask for "
+                               "wire_mode sparse or one-hot)")
+        return dataclasses.replace(sampling, coupled=True)
 
     def _prompt_ids(self, req: GenerationRequest) -> list[int]:
         if req.prompt_token_ids is not None:
@@ -222,8 +242,7 @@ class Generator:
         validate_token_ids(ids, self.vocab_size)
         return ids
 
-    async def _num_speculative_tokens(self, req: GenerationRequest) -> int:
-        identity = await self.link.ensure_connected(self._retry_s(req.deadline))
+    def _num_speculative_tokens(self, req: GenerationRequest, identity: VerifierIdentity) -> int:
         k = self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
         if k < 0:
             raise invalid_argument(f"num_speculative_tokens must be >= 0, got {k}")
@@ -238,10 +257,11 @@ class Generator:
         retry_s = self.config.verifier_retry_deadline_s
         return retry_s if deadline is None else max(0.0, min(retry_s, deadline - time.monotonic()))
 
-    def _try_propose(self, seq_id: int, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> bool:
+    def _try_propose(self, seq_id: int, seq: DraftSequence, start: int, block: DraftBlock,
+                     assumed: tuple[int, ...] = ()) -> bool:
         """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""
         try:
-            self.link.propose(seq_id, start, block, send_draft_probs=self.send_draft_probs,
+            self.link.propose(seq_id, start, block, send_draft_probs=seq.sends_draft_probs,
                               assumed_token_ids=assumed)
         except LinkDown:
             return False
@@ -284,7 +304,7 @@ class Generator:
                 branch.assumed_token_ids.append(guess)
                 d = DraftBlock(d.token_ids[1:], d.draft_probs[1:] if d.draft_probs is not None else None,
                                d.alternatives[1:] if d.alternatives is not None else None)
-            sent = self._try_propose(seq_id, seq.num_tokens + j + 1, d, tuple(branch.assumed_token_ids))
+            sent = self._try_propose(seq_id, seq, seq.num_tokens + j + 1, d, tuple(branch.assumed_token_ids))
             aheads.append(_Ahead(j, guess, branch, d, sent))
         return aheads
 
@@ -318,7 +338,7 @@ class Generator:
         while True:
             try:
                 if not flight.proposed:
-                    self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=self.send_draft_probs)
+                    self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=seq.sends_draft_probs)
                     flight.proposed = True
                 event = await self.link.next_event(seq_id)
             except LinkDown as err:

@@ -5,6 +5,10 @@ before asking for its next block; drafting then feeds only the tokens past what 
 Each draft token is sampled from q = the request's temperature/top-k/top-p applied to the draft logits,
 further truncated to its `q_max_support` most probable tokens and renormalised; that truncated q is exactly
 what is sent (sparse-q mode), so the verifier's rejection sampling stays lossless.
+
+A coupled sequence picks argmax q / E with E the verifier's own noise at that position (TARGET_SAMPLE): the
+draft token is then the target's sample whenever q and p agree closely enough, and a mismatch costs only
+acceptance, never losslessness (the verifier decides every token alone).
 """
 
 from __future__ import annotations
@@ -158,11 +162,16 @@ class DraftModel:
             # exponential race argmax q / E draws from q / sum(q) without normalising, and the verifier divides
             # the same values by their exactly rounded sum (math.fsum), so both sides hold the same q.
             q_sent = (top_probs[row][keep] / top_probs[row][keep].sum()).to(torch.float32).to(torch.float64)
-            noise = exponential64_reference(seqs[i].sampling.seed, positions[i], Purpose.DRAFT_SAMPLE, q_ids)
-            j = int(torch.argmax(q_sent / noise))
-            token = int(q_ids[j])
+            coupled = seqs[i].sampling.coupled
+            noise = exponential64_reference(seqs[i].sampling.seed, positions[i],
+                                            Purpose.TARGET_SAMPLE if coupled else Purpose.DRAFT_SAMPLE, q_ids)
+            scores = q_sent / noise
+            ranked = scores.topk(min(ALTERNATIVES + 1, scores.numel())).indices
+            token = int(q_ids[ranked[0]])
+            # coupled: at a mismatch the verifier emits argmax p / E, best guessed by the runners-up of q / E
+            alternatives = (tuple(q_ids[ranked[1:]].tolist()) if coupled else other_than(token, i))
             out[i] = (token, SparseProbs(tuple(q_ids.tolist()), tuple(q_sent.tolist())), float(q_sent.max()),
-                      other_than(token, i))
+                      alternatives)
         return out
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
-from common.sampling import FinishReason, SamplingParams, SparseProbs, count_positions
+from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode, count_positions
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class VerifierIdentity:
     tokenizer_fingerprint: str
     max_draft_tokens: int
     max_model_len: int
+    features: tuple[str, ...] = ()  # VerifierInfo.features
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int | None = None
     deadline: float | None = None  # time.monotonic() of the client's deadline; None: none
+    wire_mode: WireMode | None = None  # None: the service's --wire-mode
 
 
 @dataclass(frozen=True)

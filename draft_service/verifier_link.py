@@ -192,7 +192,7 @@ class VerifierLink:
         if mismatch is not None:
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, mismatch)
         self.identity = VerifierIdentity(info.model_id, info.vocab_size, info.tokenizer_fingerprint,
-                                         info.max_draft_tokens, info.max_model_len)
+                                         info.max_draft_tokens, info.max_model_len, tuple(info.features))
 
     async def close(self) -> None:
         self._closed = True
@@ -229,11 +229,14 @@ class VerifierLink:
         """(Re)open `seq_id` on the current stream with `token_ids`, the last num_output_tokens of them its
         verified output so far. Events of an earlier stream still queued for it are discarded."""
         while True:
-            await self.ensure_connected(retry_s)
+            identity = await self.ensure_connected(retry_s)
+            if sampling.coupled and wire.FEATURE_COUPLED not in identity.features:  # e.g. a resume on an older one
+                raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"the verifier at {self._target} does not "
+                                   "implement the coupled wire mode")
             self._inboxes[seq_id] = asyncio.Queue()
             self._open_on[seq_id] = self._num_connections
             msg = verifier_pb2.OpenSequence(seq_id=seq_id, prompt_token_ids=token_ids, num_output_tokens=num_output_tokens,
-                                            sampling=wire.sampling_to_proto(sampling))
+                                            sampling=wire.sampling_to_proto(sampling), coupled=sampling.coupled)
             if deadline is not None:
                 msg.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
             try:

@@ -10,6 +10,13 @@ Wire modes: greedy rows accept while the draft equals argmax p and then emit arg
 q = delta(x) (accept with probability p(x), recover from p without x); sparse/dense rows use the q the draft
 sampled from.
 
+Coupled rows (Gumbel-max coupling; Daliri, Musco and Suresh 2024, arXiv 2408.07978) need no q: at every position
+t of the block the verifier computes y_t = argmax_v p_t(v) / E_t(v), with E_t(v) = exponential64(seed, t,
+TARGET_SAMPLE, v) the very noise a target-alone step at t races p against. It accepts while the draft equals y
+and then emits y. Every emitted token is y_t, an exact sample of p_t, so the output is the target-alone seeded
+output whatever the draft proposed; a draft that picks x_t = argmax q_t / E_t with the same noise matches with
+probability at least (1 - TV(p, q)) / (1 + TV(p, q)).
+
 Random numbers are drawn where they are used, from kernels/philox.py, keyed by each sequence's seed and by the
 position each number decides: the acceptance uniform of the draft at position t is uniform64(seed, t, ACCEPT, 0),
 and the recovered-or-bonus sample at position t races p against exponential64(seed, t, TARGET_SAMPLE, v) over
@@ -41,6 +48,7 @@ def sample_recovered_kernel(
     cu_num_draft_ptr,  # [batch + 1] int64
     is_greedy_ptr,  # [batch] bool
     is_one_hot_ptr,  # [batch] bool
+    is_coupled_ptr,  # [batch] bool
     seeds_ptr,  # [batch] int64
     positions_ptr,  # [batch] int64, the position the first draft token decides
     vocab_size,
@@ -57,6 +65,7 @@ def sample_recovered_kernel(
         return
     row = (start + seq + j).to(tl.int64)  # int64: row * vocab overflows int32 for large batches
     one_hot = tl.load(is_one_hot_ptr + seq)
+    coupled = tl.load(is_coupled_ptr + seq)
     is_bonus = j == k
     x = tl.load(draft_token_ids_ptr + start + j, mask=j < k, other=-1)
     seed = tl.load(seeds_ptr + seq)
@@ -71,8 +80,8 @@ def sample_recovered_kernel(
         cols = v0 + offs
         mask = cols < vocab_size
         p = tl.load(target_probs_ptr + row * vocab_size + cols, mask=mask, other=0.0).to(tl.float64)
-        residual = p
-        if not is_bonus:
+        residual = p  # the bonus row, and every row of a coupled sequence: y = argmax p / E
+        if not (is_bonus | coupled):
             if one_hot:
                 residual = tl.where(cols == x, 0.0, p)
             elif HAS_DRAFT_PROBS:
@@ -104,6 +113,7 @@ def rejection_sample_kernel(
     draft_probs_ptr,  # [num_draft_tokens, vocab_size] (unused without HAS_DRAFT_PROBS)
     is_greedy_ptr,  # [batch] bool
     is_one_hot_ptr,  # [batch] bool
+    is_coupled_ptr,  # [batch] bool
     seeds_ptr,  # [batch] int64
     positions_ptr,  # [batch] int64
     recovered_ptr,  # [num_target_rows] int64 from sample_recovered_kernel
@@ -117,6 +127,7 @@ def rejection_sample_kernel(
     row0 = start + seq
     greedy = tl.load(is_greedy_ptr + seq)
     one_hot = tl.load(is_one_hot_ptr + seq)
+    coupled = tl.load(is_coupled_ptr + seq)
     seed = tl.load(seeds_ptr + seq)
     position = tl.load(positions_ptr + seq)
     out_row = out_ptr + seq.to(tl.int64) * out_stride
@@ -126,8 +137,11 @@ def rejection_sample_kernel(
             x = tl.load(draft_token_ids_ptr + start + j)
             row = (row0 + j).to(tl.int64)
             if greedy:
-                accept = x == tl.load(target_argmax_ptr + row)
                 final = tl.load(target_argmax_ptr + row)
+                accept = x == final
+            elif coupled:
+                final = tl.load(recovered_ptr + row)  # y = argmax p / E at this position
+                accept = x == final
             else:
                 p_x = tl.load(target_probs_ptr + row * vocab_size + x).to(tl.float64)
                 q_x = tl.full([], 1.0, tl.float64)
@@ -190,9 +204,19 @@ class SamplingMetadata:
     is_greedy: torch.Tensor  # [batch] bool: accept while draft == target argmax, then emit the argmax
     seeds: torch.Tensor  # [batch] int64 in [0, 2^63), the Philox key
     positions: torch.Tensor  # [batch] int64, the position each sequence's first draft token (or bonus) decides
+    # [batch] bool: accept while draft == argmax p / E, then emit it (Gumbel-max coupling; greedy rows ignore it);
+    # None: no row is coupled
+    is_coupled: torch.Tensor | None = None
+
+    def coupled_mask(self) -> torch.Tensor:
+        """[batch] bool: the sampled rows verified by coupling."""
+        if self.is_coupled is None:
+            return torch.zeros_like(self.is_greedy)
+        return self.is_coupled & ~self.is_greedy
 
     def to(self, device: torch.device | str) -> SamplingMetadata:
-        return SamplingMetadata(self.is_greedy.to(device), self.seeds.to(device), self.positions.to(device))
+        return SamplingMetadata(self.is_greedy.to(device), self.seeds.to(device), self.positions.to(device),
+                                None if self.is_coupled is None else self.is_coupled.to(device))
 
 
 def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
@@ -217,6 +241,8 @@ def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: 
         ("seeds", sampling.seeds, (batch,), torch.int64),
         ("positions", sampling.positions, (batch,), torch.int64),
     ]
+    if sampling.is_coupled is not None:
+        checks.append(("is_coupled", sampling.is_coupled, (batch,), torch.bool))
     if spec.draft_probs is not None:
         checks.append(("draft_probs", spec.draft_probs, (num_draft, vocab), None))
     for name, tensor, shape, dtype in checks:
@@ -253,14 +279,15 @@ def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Ten
     drafts = spec.draft_token_ids if spec.num_draft_tokens else torch.zeros(1, dtype=torch.int64, device=device)
     # step 1: the token each target row would emit if the round ended there
     recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=device)  # [num_draft_tokens + batch]
+    coupled = sampling.coupled_mask()
     sample_recovered_kernel[(batch, max_k + 1)](
-        recovered, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot,
+        recovered, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot, coupled,
         sampling.seeds, sampling.positions, vocab, HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK,
         num_warps=vocab_warps())
     # step 2: accept drafts up to the first rejection, then emit the recovered (or bonus) token
     rejection_sample_kernel[(batch,)](
         out, drafts, spec.cu_num_draft_tokens, target_probs, target_argmax, q, sampling.is_greedy, spec.is_one_hot,
-        sampling.seeds, sampling.positions, recovered, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
+        coupled, sampling.seeds, sampling.positions, recovered, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
     return out
 
 
@@ -294,7 +321,11 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
     u = uniform64_reference(sampling.seeds.unsqueeze(1), sampling.positions.unsqueeze(1) + j, Purpose.ACCEPT,
                             torch.zeros_like(j))  # [batch, max_k]
     accept_random = u * q_x < p_x
-    accepted = torch.where(sampling.is_greedy.unsqueeze(1), accept_greedy, accept_random) & valid
+    coupled = sampling.coupled_mask()
+    # coupled: while the draft equals y = argmax p / E; y of the first mismatch is the final token, kept
+    accept_coupled, coupled_final = _coupled_accept(target_probs, target_rows, drafts, valid, sampling, coupled)
+    accepted = torch.where(sampling.is_greedy.unsqueeze(1), accept_greedy,
+                           torch.where(coupled.unsqueeze(1), accept_coupled, accept_random)) & valid
     num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [batch]
     out[:, :max_k] = torch.where(j < num_accepted.unsqueeze(1), drafts, out[:, :max_k])
 
@@ -311,12 +342,12 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
                                    (p - spec.draft_probs[at].to(torch.float64)).clamp_min(0.0))
         # NOTE: p - q can vanish in floating point when rejection was (numerically) impossible; p and q then
         # agree, so sampling p is right.
-        usable = rejected & ~sampling.is_greedy & (residual.sum(dim=1) > 0)
+        usable = rejected & ~sampling.is_greedy & ~coupled & (residual.sum(dim=1) > 0)
         p = torch.where(usable.unsqueeze(1), residual, p)
     # exponential race: argmax p / E with E ~ Exp(1) samples from p / sum(p) without normalising; only the
     # sampled sequences draw noise, at the position their final token decides
-    final = target_argmax[final_rows]
-    sampled = (~sampling.is_greedy).nonzero().squeeze(1)
+    final = torch.where(coupled_final >= 0, coupled_final, target_argmax[final_rows])
+    sampled = (~sampling.is_greedy & (coupled_final < 0)).nonzero().squeeze(1)
     if sampled.numel():
         vocab = torch.arange(p.shape[1]).unsqueeze(0)
         noise = exponential64_reference(sampling.seeds[sampled].unsqueeze(1),
@@ -325,3 +356,27 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
         final[sampled] = (p[sampled] / noise).argmax(dim=1)
     out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return out
+
+
+def _coupled_accept(target_probs: torch.Tensor, target_rows: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor,
+                    sampling: SamplingMetadata, coupled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the coupled sequences: which drafts equal y_t = argmax p_t / E_t ([batch, max_k] bool), and y at the
+    first mismatch ([batch] int64, -1 where there was none). Position by position, only while a sequence still
+    matches: a round draws noise for as many rows as it emits tokens, as target-alone decoding does."""
+    batch, max_k = drafts.shape
+    accept = torch.zeros((batch, max_k), dtype=torch.bool)
+    final = torch.full((batch,), -1, dtype=torch.int64)
+    live = coupled.nonzero().squeeze(1)
+    vocab = torch.arange(target_probs.shape[1]).unsqueeze(0)
+    for j in range(max_k):
+        live = live[valid[live, j]]
+        if live.numel() == 0:
+            break
+        noise = exponential64_reference(sampling.seeds[live].unsqueeze(1), (sampling.positions[live] + j).unsqueeze(1),
+                                        Purpose.TARGET_SAMPLE, vocab)  # [num_live, vocab]
+        y = (target_probs[target_rows[live, j]].to(torch.float64) / noise).argmax(dim=1)
+        match = y == drafts[live, j]
+        accept[live[match], j] = True
+        final[live[~match]] = y[~match]
+        live = live[match]
+    return accept, final

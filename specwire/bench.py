@@ -1,8 +1,10 @@
 """`specwire bench`: what speculation buys for a model pair on a prompt set, measured in one invocation.
 
 Through the services (verifier and draft service started on loopback): target-only decoding (k = 0) and
-speculative decoding for each k, greedy and sampled; then variants at the default k (adaptive k, n-gram drafts)
-and concurrency (8 streams against 1). In-process, after the services stop: transformers' plain `generate` of the
+speculative decoding for each k, greedy and sampled (the sweep); the wire modes side by side at the default k and
+one temperature (sparse-q, one-hot, coupled: acceptance, tokens per round, speedup, proposal bytes, and whether the
+coupled seeded outputs are the k = 0 ones); variants at the default k (adaptive k, n-gram drafts) and concurrency
+(8 streams against 1). --sections picks which of these run. In-process, after the services stop: transformers' plain `generate` of the
 target and its assisted generation with the draft (greedy), the peers a user would otherwise run.
 Next to each measured speedup: the Leviathan bound (1 - a^(k+1)) / ((1 - a)(k c + 1)) from the measured
 acceptance a and cost ratio c (seconds per draft token / seconds per target-only step).
@@ -42,6 +44,7 @@ class Cell:
     drafted: int = 0
     accepted: int = 0
     rejected_rounds: int = 0
+    proposal_bytes: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
     wait_s: float = 0.0
@@ -57,6 +60,7 @@ class Cell:
         self.drafted += s.num_draft_tokens
         self.accepted += s.num_accepted_tokens
         self.rejected_rounds += s.num_rejected_rounds
+        self.proposal_bytes += s.proposal_bytes
         self.draft_s += s.draft_time_s
         self.verify_s += s.verify_time_s
         self.wait_s += s.verify_wait_s
@@ -87,6 +91,9 @@ class Cell:
             "draft_s_per_token": self.draft_s / self.drafted if self.drafted else None,
             "verify_s_per_round": self.verify_s / rounds,
         }
+
+
+SECTIONS = ("sweep", "wire-modes", "concurrency", "variants", "hf")
 
 
 def leviathan_bound(a: float, k: int, c: float) -> float:
@@ -139,12 +146,18 @@ def run_bench(args) -> int:
     cells: dict[tuple[str, int, str], Cell] = {}
     started = time.time()
 
-    def run(client: Client, mode: str, k: int, temperature: float, *, record_as: str | None = None) -> None:
+    sections = set(args.sections.split(","))
+    unknown = sections - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown --sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    wire_modes = args.wire_modes.split(",")
+
+    def run(client: Client, mode: str, k: int, temperature: float, *, wire_mode: str | None = None) -> None:
         for category, items in prompts.items():
-            cell = cells.setdefault((record_as or mode, k, category), Cell(record_as or mode, k, category))
+            cell = cells.setdefault((mode, k, category), Cell(mode, k, category))
             for i, prompt in enumerate(items):
                 cell.add(client.generate(prompt, max_tokens=args.max_tokens, temperature=temperature, seed=1000 + i,
-                                         num_speculative_tokens=None if k < 0 else k))
+                                         num_speculative_tokens=None if k < 0 else k, wire_mode=wire_mode))
 
     print(f"specwire bench: target {target}, draft {draft}, k in {k_list}, temperatures {temperatures}, "
           f"{args.num_prompts} prompts x {categories}, {args.max_tokens} tokens each", flush=True)
@@ -157,22 +170,30 @@ def run_bench(args) -> int:
         drafter = stack.start("draft", [*base, "--num-speculative-tokens", str(default_k)], log_dir=log_dir)
         with Client(drafter.address) as client:
             client.generate("warm up", max_tokens=4, temperature=0.0)
-            for temperature in temperatures:
+            for temperature in temperatures if "sweep" in sections else ():
                 mode = "greedy" if temperature == 0 else f"t{temperature}"
                 for k in [0, *k_list]:
                     t0 = time.perf_counter()
                     run(client, mode, k, temperature)
                     print(f"  {mode} k={k}: {time.perf_counter() - t0:.0f}s", flush=True)
-            print("  concurrency: 8 streams vs 1", flush=True)
-            code = load_prompts(args.prompts, ["code"], 8)["code"]
-            n = args.concurrency_tokens  # long enough that decoding, not the 8 prefills, dominates
-            concurrency = {"one_stream_tok_s": asyncio.run(_concurrent(drafter.address, code[:1], default_k, n)),
-                           "eight_streams_tok_s": asyncio.run(_concurrent(drafter.address, code, default_k, n)),
-                           "tokens_per_stream": n, "k": default_k}
-            concurrency["ratio"] = concurrency["eight_streams_tok_s"] / concurrency["one_stream_tok_s"]
-        for variant, flags in (("adaptive", ["--adaptive-k", "--num-speculative-tokens", "8",
-                                             "--draft-confidence-threshold", "0.4"]),
-                               ("ngram", ["--proposer", "ngram", "--num-speculative-tokens", str(default_k)])):
+            if "wire-modes" in sections:  # one run of k = 0, then each mode at the default k, same seeds
+                t = args.wire_mode_temperature
+                for wire_mode, k in [("k0", 0), *((m, default_k) for m in wire_modes)]:
+                    t0 = time.perf_counter()
+                    run(client, f"wire:{wire_mode}", k, t, wire_mode=None if k == 0 else wire_mode)
+                    print(f"  wire mode {wire_mode} k={k} t={t}: {time.perf_counter() - t0:.0f}s", flush=True)
+            if "concurrency" in sections:
+                print("  concurrency: 8 streams vs 1", flush=True)
+                code = load_prompts(args.prompts, ["code"], 8)["code"]
+                n = args.concurrency_tokens  # long enough that decoding, not the 8 prefills, dominates
+                concurrency = {"one_stream_tok_s": asyncio.run(_concurrent(drafter.address, code[:1], default_k, n)),
+                               "eight_streams_tok_s": asyncio.run(_concurrent(drafter.address, code, default_k, n)),
+                               "tokens_per_stream": n, "k": default_k}
+                concurrency["ratio"] = concurrency["eight_streams_tok_s"] / concurrency["one_stream_tok_s"]
+        variants = (("adaptive", ["--adaptive-k", "--num-speculative-tokens", "8",
+                                  "--draft-confidence-threshold", "0.4"]),
+                    ("ngram", ["--proposer", "ngram", "--num-speculative-tokens", str(default_k)]))
+        for variant, flags in variants if "variants" in sections else ():
             service = stack.start(variant, [*base, *flags], log_dir=log_dir)
             with Client(service.address) as client:
                 client.generate("warm up", max_tokens=4, temperature=0.0)
@@ -180,17 +201,23 @@ def run_bench(args) -> int:
                 run(client, variant, -1, 0.0)
                 print(f"  variant {variant}: {time.perf_counter() - t0:.0f}s", flush=True)
             service.stop()
-    hf = {} if args.skip_hf else _hf_baselines(target, draft, prompts, args.max_tokens)
-    report = _report(cells, k_list, temperatures, prompts, hf, concurrency)
+    hf = {} if args.skip_hf or "hf" not in sections else _hf_baselines(target, draft, prompts, args.max_tokens)
+    report = _report(cells, k_list, temperatures if "sweep" in sections else [], prompts, hf, concurrency)
+    if "wire-modes" in sections:
+        report.update(_wire_mode_report(cells, wire_modes, default_k, args.wire_mode_temperature, prompts))
+        report["table"] += "\n\n" + report["wire_mode_table"]
     report["config"] = {"target": str(target), "draft": str(draft), "draft_dtype": args.draft_dtype,
+                        "sections": sorted(sections), "wire_modes": wire_modes,
+                        "wire_mode_temperature": args.wire_mode_temperature,
                         "k_list": k_list, "temperatures": temperatures,
                         "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "categories": categories,
                         "default_k": default_k, "wall_s": time.time() - started}
     (out_dir / "bench.json").write_text(json.dumps(report, indent=2))
-    _plot(report, out_dir / "bench.png")
+    if "sweep" in sections:
+        _plot(report, out_dir / "bench.png")
     print(report["table"])
-    print(f"\nwrote {out_dir / 'bench.json'} and {out_dir / 'bench.png'}")
-    return 0 if report["greedy_outputs_identical"] else 1
+    print(f"\nwrote {out_dir / 'bench.json'}" + (f" and {out_dir / 'bench.png'}" if "sweep" in sections else ""))
+    return 0 if report["greedy_outputs_identical"] and report.get("coupled_outputs_identical", True) else 1
 
 
 def _report(cells, k_list, temperatures, prompts, hf, concurrency) -> dict:
@@ -205,6 +232,8 @@ def _report(cells, k_list, temperatures, prompts, hf, concurrency) -> dict:
     for temperature in temperatures:
         mode = "greedy" if temperature == 0 else f"t{temperature}"
         for cat in prompts:
+            if (mode, 0, cat) not in by:
+                continue
             base = by[(mode, 0, cat)]
             step_s = base["verify_s_per_round"]  # one target-only step
             for k in [0, *k_list]:
@@ -217,11 +246,11 @@ def _report(cells, k_list, temperatures, prompts, hf, concurrency) -> dict:
     for v in ("adaptive", "ngram"):
         for cat in prompts:
             s = by.get((v, -1, cat))
-            if s:
+            if s and ("greedy", 0, cat) in by:
                 s["speedup"] = s["tokens_per_s"] / by[("greedy", 0, cat)]["tokens_per_s"]
                 rows.append(_row(v, cat, "auto" if v == "adaptive" else "4", s))
     best = {}
-    for cat in prompts:
+    for cat in prompts if 0 in temperatures else ():
         ks = [by[("greedy", k, cat)] for k in k_list]
         top = max(ks, key=lambda s: s["tokens_per_s"])
         best[cat] = {"k": top["k"], "speedup": top["speedup"], "bound": top.get("leviathan_bound"),
@@ -244,6 +273,36 @@ def _report(cells, k_list, temperatures, prompts, hf, concurrency) -> dict:
     table += f"\ngreedy outputs identical to k=0 for every k and variant: {identical}"
     return {"cells": summaries, "best_greedy": best, "hf": hf, "concurrency": concurrency,
             "greedy_outputs_identical": identical, "table": table}
+
+
+def _wire_mode_report(cells, wire_modes: list[str], k: int, temperature: float, prompts) -> dict:
+    """The wire modes side by side: per category, k = 0 and each mode at k, same prompts and seeds."""
+    rows = [f"wire modes at temperature {temperature}, k = {k} (same prompts and seeds; k = 0 is target alone)", "",
+            "| wire mode | category | k | tok/s | speedup vs k=0 | tokens/round | per-token acceptance | "
+            "acceptance per position | proposal bytes per draft token |", "|" + "---|" * 9]
+    out: dict = {"wire_modes": {}}
+    for cat in prompts:
+        base = cells[("wire:k0", 0, cat)]
+        base_s = base.summary()
+        rows.append(f"| target alone | {cat} | 0 | {base_s['tokens_per_s']:.2f} | 1.00x | 1.00 | - | - | - |")
+        for mode in wire_modes:
+            cell = cells[(f"wire:{mode}", k, cat)]
+            s = cell.summary()
+            s["speedup"] = s["tokens_per_s"] / base_s["tokens_per_s"]
+            s["proposal_bytes_per_draft_token"] = cell.proposal_bytes / cell.drafted if cell.drafted else None
+            out["wire_modes"].setdefault(cat, {})[mode] = s
+            acc = " ".join(f"{a:.2f}" for a in s["acceptance_per_position"]) or "-"
+            rate = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+            size = (f"{s['proposal_bytes_per_draft_token']:.0f}" if s["proposal_bytes_per_draft_token"] is not None
+                    else "-")
+            rows.append(f"| {mode} | {cat} | {k} | {s['tokens_per_s']:.2f} | {s['speedup']:.2f}x | "
+                        f"{s['mean_acceptance_length']:.2f} | {rate} | {acc} | {size} |")
+    if "coupled" in wire_modes:
+        same = all(cells[("wire:coupled", k, cat)].outputs == cells[("wire:k0", 0, cat)].outputs for cat in prompts)
+        out["coupled_outputs_identical"] = same
+        rows.append(f"\ncoupled seeded outputs identical to k=0 (target alone) in every category: {same}")
+    out["wire_mode_table"] = "\n".join(rows)
+    return out
 
 
 def _row(mode, cat, k, s) -> str:

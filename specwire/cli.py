@@ -48,6 +48,8 @@ def _generate_parser(sub) -> None:
     add_flag(p, "--seed", default=None, type=int, help="seed for a reproducible sampled generation")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="override the service's k")
+    p.add_argument("--wire-mode", choices=("sparse", "one-hot", "coupled"), default=None,
+                   help="override the service's wire mode (coupled: the seeded output is the target-alone output)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
     p.set_defaults(func=_run_generate)
 
@@ -81,6 +83,10 @@ def _bench_parser(sub) -> None:
                    help="the draft's dtype (the target runs in float32)")
     p.add_argument("--concurrency-tokens", type=int, default=128, help="tokens per stream in the 8-vs-1 run")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--sections", default="sweep,wire-modes,concurrency,variants,hf",
+                   help="which parts run: sweep (k x temperatures), wire-modes, concurrency, variants, hf")
+    p.add_argument("--wire-modes", default="sparse,one-hot,coupled", help="wire modes compared side by side")
+    p.add_argument("--wire-mode-temperature", type=float, default=0.8, help="temperature of the wire-mode runs")
     p.add_argument("--out", default="bench/out", help="folder for bench.json, bench.png and service logs")
     p.set_defaults(func=_run_bench)
 
@@ -137,7 +143,8 @@ def _run_generate(args) -> int:
         with Client(args.server, connect_timeout=args.connect_timeout, **security) as client:
             stream = client.stream(args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
                                    top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop=args.stop,
-                                   num_speculative_tokens=args.num_speculative_tokens, result=result)
+                                   num_speculative_tokens=args.num_speculative_tokens, wire_mode=args.wire_mode,
+                                   result=result)
             for chunk in stream:
                 if not args.json:
                     print(chunk.text, end="", flush=True)

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import security
+from common.sampling import WireMode
 from specwire.errors import InvalidArgumentError, UnavailableError, from_rpc_error
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
@@ -78,7 +79,8 @@ def _stats(msg: draft_pb2.Stats) -> Stats:
 
 def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, max_tokens: int,
                   temperature: float, top_k: int, top_p: float, seed: int | None, stop: Sequence[str] | None,
-                  num_speculative_tokens: int | None, ignore_eos: bool) -> draft_pb2.GenerateRequest:
+                  num_speculative_tokens: int | None, ignore_eos: bool,
+                  wire_mode: str | WireMode | None = None) -> draft_pb2.GenerateRequest:
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
     if max_tokens < 1:  # caught before sending: the service would answer the same
@@ -92,6 +94,12 @@ def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, ma
         req.token_ids.ids.extend(prompt_token_ids)
     if num_speculative_tokens is not None:
         req.num_speculative_tokens = num_speculative_tokens
+    if wire_mode is not None:
+        try:
+            req.wire_mode = wire.wire_mode_to_proto(WireMode(wire_mode))
+        except ValueError:
+            raise InvalidArgumentError(f"wire_mode must be one of {', '.join(m.value for m in WireMode)}, got "
+                                       f"{wire_mode!r}") from None
     return req
 
 
@@ -213,13 +221,15 @@ class Client(_ClientBase):
                max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: Sequence[str] | None = None,
                num_speculative_tokens: int | None = None, ignore_eos: bool = False,
-               result: Result | None = None) -> Iterator[Chunk]:
-        """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end."""
+               wire_mode: str | WireMode | None = None, result: Result | None = None) -> Iterator[Chunk]:
+        """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end.
+        `wire_mode` ("sparse", "one-hot" or "coupled") overrides the draft service's for this request: "coupled"
+        makes a seeded output the target-alone output for that seed, whatever the draft, k or pipelining."""
         acc = _Accumulator()
         if result is not None:
             acc.result = result
         req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
-                            num_speculative_tokens, ignore_eos)
+                            num_speculative_tokens, ignore_eos, wire_mode)
         for msg in self._responses(req):
             chunk = acc.add(msg)
             if chunk is not None:
@@ -259,12 +269,12 @@ class AsyncClient(_ClientBase):
                      max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, stop: Sequence[str] | None = None,
                      num_speculative_tokens: int | None = None, ignore_eos: bool = False,
-                     result: Result | None = None) -> AsyncIterator[Chunk]:
+                     wire_mode: str | WireMode | None = None, result: Result | None = None) -> AsyncIterator[Chunk]:
         acc = _Accumulator()
         if result is not None:
             acc.result = result
         req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
-                            num_speculative_tokens, ignore_eos)
+                            num_speculative_tokens, ignore_eos, wire_mode)
         await self._wait_connected()
         call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True, metadata=self._metadata)
         try:

@@ -1,4 +1,5 @@
-"""The plain algorithm, one sequence and one position at a time, to check kernels.rejection_sampler against."""
+"""The plain algorithm, one sequence and one position at a time, to check kernels.rejection_sampler against; and
+the exact match probability of Gumbel-max coupling."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
     draft_token_ids, draft_probs, is_one_hot, is_greedy = (spec.draft_token_ids, spec.draft_probs, spec.is_one_hot,
                                                             sampling.is_greedy)
     vocab = torch.arange(target_probs.shape[1])
+    is_coupled = sampling.coupled_mask()
     out = []
     cu = spec.cu_num_draft_tokens.tolist()
     for i in range(len(cu) - 1):
@@ -23,6 +25,10 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
             x = int(draft_token_ids[start + j])
             if bool(is_greedy[i]):
                 ok = x == int(target_argmax[row0 + j])
+            elif bool(is_coupled[i]):  # Gumbel-max coupling: the draft must equal the target's own sample
+                y = int(torch.argmax(target_probs[row0 + j].to(torch.float64)
+                                     / exponential64_reference(seed, pos + j, Purpose.TARGET_SAMPLE, vocab)))
+                ok = x == y
             else:
                 p_x = float(target_probs[row0 + j, x])
                 q_x = 1.0 if bool(is_one_hot[i]) else float(draft_probs[start + j, x])
@@ -31,6 +37,8 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
             if not ok:
                 if bool(is_greedy[i]):
                     final = int(target_argmax[row0 + j])
+                elif bool(is_coupled[i]):
+                    final = y
                 else:
                     p = target_probs[row0 + j].to(torch.float64).clone()
                     if bool(is_one_hot[i]):
@@ -51,3 +59,13 @@ def rejection_sample_loop(target_probs, target_argmax, spec, sampling) -> list[l
                 final = int(torch.argmax(target_probs[row0 + n].to(torch.float64) / noise))
         out.append(tokens + [final])
     return out
+
+
+def coupled_match_probability(p: torch.Tensor, q: torch.Tensor) -> float:
+    """P(argmax p / E = argmax q / E) for one E ~ Exp(1)^V: token v wins both races iff E_w >= E_v m_w for every
+    w, with m_w = max(p_w / p_v, q_w / q_v); integrating over E_v gives 1 / sum_w m_w."""
+    both = (p > 0) & (q > 0)
+    total = 0.0
+    for v in both.nonzero().squeeze(1).tolist():
+        total += 1.0 / float(torch.maximum(p / p[v], q / q[v]).sum())
+    return total

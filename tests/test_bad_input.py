@@ -17,11 +17,11 @@ INVALID, NOT_FOUND, ABORTED = (grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.S
 BAD, GOOD = 1, 2  # seq ids: the case's sequence and the well-formed one beside it
 
 
-def _open(seq_id=BAD, prompt=(5, 6, 7), num_output_tokens=0, **sampling):
+def _open(seq_id=BAD, prompt=(5, 6, 7), num_output_tokens=0, coupled=False, **sampling):
     sampling = {"temperature": 0.8, "seed": 3, "max_tokens": 3, **sampling}
     return verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
         seq_id=seq_id, prompt_token_ids=list(prompt), sampling=common_pb2.SamplingParams(**sampling),
-        num_output_tokens=num_output_tokens))
+        num_output_tokens=num_output_tokens, coupled=coupled))
 
 
 def _propose(seq_id=BAD, start=3, drafts=(9,), q=(((9,), (1.0,)),), assumed=()):
@@ -71,6 +71,7 @@ CASES = [
      "outside the vocabulary"),
     ("more assumed tokens than positions", [_open(), _propose(start=2, assumed=(5, 6, 7), q=None)], INVALID,
      "assumed tokens"),
+    ("q on a coupled sequence", [_open(coupled=True), _propose()], INVALID, "token ids only"),
     ("a message without a kind", [verifier_pb2.DraftMessage()], INVALID, "unexpected empty message"),
     ("a second hello", [HELLO], INVALID, "unexpected hello"),
 ]

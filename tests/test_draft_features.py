@@ -85,6 +85,7 @@ def test_seeded_sampled_requests_keep_a_fixed_k_under_adaptive_k():
     assert gen.adapts_k(request(temperature=0.8), 4)  # unseeded: adapt
     assert gen.adapts_k(request(temperature=0.0, seed=3), 4)  # greedy: output does not depend on k
     assert not gen.adapts_k(request(temperature=0.8, seed=3), 4)  # seeded sampling: fixed k, reproducible
+    assert gen.adapts_k(request(temperature=0.8, seed=3), 4, coupled=True)  # coupled: output does not depend on k
     assert not gen.adapts_k(request(temperature=0.8), 0)
 
 
@@ -94,3 +95,22 @@ def test_seeded_sampling_is_reproducible_through_an_adaptive_draft(text_stack, e
         one = client.generate("The quick brown fox", **kwargs)
         two = client.generate("The quick brown fox", **kwargs)
     assert one.token_ids == two.token_ids
+
+
+def test_the_coupled_mode_needs_a_verifier_that_lists_it():
+    from common.errors import ErrorCode, ServiceError
+    from common.sampling import SamplingParams, WireMode
+    from draft_service.config import DraftConfig
+    from draft_service.generation import Generator
+    from draft_service.types import VerifierIdentity
+
+    gen = Generator(DraftConfig(model="m"), tokenizer=None, vocab_size=10, link=None, drafter=None)
+    old = VerifierIdentity("t", 10, "ab" * 32, 8, 100, features=())
+    new = VerifierIdentity("t", 10, "ab" * 32, 8, 100, features=("coupled",))
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    with pytest.raises(ServiceError) as err:
+        gen._sampling(sampled, WireMode.COUPLED, old)
+    assert err.value.code is ErrorCode.FAILED_PRECONDITION and "coupled" in err.value.message
+    assert gen._sampling(sampled, WireMode.COUPLED, new).coupled
+    assert not gen._sampling(sampled, WireMode.SPARSE, new).coupled
+    assert not gen._sampling(SamplingParams(temperature=0.0), WireMode.COUPLED, old).coupled  # greedy: argmax

@@ -125,22 +125,26 @@ def exact_two_token_marginals(model_dir, prompt: list[int], vocab: int = STAT_VO
     return p1, p1 @ p2_given, p2_given
 
 
-def sample_first_two_tokens(draft_address: str, prompt: list[int], n: int) -> torch.Tensor:  # [n, 2]
-    """n seeded generations of two tokens at temperature 1, 48 at a time."""
-    async def sample():
+def generate_many(draft_address: str, n: int, **kwargs) -> list[specwire.Result]:
+    """n generations with seeds 0..n-1 at temperature 1, 48 at a time."""
+    async def run():
         async with specwire.AsyncClient(draft_address) as client:
             sem = asyncio.Semaphore(48)
 
             async def one(seed):
                 async with sem:
-                    return (await client.generate(prompt_token_ids=prompt, max_tokens=2, temperature=1.0,
-                                                  seed=seed, ignore_eos=True)).token_ids
+                    return await client.generate(temperature=1.0, seed=seed, ignore_eos=True, **kwargs)
             return await asyncio.gather(*[one(s) for s in range(n)])
 
-    return torch.tensor(asyncio.run(sample()))
+    return asyncio.run(run())
 
 
-def assert_first_two_tokens_follow_the_target(stack, n: int, vocab: int = STAT_VOCAB) -> None:
+def sample_first_two_tokens(draft_address: str, prompt: list[int], n: int, **kwargs) -> torch.Tensor:  # [n, 2]
+    return torch.tensor([r.token_ids for r in generate_many(draft_address, n, prompt_token_ids=prompt, max_tokens=2,
+                                                            **kwargs)])
+
+
+def assert_first_two_tokens_follow_the_target(stack, n: int, vocab: int = STAT_VOCAB, **kwargs) -> None:
     """The first two sampled tokens (through both services) against the target's exact marginals. Bound: for V
     outcomes and N samples, E[TV] <= 0.5 sqrt(V/N) and P(TV > E + t) <= exp(-2 N t^2), with t for 1e-6. Power:
     the same samples must be further than that from the draft's own marginals (the negative control)."""
@@ -148,7 +152,7 @@ def assert_first_two_tokens_follow_the_target(stack, n: int, vocab: int = STAT_V
     bound = 0.5 * math.sqrt(vocab / n) + math.sqrt(math.log(1e6) / (2 * n))
     p1, p2, _ = exact_two_token_marginals(stack.target_dir, prompt, vocab)
     q1, _, _ = exact_two_token_marginals(stack.draft_dir, prompt, vocab)
-    tokens = sample_first_two_tokens(stack.draft, prompt, n)
+    tokens = sample_first_two_tokens(stack.draft, prompt, n, **kwargs)
     emp1 = torch.bincount(tokens[:, 0], minlength=vocab).double() / n
     emp2 = torch.bincount(tokens[:, 1], minlength=vocab).double() / n
     tv = [0.5 * float((emp1 - p1).abs().sum()), 0.5 * float((emp2 - p2).abs().sum())]
@@ -166,6 +170,12 @@ def test_sampled_tokens_follow_the_target_distribution(stat_stack):
     assert_first_two_tokens_follow_the_target(stat_stack, 3000)
 
 
+def test_coupled_tokens_follow_the_target_distribution(stat_stack):
+    """The coupled wire mode, same test and bound (k = 3, N = 3000). Its negative control, a verifier that emits
+    the draft's token at a mismatch, is test_rejection_sampler's."""
+    assert_first_two_tokens_follow_the_target(stat_stack, 3000, wire_mode="coupled")
+
+
 # Pinned on purpose: a change to the random key derivation, the Philox generator, the draft's sampling or the
 # rejection sampler changes these tokens. If such a change is intended, update them in the same commit.
 GOLDEN_SEEDED = {0: [0, 0, 0, 0, 1, 7, 6, 0, 3, 4, 7, 1], 3: [2, 0, 2, 2, 2, 2, 2, 2, 7, 2, 7, 1]}
@@ -176,7 +186,11 @@ def test_seeded_output_is_pinned(stat_stack, k):
     with specwire.Client(stat_stack.draft) as client:
         out = client.generate(prompt_token_ids=[1, 5, 2], max_tokens=12, temperature=0.9, top_p=0.95, seed=20261130,
                               ignore_eos=True, num_speculative_tokens=k)
+        # coupled: k = 0's tokens at every k
+        coupled = client.generate(prompt_token_ids=[1, 5, 2], max_tokens=12, temperature=0.9, top_p=0.95,
+                                  seed=20261130, ignore_eos=True, num_speculative_tokens=k, wire_mode="coupled")
     assert out.token_ids == GOLDEN_SEEDED[k], repr(list(out.token_ids))
+    assert coupled.token_ids == GOLDEN_SEEDED[0], repr(list(coupled.token_ids))
 
 
 def test_shared_prompt_prefix_is_served_from_the_cache(text_stack):

@@ -18,7 +18,7 @@ import pytest
 
 import specwire
 from specwire.launch import free_port
-from specwire.v1 import common_pb2, draft_pb2, verifier_pb2, verifier_pb2_grpc
+from specwire.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc, wire
 
 from tiny_models import build_model, model_config, save, word_tokenizer
 
@@ -43,6 +43,16 @@ def test_bad_generate_requests_are_refused_clearly(text_stack, kwargs, error, fr
         assert fragment in err.value.message
         ok = client.generate("def", max_tokens=4, temperature=0.0)
     assert ok.stats.num_generated_tokens >= 1
+
+
+def test_an_unknown_wire_mode_is_refused_by_the_sdk_and_by_the_service(text_stack):
+    with specwire.Client(text_stack.draft) as client, pytest.raises(specwire.InvalidArgumentError, match="wire_mode"):
+        client.generate("hi", wire_mode="dense")
+    with grpc.insecure_channel(text_stack.draft) as channel:  # a value this service does not know (a newer client)
+        request = draft_pb2.GenerateRequest(text="hi", sampling=wire.sampling_message(max_tokens=2), wire_mode=7)
+        with pytest.raises(grpc.RpcError) as err:
+            list(draft_pb2_grpc.DraftStub(channel).Generate(request, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown wire_mode 7" in err.value.details()
 
 
 @pytest.mark.parametrize("max_tokens", [0, -1])

@@ -1,7 +1,7 @@
 """Faults between real processes: the verifier SIGKILLed mid-generation and restarted on its port (the draft
-reconnects and resumes every live sequence: no token lost, duplicated or changed, greedy or seeded), a request
-made while the verifier is down, a draft SIGKILLed (the verifier frees its sequences and blocks at once), and a
-verifier that does not come back (UNAVAILABLE after --verifier-retry-deadline)."""
+reconnects and resumes every live sequence: no token lost, duplicated or changed, greedy, seeded or coupled), a
+request made while the verifier is down, a draft SIGKILLed (the verifier frees its sequences and blocks at once),
+and a verifier that does not come back (UNAVAILABLE after --verifier-retry-deadline)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ PROMPT = [5, 9, 14, 3, 22, 7]
 N = 300
 GREEDY = dict(max_tokens=N, temperature=0.0, ignore_eos=True)
 SEEDED = dict(max_tokens=N, temperature=1.0, seed=4242, ignore_eos=True)
+COUPLED = dict(max_tokens=N, temperature=0.9, seed=99, ignore_eos=True, wire_mode="coupled")
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +58,15 @@ def test_verifier_killed_and_restarted_mid_generation_resumes_losslessly(fault_s
     running, target = fault_stack
     with Client(running.draft) as client:
         seeded_reference = client.generate(prompt_token_ids=PROMPT, **SEEDED).token_ids
+        # coupled: the target-alone output for its seed, whatever happens to the rounds
+        coupled_reference = client.generate(prompt_token_ids=PROMPT, **COUPLED, num_speculative_tokens=0).token_ids
     greedy_reference = greedy_continuation(target, PROMPT, N)
     resumes_before = running.metric("specwire_draft_resumed_sequences_total", draft=True)
-    greedy, seeded = asyncio.run(_interrupted(running, 8, [GREEDY, SEEDED]))
+    greedy, seeded, coupled = asyncio.run(_interrupted(running, 8, [GREEDY, SEEDED, COUPLED]))
     assert greedy == greedy_reference
     assert seeded == seeded_reference
-    assert running.metric("specwire_draft_resumed_sequences_total", draft=True) >= resumes_before + 2
+    assert coupled == coupled_reference
+    assert running.metric("specwire_draft_resumed_sequences_total", draft=True) >= resumes_before + 3
     assert running.metric("specwire_draft_verifier_reconnects_total", draft=True) >= 1
     running.wait_for_metric("specwire_kv_blocks_used", 0)
 

@@ -89,10 +89,12 @@ def test_paged_attention_reference_matches_transformers_sdpa():
 @pytest.mark.parametrize("vocab", [100, 8193, 151936])
 def test_rejection_sampler_triton_matches_reference_exactly(vocab):
     gen = torch.Generator().manual_seed(vocab + 1)
-    num_draft = [0, 1, 4, 3, 2] if vocab < 100_000 else [2, 0, 3]  # empty drafts included
-    greedy = [False, True, False, False, True][: len(num_draft)]
-    one_hot = [False, False, True, False, False][: len(num_draft)]
-    inputs = _random_inputs(gen, num_draft, vocab, greedy_mask=greedy, one_hot_mask=one_hot)
+    # empty drafts included; the last three sequences are coupled (one with a q the kernels must not read)
+    num_draft = [0, 1, 4, 3, 2, 4, 0, 3] if vocab < 100_000 else [2, 0, 3, 3]
+    greedy = [False, True, False, False, True, False, False, False][-len(num_draft):]
+    one_hot = [False, False, True, False, False, True, True, False][-len(num_draft):]
+    coupled = [False, False, False, False, False, True, True, True][-len(num_draft):]
+    inputs = _random_inputs(gen, num_draft, vocab, greedy_mask=greedy, one_hot_mask=one_hot, coupled_mask=coupled)
     inputs["target_probs"] = inputs["target_probs"].float()
     inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=inputs["spec"].draft_probs.float())
     ref = rejection_sample_reference(**inputs)

@@ -28,10 +28,12 @@ PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43], [100, 7, 3, 9, 11], [60, 61, 
 @pytest.fixture(scope="module")
 def drafts(text_stack):
     """(plain draft address, pipelined draft address, pipelined draft's metrics URL), both reaching the verifier
-    through a 2 ms RTT proxy."""
+    through a 2 ms RTT proxy. The pipelined draft's width is fixed at 3 branches: learned, it could narrow to 0
+    on this loaded machine, and then these tests would not exercise pipelining."""
     with ProxyThread(text_stack.verifier, LinkShape(delay_s=0.001)) as proxy:
         plain, _ = text_stack.start_draft("draft-plain", verifier=proxy.address)
-        pipelined, metrics = text_stack.start_draft("draft-pipelined", ["--pipeline"], verifier=proxy.address)
+        pipelined, metrics = text_stack.start_draft("draft-pipelined", ["--pipeline", "--pipeline-width", "3"],
+                                                  verifier=proxy.address)
         yield plain.address, pipelined.address, metrics
         for service in (plain, pipelined):
             text_stack.stop_service(service)
@@ -78,3 +80,15 @@ def test_round_time_is_split_into_draft_network_and_verify(text_stack, drafts):
     verifier = urllib.request.urlopen(text_stack.metrics_url, timeout=5).read().decode()
     assert re.search(r'^specwire_stream_scheduled_tokens_total\{stream="\d+"\} [1-9]', verifier, re.M)
     assert scrape_metric(text_stack.metrics_url, "specwire_token_budget_fairness") is not None
+
+
+def test_coupled_seeded_output_is_the_target_alone_output_with_pipelining(drafts):
+    """Coupled wire mode, asked per request: the pipelined draft's seeded output is the plain draft's k = 0
+    output, and pipelined proposals were used along the way."""
+    plain, pipelined, metrics = drafts
+    requests = [dict(prompt_token_ids=p, max_tokens=24, temperature=0.9, seed=31 + i, ignore_eos=True,
+                     wire_mode="coupled") for i, p in enumerate(PROMPTS)]
+    reference = asyncio.run(_generate_all(plain, [dict(r, num_speculative_tokens=0) for r in requests]))
+    used_before = _pipelined_count(metrics, "used")
+    assert asyncio.run(_generate_all(pipelined, requests)) == reference
+    assert _pipelined_count(metrics, "used") > used_before

@@ -223,3 +223,6 @@ def test_pipeline_width_narrows_while_drafting_ahead_stalls_verdicts_and_probes_
     assert width.next_width() == 3
     width.observe(3, stall_s=0.01, round_s=0.1)  # in between: stays
     assert width.next_width() == 3
+    fixed = PipelineWidth(max_width=8, width=2, learn=False)  # --pipeline-width 2
+    fixed.observe(2, stall_s=0.09, round_s=0.1)
+    assert fixed.next_width() == 2

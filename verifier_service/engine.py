@@ -186,7 +186,7 @@ class VerifierEngine:
                 if seq is None:
                     raise ServiceError(ErrorCode.NOT_FOUND, f"unknown sequence {cmd.key.seq_id}: open it first "
                                        "(or it has already finished)")
-                check_proposal(cmd, self.limits)
+                check_proposal(cmd, self.limits, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
                 dropped = self.scheduler.drop_dead_proposals(seq)
                 if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
                     raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "

@@ -58,7 +58,7 @@ class VerifierRunner:
                 k = item.proposal.num_draft_tokens
                 logits_rows.extend(range(query_start[-1] - k - 1, query_start[-1]))
                 items.append(VerifyItem(seq.sampling, seq.num_tokens, item.proposal.draft_token_ids,
-                                        item.proposal.draft_probs))
+                                        item.proposal.draft_probs))  # coupled sequences send no draft_probs
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),

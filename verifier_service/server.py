@@ -66,7 +66,7 @@ def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb
         model_id=loaded.model_id, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         max_draft_tokens=config.max_draft_tokens, block_size=config.block_size, max_model_len=loaded.max_model_len,
         protocol_version=wire.PROTOCOL_VERSION, device=info.device, device_name=info.name, platform=info.platform,
-        dtype=engine.dtype)
+        dtype=engine.dtype, features=wire.VERIFIER_FEATURES)
 
 
 async def serve(config: VerifierConfig) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -82,6 +83,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     key = SeqKey(stream_id, msg.open.seq_id)
                     try:
                         sampling = wire.sampling_from_proto(msg.open.sampling).with_seed()
+                        if msg.open.coupled:
+                            sampling = dataclasses.replace(sampling, coupled=True)
                     except ServiceError as err:
                         outbox.put_nowait(ErrorOut(key, err.code, err.message))
                         continue

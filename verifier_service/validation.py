@@ -41,7 +41,8 @@ def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
                            "--kv-cache-memory or --num-blocks)")
 
 
-def check_proposal(cmd: ProposeCmd, limits: Limits) -> None:
+def check_proposal(cmd: ProposeCmd, limits: Limits, *, coupled: bool = False) -> None:
+    """`coupled`: the sequence is sampled and verified by coupling, so its proposals carry token ids only."""
     k = cmd.num_draft_tokens
     if cmd.assumed_token_ids:
         if len(cmd.assumed_token_ids) > min(cmd.start_position, limits.max_draft_tokens + 1):
@@ -56,6 +57,9 @@ def check_proposal(cmd: ProposeCmd, limits: Limits) -> None:
         validate_token_ids(list(cmd.draft_token_ids), limits.vocab_size, what="draft")
     if cmd.draft_probs is None:
         return
+    if coupled:
+        raise invalid_argument("the sequence was opened coupled: its proposals carry token ids only, no "
+                               "draft_probs (the verifier decides every token from its own noise)")
     if len(cmd.draft_probs) != k:
         raise invalid_argument(f"proposal has {k} draft tokens but {len(cmd.draft_probs)} draft distributions")
     for j, (x, q) in enumerate(zip(cmd.draft_token_ids, cmd.draft_probs, strict=True)):

@@ -80,6 +80,7 @@ def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
     ints.append(cu)  # cu_num_draft_tokens
     ints.append([int(it.is_one_hot) for it in items])
     ints.append([int(it.sampling.is_greedy) for it in items])
+    ints.append([int(it.sampling.coupled) for it in items])
     ints.append([it.sampling.seed for it in items])
     ints.append([it.start_position for it in items])
     sampled_rows, temperature, top_k, top_p = [], [], [], []
@@ -101,12 +102,12 @@ def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
             q_probs.extend(p / total for p in q.probs)
     ints += [sampled_rows, top_k, q_rows, q_token_ids]
     reals += [temperature, top_p, q_probs]
-    (draft_ids, cu_t, one_hot, greedy, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t) = _copy(
+    (draft_ids, cu_t, one_hot, greedy, coupled, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t) = _copy(
         ints, torch.int64, device)
     temperature_t, top_p_t, q_probs_t = _copy(reals, torch.float64, device)
     return VerifyInputs(
         spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool()),
-        sampling=SamplingMetadata(greedy.bool(), seeds, positions),
+        sampling=SamplingMetadata(greedy.bool(), seeds, positions, coupled.bool()),
         sampled_rows=rows_t, temperature=temperature_t.float(), top_k=top_k_t, top_p=top_p_t.float(),
         q_rows=q_rows_t, q_token_ids=q_ids_t, q_probs=q_probs_t,
     )

@@ -11,10 +11,21 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
+
+class WireMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_MODE_UNSPECIFIED: _ClassVar[WireMode]
+    WIRE_MODE_SPARSE: _ClassVar[WireMode]
+    WIRE_MODE_ONE_HOT: _ClassVar[WireMode]
+    WIRE_MODE_COUPLED: _ClassVar[WireMode]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
+WIRE_MODE_UNSPECIFIED: WireMode
+WIRE_MODE_SPARSE: WireMode
+WIRE_MODE_ONE_HOT: WireMode
+WIRE_MODE_COUPLED: WireMode
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_tokens", "ignore_eos")

@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype", "features")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class VerifierInfo(_message.Message):
     DEVICE_NAME_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -35,7 +36,8 @@ class VerifierInfo(_message.Message):
     device_name: str
     platform: str
     dtype: str
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
     __slots__ = ("hello", "open", "propose", "close")
@@ -62,18 +64,20 @@ class Hello(_message.Message):
     def __init__(self, draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., protocol_version: _Optional[str] = ...) -> None: ...
 
 class OpenSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_output_tokens", "timeout_ms")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_output_tokens", "timeout_ms", "coupled")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    COUPLED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     num_output_tokens: int
     timeout_ms: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    coupled: bool
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., coupled: _Optional[bool] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

@@ -7,11 +7,14 @@ so a client still installs and imports without torch (tests/test_packaging.py ch
 
 from __future__ import annotations
 
-from common.errors import ErrorCode
-from common.sampling import FinishReason, SamplingParams, SparseProbs
+from common.errors import ErrorCode, invalid_argument
+from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode
 from specwire.v1 import common_pb2, verifier_pb2
 
 PROTOCOL_VERSION = "1"
+# Optional features a verifier lists in VerifierInfo.features; a draft asks for one only if it is listed.
+FEATURE_COUPLED = "coupled"  # OpenSequence.coupled
+VERIFIER_FEATURES = (FEATURE_COUPLED,)
 
 # NOTE: one Proposal carries at most max_draft_tokens sparse distributions of q_max_support entries: 16 x 64
 # entries are about 10 KB. 64 MiB leaves room for long prompts (a 1M-token prompt is 5 MB of varints).
@@ -56,6 +59,30 @@ def finish_to_proto(reason: FinishReason | None) -> int:
 def finish_from_proto(value: int) -> FinishReason | None:
     """An unknown value (a newer peer) reads as no reason rather than failing the stream."""
     return _FINISH_FROM_PROTO.get(value)
+
+
+# -- wire modes ------------------------------------------------------------------------------------------------
+
+_WIRE_MODE_TO_PROTO: dict[WireMode | None, int] = {
+    None: common_pb2.WIRE_MODE_UNSPECIFIED,
+    WireMode.SPARSE: common_pb2.WIRE_MODE_SPARSE,
+    WireMode.ONE_HOT: common_pb2.WIRE_MODE_ONE_HOT,
+    WireMode.COUPLED: common_pb2.WIRE_MODE_COUPLED,
+}
+_WIRE_MODE_FROM_PROTO = {v: k for k, v in _WIRE_MODE_TO_PROTO.items()}
+
+
+def wire_mode_to_proto(mode: WireMode | None) -> int:
+    return _WIRE_MODE_TO_PROTO[mode]
+
+
+def wire_mode_from_proto(value: int) -> WireMode | None:
+    """None: the service's default. An unknown value is INVALID_ARGUMENT: a silent fallback would change what a
+    seeded request outputs."""
+    if value not in _WIRE_MODE_FROM_PROTO:
+        raise invalid_argument(f"unknown wire_mode {value}; this service knows "
+                               f"{', '.join(m.value for m in WireMode)} (or unset for its default)")
+    return _WIRE_MODE_FROM_PROTO[value]
 
 
 # -- sampling parameters ---------------------------------------------------------------------------------------
