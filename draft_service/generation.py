@@ -47,6 +47,7 @@ class _Flight:
     proposed: bool = False  # the block at the sequence's end has been sent on the current stream
     stale: int = 0  # pipelined proposals whose guess missed: the verifier drops them, their ProposalDropped is due
     resumed: bool = False  # the stream broke during the last wait: any pipelined proposal was lost with it
+    proposal_bytes: int = 0  # serialized size of every proposal sent
 
 
 @dataclass(frozen=True)
@@ -169,9 +170,10 @@ class Generator:
                 k_round = adaptive.next_k() if adaptive else k
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
-                    flight.proposed = self._try_propose(seq_id, seq, seq.num_tokens, block)
+                    flight.proposed = self._try_propose(seq_id, seq, seq.num_tokens, block, flight)
                 width_used = min(width.next_width(), 1 + k_round * ALTERNATIVES) if width else 0
-                aheads = await self._draft_ahead(seq_id, seq, block, k_round, width_used) if width_used else []
+                aheads = (await self._draft_ahead(seq_id, seq, block, k_round, width_used, flight) if width_used
+                          else [])
                 t_sent = time.perf_counter()
                 try:
                     verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline, flight)
@@ -209,6 +211,8 @@ class Generator:
             await self.drafter.release(*(ahead.branch for ahead in aheads), seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         stats.wall_time_s = time.perf_counter() - t0
+        stats.proposal_bytes = flight.proposal_bytes
+        self.metrics.proposal_bytes.labels(wire_mode=seq.wire_mode.value).inc(flight.proposal_bytes)
         log.info("generation_done", prompt_tokens=stats.num_prompt_tokens, generated=stats.num_generated_tokens,
                  rounds=stats.num_rounds, drafted=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
                  k=k, wall_s=round(stats.wall_time_s, 3), finish=stats.finish_reason and stats.finish_reason.value)
@@ -257,18 +261,18 @@ class Generator:
         retry_s = self.config.verifier_retry_deadline_s
         return retry_s if deadline is None else max(0.0, min(retry_s, deadline - time.monotonic()))
 
-    def _try_propose(self, seq_id: int, seq: DraftSequence, start: int, block: DraftBlock,
+    def _try_propose(self, seq_id: int, seq: DraftSequence, start: int, block: DraftBlock, flight: _Flight,
                      assumed: tuple[int, ...] = ()) -> bool:
         """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""
         try:
-            self.link.propose(seq_id, start, block, send_draft_probs=seq.sends_draft_probs,
-                              assumed_token_ids=assumed)
+            flight.proposal_bytes += self.link.propose(seq_id, start, block, send_draft_probs=seq.sends_draft_probs,
+                                                       assumed_token_ids=assumed)
         except LinkDown:
             return False
         return True
 
-    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int,
-                           width: int) -> list[_Ahead]:
+    async def _draft_ahead(self, seq_id: int, seq: DraftSequence, block: DraftBlock, k: int, width: int,
+                           flight: _Flight) -> list[_Ahead]:
         """Pipelining: while `block`'s verdict is in flight, draft the next block on branches that each assume
         one verdict: all of `block` accepted, then the draft's guess of the bonus token (drafted first on that
         branch); or its first j drafts accepted and the next one corrected to the draft's best other token.
@@ -304,7 +308,7 @@ class Generator:
                 branch.assumed_token_ids.append(guess)
                 d = DraftBlock(d.token_ids[1:], d.draft_probs[1:] if d.draft_probs is not None else None,
                                d.alternatives[1:] if d.alternatives is not None else None)
-            sent = self._try_propose(seq_id, seq, seq.num_tokens + j + 1, d, tuple(branch.assumed_token_ids))
+            sent = self._try_propose(seq_id, seq, seq.num_tokens + j + 1, d, flight, tuple(branch.assumed_token_ids))
             aheads.append(_Ahead(j, guess, branch, d, sent))
         return aheads
 
@@ -338,7 +342,8 @@ class Generator:
         while True:
             try:
                 if not flight.proposed:
-                    self.link.propose(seq_id, seq.num_tokens, block, send_draft_probs=seq.sends_draft_probs)
+                    flight.proposal_bytes += self.link.propose(seq_id, seq.num_tokens, block,
+                                                               send_draft_probs=seq.sends_draft_probs)
                     flight.proposed = True
                 event = await self.link.next_event(seq_id)
             except LinkDown as err:

@@ -34,6 +34,8 @@ class DraftMetrics:
         self.pipelined_proposals = Counter("specwire_draft_pipelined_proposals", "Proposals drafted ahead while a "
                                            "verdict was in flight, by outcome (used: the guess held)", ["outcome"],
                                            registry=r)
+        self.proposal_bytes = Counter("specwire_draft_proposal_bytes", "Serialized size of the proposals sent to the "
+                                      "verifier, by wire mode", ["wire_mode"], registry=r)
         self.dropped_proposals = Counter("specwire_draft_dropped_proposals", "Proposals the verifier dropped as "
                                          "stale", registry=r)
         self.ttft = Histogram("specwire_draft_time_to_first_token_seconds", "Time to the first verified token",

@@ -38,7 +38,7 @@ def stats_to_proto(s: GenerationStats) -> draft_pb2.Stats:
         drafted_per_position=s.drafted_per_position, wall_time_s=s.wall_time_s,
         time_to_first_token_s=s.time_to_first_token_s, draft_time_s=s.draft_time_s,
         verify_wait_s=s.verify_wait_s, num_speculative_tokens=s.num_speculative_tokens, verify_time_s=s.verify_time_s,
-        num_rejected_rounds=s.num_rejected_rounds)
+        num_rejected_rounds=s.num_rejected_rounds, proposal_bytes=s.proposal_bytes)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):

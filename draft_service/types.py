@@ -101,6 +101,7 @@ class GenerationStats:
     num_speculative_tokens: int = 0
     verify_time_s: float = 0.0
     num_rejected_rounds: int = 0
+    proposal_bytes: int = 0  # serialized size of the proposals sent
 
     def record_round(self, block: DraftBlock, verdict: VerdictEvent, emitted: tuple[int, ...], draft_s: float,
                      wait_s: float) -> None:

@@ -246,16 +246,19 @@ class VerifierLink:
                 continue
 
     def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool,
-                assumed_token_ids: tuple[int, ...] = ()) -> None:
-        """Raises LinkDown when the sequence is not open on the current stream (it broke, and the sequence was
-        not reopened yet): a proposal sent there would reach a verifier that does not know the sequence."""
+                assumed_token_ids: tuple[int, ...] = ()) -> int:
+        """Send; returns the message's serialized size. Raises LinkDown when the sequence is not open on the
+        current stream (it broke, and the sequence was not reopened yet): a proposal sent there would reach a
+        verifier that does not know the sequence."""
         if self._open_on.get(seq_id) != self._num_connections:
             raise LinkDown(f"sequence {seq_id} is not open on the current Verify stream to {self._target}")
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
         if send_draft_probs and block.draft_probs is not None:
             msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
         msg.assumed_token_ids.extend(assumed_token_ids)
-        self._send(verifier_pb2.DraftMessage(propose=msg))
+        message = verifier_pb2.DraftMessage(propose=msg)
+        self._send(message)
+        return message.ByteSize()
 
     async def next_event(self, seq_id: int) -> LinkEvent:
         return await self._inboxes[seq_id].get()

@@ -37,6 +37,7 @@ class Stats:
     num_speculative_tokens: int
     verify_time_s: float = 0.0
     num_rejected_rounds: int = 0
+    proposal_bytes: int = 0  # serialized size of the proposals the draft service sent for this request
 
     @property
     def network_time_s(self) -> float:
@@ -74,7 +75,8 @@ def _stats(msg: draft_pb2.Stats) -> Stats:
     return Stats(finish.value if finish else None, msg.num_prompt_tokens, msg.num_generated_tokens, msg.num_rounds,
                  msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.accepted_per_position),
                  list(msg.drafted_per_position), msg.wall_time_s, msg.time_to_first_token_s, msg.draft_time_s,
-                 msg.verify_wait_s, msg.num_speculative_tokens, msg.verify_time_s, msg.num_rejected_rounds)
+                 msg.verify_wait_s, msg.num_speculative_tokens, msg.verify_time_s, msg.num_rejected_rounds,
+                 msg.proposal_bytes)
 
 
 def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, max_tokens: int,

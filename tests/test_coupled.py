@@ -55,9 +55,9 @@ def test_a_seeded_coupled_output_is_the_target_alone_output(coupled_stack):
         reference = client.generate(**SEEDED, num_speculative_tokens=0).token_ids
         # k = 0 is plain decoding in every mode: "k = 0 with seed s" is one output
         assert client.generate(**SEEDED, num_speculative_tokens=0, wire_mode="sparse").token_ids == reference
-        rejection_k4 = client.generate(**SEEDED, num_speculative_tokens=4, wire_mode="sparse").token_ids
+        sparse_k4 = client.generate(**SEEDED, num_speculative_tokens=4, wire_mode="sparse")
     assert len(reference) == N
-    assert rejection_k4 != reference, "rejection sampling at k = 4 should change this seeded output"
+    assert sparse_k4.token_ids != reference, "rejection sampling at k = 4 should change this seeded output"
 
     async def crowded():
         runs = [(drafts["default"], dict(num_speculative_tokens=k)) for k in (1, 4, 8)]
@@ -81,6 +81,10 @@ def test_a_seeded_coupled_output_is_the_target_alone_output(coupled_stack):
     # per-token acceptance (accepted / (accepted + rejected rounds)); about 0.7 expected from (1 - TV) / (1 + TV)
     assert k4.num_accepted_tokens >= k4.num_rejected_rounds, "the good draft's coupled proposals were rejected"
     assert by_name["adaptive k"].stats.num_accepted_tokens > 0
+    # coupled proposals carry ids only; sparse ones a q of up to 64 entries per draft token
+    coupled_bytes = k4.proposal_bytes / k4.num_draft_tokens
+    assert 0 < coupled_bytes < 12, coupled_bytes
+    assert sparse_k4.stats.proposal_bytes / sparse_k4.stats.num_draft_tokens > 10 * coupled_bytes
     running.wait_for_metric("specwire_kv_blocks_used", 0)
 
 

@@ -46,7 +46,7 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "drafted_per_position", "wall_time_s", "time_to_first_token_s", "draft_time_s", "verify_wait_s", "num_speculative_tokens", "verify_time_s", "num_rejected_rounds")
+    __slots__ = ("finish_reason", "num_prompt_tokens", "num_generated_tokens", "num_rounds", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "drafted_per_position", "wall_time_s", "time_to_first_token_s", "draft_time_s", "verify_wait_s", "num_speculative_tokens", "verify_time_s", "num_rejected_rounds", "proposal_bytes")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class Stats(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_TIME_S_FIELD_NUMBER: _ClassVar[int]
     NUM_REJECTED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     num_prompt_tokens: int
     num_generated_tokens: int
@@ -77,4 +78,5 @@ class Stats(_message.Message):
     num_speculative_tokens: int
     verify_time_s: float
     num_rejected_rounds: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., wall_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., verify_time_s: _Optional[float] = ..., num_rejected_rounds: _Optional[int] = ...) -> None: ...
+    proposal_bytes: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_generated_tokens: _Optional[int] = ..., num_rounds: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., drafted_per_position: _Optional[_Iterable[int]] = ..., wall_time_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., draft_time_s: _Optional[float] = ..., verify_wait_s: _Optional[float] = ..., num_speculative_tokens: _Optional[int] = ..., verify_time_s: _Optional[float] = ..., num_rejected_rounds: _Optional[int] = ..., proposal_bytes: _Optional[int] = ...) -> None: ...
