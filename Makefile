@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# NOTE: torch first and pinned, so no later requirement can pull a newer (multi-GB CUDA) build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[server,test,bench]'
+	$(PY) -m pip install -q -e '.[server,gateway,test,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)

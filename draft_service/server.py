@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
+from grpc_health.v1 import health, health_pb2
 from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
@@ -26,6 +29,25 @@ from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 log = structlog.get_logger(__name__)
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+
+
+VERIFIER_WATCH_S = 1.0
+
+
+async def track_verifier(link: VerifierLink, servicer: health.aio.HealthServicer) -> None:
+    """The health of SERVICE_NAME follows the Verify stream: SERVING while it is up, NOT_SERVING while it is down
+    (the process itself, health "", stays SERVING: requests wait --verifier-retry-deadline for the verifier). A
+    down stream is reconnected from here too, without waiting for a request."""
+    status = None
+    while True:
+        link.reconnect_in_background()
+        now = health_pb2.HealthCheckResponse.SERVING if link.connected else health_pb2.HealthCheckResponse.NOT_SERVING
+        if now != status:
+            await servicer.set(SERVICE_NAME, now)
+            if status is not None:
+                log.info("verifier_health", connected=link.connected)
+            status = now
+        await asyncio.sleep(VERIFIER_WATCH_S)
 
 
 class HandshakeRefused(RuntimeError):
@@ -82,6 +104,7 @@ async def serve(config: DraftConfig) -> None:
     server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
                                add_servicers=lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
     await server.start()
+    watcher = asyncio.create_task(track_verifier(link, server.health), name="verifier-health")
     log.info("draft_ready", address=f"{config.host}:{server.port}", model=model_id, verifier=config.verifier,
              proposer=config.proposer, num_speculative_tokens=config.num_speculative_tokens,
              adaptive_k=config.adaptive_k, wire_mode=config.wire_mode, tls=bool(config.tls_cert),
@@ -89,6 +112,7 @@ async def serve(config: DraftConfig) -> None:
              verifier_tls=config.verifier_uses_tls)
 
     async def stop_draft() -> None:
+        watcher.cancel()
         if proposer is not None:
             await proposer.stop()
         await link.close()

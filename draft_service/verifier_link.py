@@ -122,6 +122,12 @@ class VerifierLink:
                 pass
         return self.identity
 
+    def reconnect_in_background(self) -> None:
+        """Start reconnecting now if the stream is down (the health watcher's call: a restarted verifier is found
+        before the next request needs it)."""
+        if not self.connected and not self._closed:
+            self._start_reconnecting()
+
     def _start_reconnecting(self) -> None:
         if self._closed:
             raise ServiceError(ErrorCode.UNAVAILABLE, "the draft service is shutting down")

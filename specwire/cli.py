@@ -30,6 +30,25 @@ def _draft_parser(sub) -> None:
     p.set_defaults(func=_run_draft)
 
 
+def _gateway_parser(sub) -> None:
+    from gateway.config import GatewayConfig
+
+    p = sub.add_parser("gateway", help="serve the OpenAI API (completions, chat) in front of a draft service")
+    add_config_flags(p, GatewayConfig)
+    p.set_defaults(func=_run_gateway)
+
+
+def _run_gateway(args) -> int:
+    from common.logging import configure_logging
+    from gateway.config import GatewayConfig
+    from gateway.server import serve
+
+    config = config_from_args(GatewayConfig, args)
+    configure_logging(config.log_level, service="gateway")
+    serve(config)
+    return 0
+
+
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream a generation from a draft service")
     p.add_argument("prompt", help="prompt text")
@@ -172,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _verifier_parser(sub)
     _draft_parser(sub)
+    _gateway_parser(sub)
     _generate_parser(sub)
     _demo_parser(sub)
     _bench_parser(sub)

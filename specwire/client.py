@@ -261,6 +261,17 @@ class AsyncClient(_ClientBase):
     async def close(self) -> None:
         await self._channel.close()
 
+    async def health(self, service: str = "", *, timeout: float = 5.0) -> str:
+        """The draft service's health status name (SERVING, NOT_SERVING, ...). `service` "" is the process;
+        "specwire.v1.Draft" is SERVING only while its verifier is connected. UnavailableError when nothing answers
+        within `timeout`."""
+        try:
+            reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                                             metadata=self._metadata)
+        except grpc.RpcError as err:
+            raise _probe_failed(err, self._target, timeout) from None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
     async def __aenter__(self) -> AsyncClient:
         return self
 

@@ -1,0 +1,242 @@
+"""The gateway's HTTP routes (FastAPI): OpenAI's completions, chat completions and models, plus /health, in front of
+one draft service reached through specwire's async SDK. Streaming is server-sent events; a client that goes away
+cancels its generation on both services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import structlog
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.security import TokenFile, read_file, read_token
+from gateway.chat import ChatTemplate
+from gateway.config import GatewayConfig
+from gateway.openai_api import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    finish_reason,
+    from_grpc,
+    new_id,
+    now,
+    stats_extension,
+    usage,
+)
+from specwire.client import AsyncClient, Result
+from specwire.errors import SpecwireError
+
+log = structlog.get_logger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+DISCONNECT_POLL_S = 0.25
+_HTTP_ERRORS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+
+
+def model_name(config: GatewayConfig) -> str:
+    if config.model_name:
+        return config.model_name
+    return Path(config.tokenizer).name if config.tokenizer else "specwire"
+
+
+def connect(config: GatewayConfig) -> AsyncClient:
+    """The SDK client of the draft service, with the gateway's credentials for it."""
+    def pem(path: str | None, what: str) -> bytes | None:
+        return read_file(path, what) if path else None
+
+    return AsyncClient(config.server, timeout=config.request_timeout_s, connect_timeout=5.0,
+                       token=read_token(config.server_token_file) if config.server_token_file else None,
+                       root_certificates=pem(config.server_ca, "draft service CA"),
+                       certificate_chain=pem(config.server_cert, "client certificate"),
+                       private_key=pem(config.server_key, "client key"), tls_server_name=config.server_tls_name)
+
+
+def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> FastAPI:
+    name = model_name(config)
+    chat = chat if chat is not None else ChatTemplate.load(config.tokenizer)
+    tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None
+    created = int(time.time())
+    state: dict[str, AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        state["client"] = connect(config)  # grpc.aio channels belong to the serving loop
+        log.info("gateway_ready", server=config.server, model=name, chat_template=chat.tokenizer is not None,
+                 tokens_required=tokens is not None)
+        yield
+        await state["client"].close()
+
+    app = FastAPI(title="specwire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "json_invalid":
+            message = "the request body is not valid JSON"
+        body = ApiError(400, f"{where}: {message}" if where else message, param=where or None).body()
+        return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
+        body = ApiError(err.status_code, str(err.detail), type=_HTTP_ERRORS.get(err.status_code, "server_error")).body()
+        return JSONResponse(body, status_code=err.status_code)
+
+    def authorize(request: Request) -> None:
+        if tokens is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, presented = header.partition(" ")
+        if scheme.lower() != "bearer" or not tokens.accepts(presented.strip().encode()):
+            log.info("gateway_unauthenticated", path=request.url.path)  # never the token
+            raise ApiError(401, "missing or wrong API key: send Authorization: Bearer <token>",
+                           type="authentication_error", code="invalid_api_key")
+
+    def check_model(requested: str) -> None:
+        if requested != name:
+            raise ApiError(404, f"the model {requested!r} does not exist; this gateway serves {name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "specwire"}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while the draft service serves and is connected to its verifier; 503 otherwise."""
+        try:
+            draft = await state["client"].health(timeout=HEALTH_TIMEOUT_S)
+            verifier = await state["client"].health("specwire.v1.Draft", timeout=HEALTH_TIMEOUT_S)
+        except SpecwireError as err:
+            return JSONResponse({"status": "unavailable", "draft": "UNREACHABLE", "detail": err.message},
+                                status_code=503)
+        ok = draft == verifier == "SERVING"
+        body = {"status": "ok" if ok else "unavailable", "draft": draft,
+                "verifier": "CONNECTED" if verifier == "SERVING" else "DISCONNECTED"}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return model_card()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        body.check_unsupported()
+        prompt = body.prompt_kwargs()
+        kwargs = {**prompt, **body.generate_kwargs(body.max_new_tokens())}
+        return await _respond(request, body, kwargs, "cmpl", "text_completion", _completion_choice)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        body.check_unsupported()
+        kwargs = {"prompt_token_ids": chat.render(body.template_messages()),
+                  **body.generate_kwargs(body.max_new_tokens())}
+        return await _respond(request, body, kwargs, "chatcmpl", "chat.completion", _chat_choice)
+
+    async def _respond(request: Request, body, kwargs: dict, prefix: str, kind: str, choice) -> Response:
+        client = state["client"]
+        rid, t0 = new_id(prefix), time.perf_counter()
+        if body.stream:
+            events = _stream(client, body, kwargs, rid, kind, choice)
+            return StreamingResponse(_sse(events, rid, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        try:
+            result = await _unless_disconnected(request, client.generate(**kwargs))
+        except SpecwireError as err:
+            raise from_grpc(err.code, err.message) from None
+        if result is None:  # the client went away; the generation was cancelled
+            log.info("gateway_request", id=rid, outcome="disconnected")
+            return Response(status_code=499)
+        out = {"id": rid, "object": kind, "created": now(), "model": name,
+               "choices": [choice(result.text, finish_reason(result), final=True)], "usage": usage(result)}
+        if body.specwire_stats:
+            out["specwire_stats"] = stats_extension(result.stats)
+        log.info("gateway_request", id=rid, outcome="ok", tokens=len(result.token_ids),
+                 wall_s=round(time.perf_counter() - t0, 4))
+        return JSONResponse(out, headers={"X-Request-Id": rid})
+
+    async def _stream(client: AsyncClient, body, kwargs: dict, rid: str, kind: str,
+                      choice) -> AsyncIterator[dict]:
+        chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
+        head = {"id": rid, "object": chunk_kind, "created": now(), "model": name}
+        extra = {"usage": None} if body.include_usage else {}
+        result = Result()
+        if kind == "chat.completion":  # OpenAI's first chat chunk names the role
+            yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra}
+        async for chunk in client.stream(**kwargs, result=result):
+            if chunk.text:
+                yield {**head, "choices": [choice(chunk.text, None, final=False)], **extra}
+        last = {**head, "choices": [choice("", finish_reason(result), final=False)], **extra}
+        if body.specwire_stats:
+            last["specwire_stats"] = stats_extension(result.stats)
+        yield last
+        if body.include_usage:
+            yield {**head, "choices": [], "usage": usage(result)}
+
+    return app
+
+
+def _completion_choice(text: str, reason: str | None, *, final: bool) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+def _chat_choice(text: str, reason: str | None, *, final: bool) -> dict:
+    if final:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": reason}
+    return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": reason}
+
+
+async def _sse(events: AsyncIterator[dict], rid: str, t0: float) -> AsyncIterator[str]:
+    """Server-sent events. An error after the headers went out is sent as an error event (the status is already
+    200), then the stream ends; a client that goes away cancels this generator and with it the generation."""
+    outcome = "ok"
+    try:
+        async for payload in events:
+            yield f"data: {json.dumps(payload)}\n\n"
+    except SpecwireError as err:
+        outcome = "error"
+        yield f"data: {json.dumps(from_grpc(err.code, err.message).body())}\n\n"
+    except asyncio.CancelledError:
+        log.info("gateway_request", id=rid, outcome="disconnected", stream=True)
+        raise
+    yield "data: [DONE]\n\n"
+    log.info("gateway_request", id=rid, outcome=outcome, stream=True, wall_s=round(time.perf_counter() - t0, 4))
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Result | None:
+    """The result, or None (the work cancelled) when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                return None
+    finally:
+        if not task.done():
+            task.cancel()
+

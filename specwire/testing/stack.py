@@ -1,0 +1,125 @@
+"""A verifier and a draft service (and optionally the OpenAI gateway) as child processes on loopback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specwire.client import AsyncClient, Client
+from specwire.launch import Service, Stack, free_port, scrape_metric
+
+
+@dataclass
+class LocalStack:
+    """Started by `LocalStack.start`; a context manager that stops every process it started."""
+
+    target_dir: Path
+    draft_dir: Path
+    verifier: str  # HOST:PORT
+    draft: str  # HOST:PORT: what Client connects to
+    log_dir: Path | None = None
+    verifier_metrics_url: str = ""  # Prometheus pages of both services
+    draft_metrics_url: str = ""
+    gateway_url: str | None = None  # http://HOST:PORT once start_gateway ran
+    stack: Stack = field(default_factory=Stack)
+    _gateways: list[subprocess.Popen] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, target_dir: Path, draft_dir: Path, *, log_dir: Path | None = None, k: int = 4,
+              dtype: str = "float32", verifier_args: tuple[str, ...] = (), draft_args: tuple[str, ...] = (),
+              timeout_s: float = 120.0) -> LocalStack:
+        """Both services for these model directories; `k` draft tokens per round. Extra flags go to each."""
+        stack = Stack()
+        vm, dm = free_port(), free_port()
+        try:
+            v = stack.start("verifier", ["verifier", "--model", str(target_dir), "--dtype", dtype,
+                                         "--num-blocks", "512", "--block-size", "16", "--metrics-port", str(vm),
+                                         *verifier_args], log_dir=log_dir, timeout_s=timeout_s)
+            d = stack.start("draft", ["draft", "--model", str(draft_dir), "--dtype", dtype, "--verifier", v.address,
+                                      "--num-speculative-tokens", str(k), "--metrics-port", str(dm), *draft_args],
+                            log_dir=log_dir, timeout_s=timeout_s)
+        except Exception:
+            stack.stop()
+            raise
+        return cls(Path(target_dir), Path(draft_dir), v.address, d.address, log_dir, f"http://127.0.0.1:{vm}/metrics",
+                   f"http://127.0.0.1:{dm}/metrics", stack=stack)
+
+    def metric(self, name: str, labels: dict[str, str] | None = None, *, draft: bool = False) -> float | None:
+        """One Prometheus sample of the verifier (or, with draft, the draft service); None when absent."""
+        return scrape_metric(self.draft_metrics_url if draft else self.verifier_metrics_url, name, labels)
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Until no generation runs on the draft service and the verifier holds no KV block (a cancelled stream
+        is torn down a moment after it ends). AssertionError naming what stayed busy."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            active = self.metric("specwire_draft_active_generations", draft=True)
+            blocks = self.metric("specwire_kv_blocks_used")
+            if active == 0 and blocks == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"still busy after {timeout_s:g}s: {active} active generations on the draft "
+                                     f"service, {blocks} KV blocks used on the verifier")
+            time.sleep(0.05)
+
+    def client(self, **kwargs) -> Client:
+        return Client(self.draft, **kwargs)
+
+    def async_client(self, **kwargs) -> AsyncClient:
+        return AsyncClient(self.draft, **kwargs)
+
+    def service(self, name: str) -> Service:
+        return next(s for s in reversed(self.stack.services) if s.name == name)
+
+    def start_gateway(self, *args: str, timeout_s: float = 60.0) -> str:
+        """`specwire gateway` in front of the draft service, with the target's tokenizer (and chat template);
+        returns its base URL (the OpenAI API is under /v1)."""
+        port = free_port()
+        out = subprocess.DEVNULL
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"gateway-{port}.log", "wb")  # noqa: SIM115 - closed when the process ends
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "specwire.cli", "gateway", "--server", self.draft, "--tokenizer",
+             str(self.target_dir), "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=out, stderr=subprocess.STDOUT)
+        self._gateways.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with code {proc.returncode}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                    if json.load(reply).get("status") == "ok":
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not become healthy within {timeout_s:g}s")
+            time.sleep(0.1)
+        self.gateway_url = url
+        return url
+
+    def stop(self) -> None:
+        for proc in self._gateways:
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self._gateways.clear()
+        self.stack.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,216 @@
+"""The OpenAI gateway through the official `openai` package, unmodified, against real services (specwire.testing's
+LocalStack over the tiny Qwen2 pair): completions and chat, streamed and not, equal to the SDK's output; usage
+counts; OpenAI-style errors with the right statuses; bearer tokens; a client that disconnects mid-stream frees its
+sequence on both services."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.request
+
+import grpc
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from gateway.openai_api import from_grpc
+from specwire.testing import LocalStack, text_pair
+
+PROMPT = "def fibonacci(n):"
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fibonacci, please"}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gateway")
+    target, draft = text_pair(root, "qwen2")
+    with LocalStack.start(target, draft, log_dir=root / "logs", dtype="float64") as stack:
+        yield stack, stack.start_gateway()
+
+
+@pytest.fixture(scope="module")
+def client(gateway):
+    _, url = gateway
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def _model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_models_and_health(gateway, client):
+    stack, url = gateway
+    models = client.models.list().data
+    assert [m.id for m in models] == [stack.target_dir.name]
+    assert client.models.retrieve(models[0].id).id == models[0].id
+    with urllib.request.urlopen(url + "/health") as reply:
+        assert json.load(reply) == {"status": "ok", "draft": "SERVING", "verifier": "CONNECTED"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_the_sdk(gateway, client, stream):
+    stack, _ = gateway
+    with stack.client() as sdk:
+        expected = sdk.generate(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True)
+    kwargs = dict(model=_model(client), prompt=PROMPT, max_tokens=12, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        usage = chunks[-1].usage
+        assert not chunks[-1].choices and all(c.usage is None for c in chunks[:-1])
+    else:
+        out = client.completions.create(**kwargs)
+        text, finish, usage = out.choices[0].text, [out.choices[0].finish_reason], out.usage
+        assert out.object == "text_completion" and out.id.startswith("cmpl-")
+    assert text == expected.text
+    assert finish == ["length"]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (expected.stats.num_prompt_tokens, 12)
+    assert usage.total_tokens == usage.prompt_tokens + 12
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_equals_the_sdk_over_the_chat_template(gateway, client, stream):
+    stack, _ = gateway
+    tokenizer = AutoTokenizer.from_pretrained(stack.target_dir)
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)["input_ids"]
+    with stack.client() as sdk:
+        expected = sdk.generate(prompt_token_ids=ids, max_tokens=10, temperature=0.0, ignore_eos=True)
+    kwargs = dict(model=_model(client), messages=MESSAGES, max_completion_tokens=10, temperature=0.0,
+                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    else:
+        out = client.chat.completions.create(**kwargs)
+        assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+        text, usage = out.choices[0].message.content, out.usage
+        assert out.choices[0].finish_reason == "length"
+    assert text == expected.text
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 10)
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    model = _model(client)
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[4:7]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0.0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    seeded = [client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0.9, seed=5,
+                                        extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_speculative_statistics_only_when_asked(client):
+    model = _model(client)
+    plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0)
+    assert "specwire_stats" not in (plain.model_extra or {})
+    asked = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0.0,
+                                      extra_body={"specwire_stats": True, "ignore_eos": True})
+    stats = asked.model_extra["specwire_stats"]
+    assert stats["num_generated_tokens"] == 8 and stats["num_rounds"] >= 1
+    assert stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    chunks = list(client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, stream=True,
+                                                 extra_body={"specwire_stats": True, "ignore_eos": True}))
+    assert chunks[-1].model_extra["specwire_stats"]["num_generated_tokens"] == 6
+
+
+@pytest.mark.parametrize("kwargs,error,status,fragment", [
+    (dict(model="gpt-4"), openai.NotFoundError, 404, "does not exist"),
+    (dict(max_tokens=-1), openai.BadRequestError, 400, "max_tokens"),
+    (dict(max_tokens=0), openai.BadRequestError, 400, "max_tokens"),
+    (dict(n=2), openai.BadRequestError, 400, "n = 2"),
+    (dict(temperature=-1.0), openai.BadRequestError, 400, "temperature"),
+    (dict(logprobs=2), openai.BadRequestError, 400, "logprobs"),
+    (dict(extra_body={"wire_mode": "dense"}), openai.BadRequestError, 400, "wire_mode"),
+    (dict(prompt=["a", "b"]), openai.BadRequestError, 400, "batched prompts"),
+])
+def test_bad_completion_requests_get_openai_errors(client, kwargs, error, status, fragment):
+    args = dict(model=_model(client), prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(error) as err:
+        client.completions.create(**args)
+    assert err.value.status_code == status
+    assert fragment in err.value.message, err.value.message
+    assert set(err.value.body) >= {"message", "type"}
+
+
+def _raw(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json",
+                                                                      **(headers or {})})
+    try:
+        with urllib.request.urlopen(request) as reply:
+            return reply.status, json.load(reply)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_malformed_json_and_an_empty_chat_get_400(gateway, client):
+    _, url = gateway
+    status, body = _raw(url, "/v1/completions", b'{"model": "x", "prompt": ')
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and "JSON" in body["error"]["message"]
+    status, body = _raw(url, "/v1/chat/completions", json.dumps({"model": _model(client), "messages": []}).encode())
+    assert status == 400 and "messages" in body["error"]["message"]
+    status, body = _raw(url, "/v1/nowhere", b"{}")
+    assert status == 404 and body["error"]["type"] == "not_found_error"
+
+
+def test_grpc_statuses_map_to_http_statuses():
+    cases = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+             grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+             grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.INTERNAL: 500, grpc.StatusCode.UNKNOWN: 500,
+             grpc.StatusCode.UNAUTHENTICATED: 503}  # the gateway's own credentials: not the caller's fault
+    for code, status in cases.items():
+        err = from_grpc(code, "why")
+        assert err.status == status and err.body()["error"]["message"].endswith("why"), code
+    assert from_grpc(grpc.StatusCode.RESOURCE_EXHAUSTED, "full").body()["error"]["type"] == "rate_limit_error"
+
+
+def test_bearer_tokens(gateway, tmp_path):
+    stack, _ = gateway
+    tokens = tmp_path / "tokens"
+    tokens.write_text("first-token\nsecond-token\n")
+    url = stack.start_gateway("--auth-token-file", str(tokens))
+    for key in ("wrong", "first-toke", "first-token-and-more"):
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0).models.list()
+        assert err.value.status_code == 401
+    status, body = _raw(url, "/v1/completions", b"{}")  # no Authorization header at all
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    for key in ("first-token", "second-token"):
+        good = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+        model = good.models.list().data[0].id
+        assert good.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens >= 1
+    with urllib.request.urlopen(url + "/health") as reply:  # health stays open
+        assert reply.status == 200
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_sequence_on_both_services(gateway, client):
+    stack, url = gateway
+    host, port = url.removeprefix("http://").split(":")
+    before = stack.metric("specwire_draft_requests_total", {"outcome": "cancelled"}, draft=True) or 0.0
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": MESSAGES})):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("POST", path, json.dumps({"model": _model(client), "max_tokens": 400, "stream": True,
+                                               "temperature": 0.0, "ignore_eos": True, **body}),
+                     {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        assert reply.status == 200
+        while b'"text"' not in (line := reply.readline()) and b'"content": "' not in line.replace(
+                b'"content": ""', b""):
+            assert line.startswith((b"data: ", b"\n")), line  # skip the chat's role chunk: wait for tokens
+        conn.sock.close()  # the client goes away mid-stream
+        conn.close()
+    stack.wait_idle()
+    deadline = time.monotonic() + 10
+    while (stack.metric("specwire_draft_requests_total", {"outcome": "cancelled"}, draft=True) or 0.0) < before + 2:
+        assert time.monotonic() < deadline, "the draft service did not see both generations cancelled"
+        time.sleep(0.05)
