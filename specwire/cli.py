@@ -84,6 +84,8 @@ def _demo_parser(sub) -> None:
     p.add_argument("--draft-dtype", default="bfloat16", choices=DTYPES,
                    help="the draft's dtype: bfloat16 halves its memory traffic; outputs stay exact either way")
     p.add_argument("--no-baseline", action="store_true", help="skip the k=0 run")
+    p.add_argument("--no-gateway", action="store_true", help="skip the OpenAI gateway's chat request")
+    p.add_argument("--gateway-tokens", type=int, default=48, help="tokens of the gateway's chat answer")
     p.set_defaults(func=_run_demo)
 
 

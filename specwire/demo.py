@@ -1,10 +1,13 @@
 """`specwire demo`: a verifier and a draft service on loopback with the default pair, one streamed generation
-with speculation and the same prompt at k = 0, then tokens/s, acceptance per position and the speedup."""
+with speculation and the same prompt at k = 0, then tokens/s, acceptance per position and the speedup; then the
+OpenAI gateway in front of them, with a streamed chat request over plain HTTP."""
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
+import urllib.request
 from pathlib import Path
 
 from specwire.client import Client, Result
@@ -45,6 +48,30 @@ def _report(label: str, result: Result) -> None:
           f"draft {s.draft_time_s:.2f}s, waiting on verifier {s.verify_wait_s:.2f}s")
 
 
+CHAT = [{"role": "user", "content": "In one sentence: what does speculative decoding do?"}]
+
+
+def _chat_over_http(url: str, max_tokens: int) -> None:
+    """One streamed chat completion through the gateway, as any OpenAI client would send it, printed as it
+    arrives (server-sent events)."""
+    body = {"model": "target", "messages": CHAT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    print(f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{json.dumps(body)}'", flush=True)
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    usage = None
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            for choice in event.get("choices", []):
+                print(choice["delta"].get("content") or "", end="", flush=True)
+            usage = event.get("usage") or usage
+    print(f"\nusage: {usage}")
+
+
 def run_demo(args) -> int:
     target = Path(args.target) if args.target else _default_model("target")
     draft = Path(args.draft) if args.draft else _default_model("draft")
@@ -65,14 +92,20 @@ def run_demo(args) -> int:
             print(f"--- speculative (k = {k}) ---", flush=True)
             spec = _run(client, prompt, k, args.max_tokens, echo=True)
             _report(f"k={k}", spec)
-            if args.no_baseline:
-                return 0
-            print("\n--- target alone (k = 0), same prompt ---", flush=True)
-            base = _run(client, prompt, 0, args.max_tokens, echo=False)
-            _report("k=0", base)
-    same = base.token_ids == spec.token_ids
-    speedup = spec.stats.tokens_per_second / base.stats.tokens_per_second
-    print(f"\nspeedup over k=0: {speedup:.2f}x; greedy outputs identical: {same}")
+            same = True
+            if not args.no_baseline:
+                print("\n--- target alone (k = 0), same prompt ---", flush=True)
+                base = _run(client, prompt, 0, args.max_tokens, echo=False)
+                _report("k=0", base)
+                same = base.token_ids == spec.token_ids
+                speedup = spec.stats.tokens_per_second / base.stats.tokens_per_second
+                print(f"\nspeedup over k=0: {speedup:.2f}x; greedy outputs identical: {same}", flush=True)
+        if not args.no_gateway:
+            gateway = stack.start_gateway(drafter.address, tokenizer=target, args=("--model-name", "target"),
+                                          log_dir=log_dir)
+            print(f"\n--- the OpenAI API: specwire gateway on {gateway.address}, a streamed chat request ---",
+                  flush=True)
+            _chat_over_http(gateway.address, args.gateway_tokens)
     if not same:
         print("error: speculative output differs from target-only output", file=sys.stderr)
         return 1

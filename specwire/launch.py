@@ -1,8 +1,10 @@
-"""Start specwire services as child processes on loopback and wait until their health service says SERVING.
-Used by `specwire demo`, the benchmarks and the end-to-end tests."""
+"""Start specwire services as child processes on loopback and wait until their health service says SERVING (for
+the HTTP gateway: until its /health says ok). Used by `specwire demo`, the benchmarks, specwire.testing and the
+end-to-end tests."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -106,6 +108,37 @@ class Stack:
         except Exception as err:
             raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
         return service
+
+    def start_gateway(self, server: str, *, tokenizer: Path | None = None, args: tuple[str, ...] = (),
+                      log_dir: Path | None = None, timeout_s: float = 60.0) -> Service:
+        """`specwire gateway` in front of the draft service at `server`; the Service's address is its base URL."""
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log_path = None
+        out = subprocess.DEVNULL
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+            log_path = log_dir / f"gateway-{port}.log"
+            out = open(log_path, "wb")  # noqa: SIM115 - closed when the process ends
+        cmd = [sys.executable, "-m", "specwire.cli", "gateway", "--server", server, "--host", "127.0.0.1", "--port",
+               str(port), *(["--tokenizer", str(tokenizer)] if tokenizer else []), *args]
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**_COLOCATED_ENV, **os.environ})
+        service = Service("gateway", url, proc, log_path)
+        self.services.append(service)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited with code {proc.returncode}\n{service.log_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as reply:
+                    if json.load(reply).get("status") == "ok":
+                        return service
+            except (OSError, ValueError):  # not listening yet, or 503 while the draft connects
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway did not become healthy within {timeout_s:g}s\n"
+                                   f"{service.log_text()[-4000:]}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         for service in reversed(self.services):

@@ -141,3 +141,23 @@ def test_a_verifier_that_stays_down_ends_sequences_with_unavailable(tmp_path_fac
         assert "not reachable" in err.value.message
     finally:
         running.stack.stop()
+
+
+def test_the_draft_health_follows_its_verifier(fault_stack):
+    """specwire.v1.Draft reads NOT_SERVING while the verifier is down (the process itself stays SERVING), and
+    SERVING again once the draft has reconnected on its own, before any request."""
+    running, _ = fault_stack
+
+    async def wait_for(status: str) -> None:
+        async with AsyncClient(running.draft) as client:
+            deadline = time.monotonic() + 20
+            while (now := await client.health("specwire.v1.Draft")) != status:
+                assert time.monotonic() < deadline, f"draft health stayed {now}"
+                await asyncio.sleep(0.1)
+            assert await client.health() == "SERVING"
+
+    asyncio.run(wait_for("SERVING"))
+    running.kill("verifier")
+    asyncio.run(wait_for("NOT_SERVING"))
+    running.restart("verifier")
+    asyncio.run(wait_for("SERVING"))

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +23,6 @@ class LocalStack:
     draft_metrics_url: str = ""
     gateway_url: str | None = None  # http://HOST:PORT once start_gateway ran
     stack: Stack = field(default_factory=Stack)
-    _gateways: list[subprocess.Popen] = field(default_factory=list)
 
     @classmethod
     def start(cls, target_dir: Path, draft_dir: Path, *, log_dir: Path | None = None, k: int = 4,
@@ -79,43 +73,13 @@ class LocalStack:
 
     def start_gateway(self, *args: str, timeout_s: float = 60.0) -> str:
         """`specwire gateway` in front of the draft service, with the target's tokenizer (and chat template);
-        returns its base URL (the OpenAI API is under /v1)."""
-        port = free_port()
-        out = subprocess.DEVNULL
-        if self.log_dir is not None:
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            out = open(self.log_dir / f"gateway-{port}.log", "wb")  # noqa: SIM115 - closed when the process ends
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "specwire.cli", "gateway", "--server", self.draft, "--tokenizer",
-             str(self.target_dir), "--host", "127.0.0.1", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT)
-        self._gateways.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the gateway exited with code {proc.returncode}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as reply:
-                    if json.load(reply).get("status") == "ok":
-                        break
-            except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the gateway did not become healthy within {timeout_s:g}s")
-            time.sleep(0.1)
-        self.gateway_url = url
-        return url
+        returns its base URL (the OpenAI API is under /v1). Extra flags go to the gateway."""
+        gateway = self.stack.start_gateway(self.draft, tokenizer=self.target_dir, args=args, log_dir=self.log_dir,
+                                           timeout_s=timeout_s)
+        self.gateway_url = gateway.address
+        return gateway.address
 
     def stop(self) -> None:
-        for proc in self._gateways:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        self._gateways.clear()
         self.stack.stop()
 
     def __enter__(self) -> LocalStack:
