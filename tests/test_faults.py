@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -156,8 +158,20 @@ def test_the_draft_health_follows_its_verifier(fault_stack):
                 await asyncio.sleep(0.1)
             assert await client.health() == "SERVING"
 
+    def gateway_health() -> int:
+        try:
+            with urllib.request.urlopen(gateway.address + "/health", timeout=5) as reply:
+                return reply.status
+        except urllib.error.HTTPError as err:
+            return err.code
+
     asyncio.run(wait_for("SERVING"))
+    gateway = running.stack.start_gateway(running.draft)  # its /health reads the same
+    assert gateway_health() == 200
     running.kill("verifier")
     asyncio.run(wait_for("NOT_SERVING"))
+    assert gateway_health() == 503
     running.restart("verifier")
     asyncio.run(wait_for("SERVING"))
+    assert gateway_health() == 200
+    running.stop_service(gateway)

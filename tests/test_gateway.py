@@ -13,10 +13,11 @@ import urllib.request
 import grpc
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from gateway.openai_api import from_grpc
-from specwire.testing import LocalStack, text_pair
+from specwire.testing import LocalStack, table_model, text_pair
 
 PROMPT = "def fibonacci(n):"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "fibonacci, please"}]
@@ -209,8 +210,33 @@ def test_a_client_that_disconnects_mid_stream_frees_the_sequence_on_both_service
             assert line.startswith((b"data: ", b"\n")), line  # skip the chat's role chunk: wait for tokens
         conn.sock.close()  # the client goes away mid-stream
         conn.close()
+    # unstreamed: the client gives up before the answer
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": _model(client), "max_tokens": 400, "prompt": PROMPT,
+                                                        "temperature": 0.0, "ignore_eos": True}),
+                 {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while not stack.metric("specwire_draft_active_generations", draft=True):
+        assert time.monotonic() < deadline, "the unstreamed generation never started"
+        time.sleep(0.02)
+    conn.sock.close()
+    conn.close()
     stack.wait_idle()
     deadline = time.monotonic() + 10
-    while (stack.metric("specwire_draft_requests_total", {"outcome": "cancelled"}, draft=True) or 0.0) < before + 2:
-        assert time.monotonic() < deadline, "the draft service did not see both generations cancelled"
+    while (stack.metric("specwire_draft_requests_total", {"outcome": "cancelled"}, draft=True) or 0.0) < before + 3:
+        assert time.monotonic() < deadline, "the draft service did not see the three generations cancelled"
         time.sleep(0.05)
+
+
+def test_chat_without_a_chat_template_is_a_clear_400(gateway, tmp_path):
+    stack, _ = gateway
+    plain = table_model(tmp_path / "no-template", torch.full((8, 8), 1 / 8))  # a word tokenizer: no template
+    for tokenizer, fragment in ((None, "--tokenizer"), (plain, "has no chat template")):
+        service = stack.stack.start_gateway(stack.draft, tokenizer=tokenizer, args=("--model-name", "m"))
+        status, body = _raw(service.address, "/v1/chat/completions",
+                            json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode())
+        assert status == 400 and fragment in body["error"]["message"], body
+        status, _ = _raw(service.address, "/v1/completions", json.dumps({"model": "m", "prompt": "hi",
+                                                                          "max_tokens": 2}).encode())
+        assert status == 200  # completions need no template
+        service.stop()

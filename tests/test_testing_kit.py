@@ -59,3 +59,12 @@ def test_the_readme_shows_the_example_test_file_as_it_is():
     root = Path(__file__).resolve().parent.parent
     example = (root / "tests" / "test_kit_example.py").read_text().rstrip("\n")
     assert example in (root / "README.md").read_text(), "README's 'Testing your code' example is stale"
+
+
+def test_a_local_stack_survives_a_verifier_restart(tmp_path):
+    model = text_model(tmp_path / "m", "Hello world! The answer is 42.")
+    with LocalStack.start(model, model, log_dir=tmp_path / "logs") as stack, stack.client() as client:
+        before = client.generate("Hello", max_tokens=20, temperature=0.0).text
+        stack.kill("verifier")
+        stack.restart("verifier")
+        assert client.generate("Hello", max_tokens=20, temperature=0.0).text == before == " world! The answer is 42."

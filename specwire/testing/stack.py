@@ -23,6 +23,7 @@ class LocalStack:
     draft_metrics_url: str = ""
     gateway_url: str | None = None  # http://HOST:PORT once start_gateway ran
     stack: Stack = field(default_factory=Stack)
+    args: dict[str, list[str]] = field(default_factory=dict)  # each service's command line, for restart()
 
     @classmethod
     def start(cls, target_dir: Path, draft_dir: Path, *, log_dir: Path | None = None, k: int = 4,
@@ -31,18 +32,32 @@ class LocalStack:
         """Both services for these model directories; `k` draft tokens per round. Extra flags go to each."""
         stack = Stack()
         vm, dm = free_port(), free_port()
+        args = {"verifier": ["verifier", "--model", str(target_dir), "--dtype", dtype, "--num-blocks", "512",
+                             "--block-size", "16", "--metrics-port", str(vm), *verifier_args]}
         try:
-            v = stack.start("verifier", ["verifier", "--model", str(target_dir), "--dtype", dtype,
-                                         "--num-blocks", "512", "--block-size", "16", "--metrics-port", str(vm),
-                                         *verifier_args], log_dir=log_dir, timeout_s=timeout_s)
-            d = stack.start("draft", ["draft", "--model", str(draft_dir), "--dtype", dtype, "--verifier", v.address,
-                                      "--num-speculative-tokens", str(k), "--metrics-port", str(dm), *draft_args],
-                            log_dir=log_dir, timeout_s=timeout_s)
+            v = stack.start("verifier", args["verifier"], log_dir=log_dir, timeout_s=timeout_s)
+            args["draft"] = ["draft", "--model", str(draft_dir), "--dtype", dtype, "--verifier", v.address,
+                             "--num-speculative-tokens", str(k), "--metrics-port", str(dm), *draft_args]
+            d = stack.start("draft", args["draft"], log_dir=log_dir, timeout_s=timeout_s)
         except Exception:
             stack.stop()
             raise
         return cls(Path(target_dir), Path(draft_dir), v.address, d.address, log_dir, f"http://127.0.0.1:{vm}/metrics",
-                   f"http://127.0.0.1:{dm}/metrics", stack=stack)
+                   f"http://127.0.0.1:{dm}/metrics", stack=stack, args=args)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL "verifier" or "draft": no goodbye on any stream, as a crash or a lost host."""
+        proc = self.service(name).proc
+        proc.kill()
+        proc.wait()
+
+    def restart(self, name: str, timeout_s: float = 120.0) -> None:
+        """Start "verifier" or "draft" again on its address with its arguments (after kill). A draft service
+        reconnects to a restarted verifier by itself and resumes its sequences."""
+        old = self.service(name)
+        self.stack.services.remove(old)
+        self.stack.start(name, self.args[name], log_dir=self.log_dir, timeout_s=timeout_s,
+                         port=int(old.address.rsplit(":", 1)[1]))
 
     def metric(self, name: str, labels: dict[str, str] | None = None, *, draft: bool = False) -> float | None:
         """One Prometheus sample of the verifier (or, with draft, the draft service); None when absent."""
