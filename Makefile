@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install models demo test test-all lint protos gpu-wheels certs clean
+.PHONY: install models demo test test-all test-compose lint protos gpu-wheels certs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -m ''
+
+# Builds the image and runs compose.yaml for real (scripts/compose_check.py); exit 77 = no Docker engine possible.
+test-compose: $(STAMP)
+	$(PY) scripts/compose_check.py || [ $$? -eq 77 ]
 
 # Development TLS material and tokens for compose.yaml (never for production).
 certs: $(STAMP)

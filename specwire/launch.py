@@ -80,6 +80,14 @@ class Service:
         return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.exists() else ""
 
 
+def _log_file(log_dir: Path | None, name: str):
+    """(path, writable file) for a child's output in log_dir, or (None, DEVNULL)."""
+    if log_dir is None:
+        return None, subprocess.DEVNULL
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir / name, open(log_dir / name, "wb")  # noqa: SIM115 - closed when the process ends
+
+
 @dataclass
 class Stack:
     services: list[Service] = field(default_factory=list)
@@ -90,12 +98,7 @@ class Stack:
         """`cpus`: pin the process to these cores (and as many OpenMP threads), as if it had a host of its own."""
         port = port or free_port()
         address = f"127.0.0.1:{port}"
-        log_path = None
-        out = subprocess.DEVNULL
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = log_dir / f"{name}.log"
-            out = open(log_path, "wb")  # noqa: SIM115 - closed when the process ends
+        log_path, out = _log_file(log_dir, f"{name}.log")
         pinned = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
         proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, "--host", "127.0.0.1",
                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
@@ -114,12 +117,7 @@ class Stack:
         """`specwire gateway` in front of the draft service at `server`; the Service's address is its base URL."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        log_path = None
-        out = subprocess.DEVNULL
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-            log_path = log_dir / f"gateway-{port}.log"
-            out = open(log_path, "wb")  # noqa: SIM115 - closed when the process ends
+        log_path, out = _log_file(log_dir, f"gateway-{port}.log")
         cmd = [sys.executable, "-m", "specwire.cli", "gateway", "--server", server, "--host", "127.0.0.1", "--port",
                str(port), *(["--tokenizer", str(tokenizer)] if tokenizer else []), *args]
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**_COLOCATED_ENV, **os.environ})

@@ -13,7 +13,7 @@ you choose), `acceptance_pair` (a chosen acceptance rate), `text_model` (emits a
 
 from __future__ import annotations
 
-_MODELS = ("acceptance_pair", "table_distribution", "table_model", "text_model", "text_pair")
+_MODELS = ("acceptance_pair", "greedy_reference", "table_distribution", "table_model", "text_model", "text_pair")
 __all__ = ["LocalStack", *_MODELS]
 
 

@@ -211,3 +211,16 @@ def text_model(path: Path, text: str, *, dtype: torch.dtype = torch.float32) -> 
     table[ids[-1]] = 0.0
     table[ids[-1], tok.eos_token_id] = 1.0
     return table_model(path, table, tok, dtype=dtype)
+
+
+def greedy_reference(model_dir: Path, prompt_ids: list[int], n: int, dtype: torch.dtype = torch.float64) -> list[int]:
+    """Target-alone greedy decoding with transformers' own forward over the full sequence: what any speculative
+    greedy output must equal, token for token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
