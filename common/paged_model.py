@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from common.cpu_linear import PackedLinear, onednn_available
+from common.config import QUANTIZATIONS
+from common.cpu_linear import Int8Linear, PackedLinear, onednn_available
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels import platform
 from kernels.kv_cache_write import write_kv
@@ -60,7 +61,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class PagedCausalLM:
     def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
-                 release_unpacked: bool = False) -> None:
+                 release_unpacked: bool = False, quantization: str = "none") -> None:
+        """quantization "int8": every linear layer (lm_head included) weight-only int8 per output channel, on CPU
+        (common.cpu_linear.Int8Linear); "none": the model's own weights (oneDNN-packed on CPU)."""
         self.model = model
         self.kv_cache = kv_cache
         spec = kv_cache.spec
@@ -78,14 +81,23 @@ class PagedCausalLM:
         self.sliding_windows = [window if t == "sliding_attention" and window else None for t in layer_types]
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         # NOTE: bfloat16 is packed too: memory-bound decoding reads half the bytes (a 0.5B draft step halves).
-        self.packed = (pack_weights and model.device.type == "cpu"
-                       and model.dtype in (torch.float32, torch.bfloat16) and onednn_available())
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+        if quantization != "none" and (model.device.type != "cpu" or model.dtype not in (torch.float32,
+                                                                                         torch.bfloat16)):
+            raise ValueError(f"--quantization {quantization} is a CPU path for float32 or bfloat16 models; this "
+                             f"model is {model.dtype} on {model.device.type}")
+        self.quantization = quantization
+        self.packed = quantization != "none" or (pack_weights and model.device.type == "cpu"
+                                                 and model.dtype in (torch.float32, torch.bfloat16)
+                                                 and onednn_available())
         if self.packed:
-            self.qkv = [PackedLinear(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj) for la in self.layers]
-            self.o_proj = [PackedLinear(la.self_attn.o_proj) for la in self.layers]
-            self.gate_up = [PackedLinear(la.mlp.gate_proj, la.mlp.up_proj) for la in self.layers]
-            self.down = [PackedLinear(la.mlp.down_proj) for la in self.layers]
-            self.head = PackedLinear(self.lm_head)
+            linear = Int8Linear if quantization == "int8" else PackedLinear
+            self.qkv = [linear(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj) for la in self.layers]
+            self.o_proj = [linear(la.self_attn.o_proj) for la in self.layers]
+            self.gate_up = [linear(la.mlp.gate_proj, la.mlp.up_proj) for la in self.layers]
+            self.down = [linear(la.mlp.down_proj) for la in self.layers]
+            self.head = linear(self.lm_head)
             if release_unpacked:  # the services own their model: keep one copy of each weight, not two
                 _release_linear_weights(model)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DTYPES, ServerSecurityConfig, format_bytes, option, parse_bytes
+from common.config import (
+    DTYPES,
+    QUANTIZATION_HELP,
+    QUANTIZATIONS,
+    ServerSecurityConfig,
+    format_bytes,
+    option,
+    parse_bytes,
+)
 from common.device import DEVICE_CHOICES_HELP
 from common.sampling import WireMode
 
@@ -22,6 +30,7 @@ class DraftConfig(ServerSecurityConfig):
     device: str = option("auto", DEVICE_CHOICES_HELP)
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))
+    quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
     num_speculative_tokens: int = option(4, "draft tokens per round (k), the largest with --adaptive-k "
                                          "(0: target only)")
     proposer: str = option("model", "model: the draft model; ngram: prompt lookup, no model weights used",
@@ -68,6 +77,8 @@ class DraftConfig(ServerSecurityConfig):
                              "--verifier-tls-key")
         if self.verifier_retry_deadline_s < 0:
             raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.pipeline_width <= 8:

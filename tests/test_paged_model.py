@@ -66,3 +66,34 @@ def test_rollback_then_rewrite_reuses_slots():
     with torch.no_grad():
         ref = model(verified.unsqueeze(0)).logits[0, 6:]
     assert float((out - ref).abs().max()) <= 1e-9
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3)])
+def test_int8_quantized_runner_computes_the_fake_quantized_model(dtype, tol):
+    """--quantization int8: the paged runner equals transformers' forward of the same model with every linear
+    weight replaced by its int8-dequantized value (the quantized model is what gets verified), and it is not the
+    unquantized model."""
+    from common.cpu_linear import Int8Linear
+
+    config = model_config("qwen2", 97, eos_token_id=None, heads=4, kv_heads=2, hidden=64)
+    model = build_model(config, seed=5, dtype=torch.float32)
+    fake = build_model(config, seed=5, dtype=torch.float32)
+    with torch.no_grad():
+        for module in fake.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(Int8Linear(module).dequantized())
+    model, fake = model.to(dtype), fake.to(torch.float64)
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 4), quantization="int8")
+    seq = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(2))
+    out = _run(runner, BlockManager(16, 4), [seq], [(0, 0, 11)]).to(torch.float64)
+    with torch.no_grad():
+        ref = fake(seq.unsqueeze(0)).logits[0]
+        plain = model.to(torch.float64)(seq.unsqueeze(0)).logits[0]
+    assert float((out - ref).abs().max()) <= tol
+    assert float((out - plain).abs().max()) > float((out - ref).abs().max())  # the weights really are int8
+
+
+def test_int8_quantization_is_refused_off_the_cpu_float_path():
+    model = build_model(model_config("qwen2", 61, eos_token_id=None), seed=4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="CPU path for float32 or bfloat16"):
+        PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 4), quantization="int8")

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import DTYPES, ServerSecurityConfig, format_bytes, option, parse_bytes
+from common.config import (
+    DTYPES,
+    QUANTIZATION_HELP,
+    QUANTIZATIONS,
+    ServerSecurityConfig,
+    format_bytes,
+    option,
+    parse_bytes,
+)
 from common.device import DEVICE_CHOICES_HELP
 
 CPU_KV_CACHE_MEMORY = 1 << 30  # the pool's default size on CPU, where the host's memory is shared
@@ -19,6 +27,7 @@ class VerifierConfig(ServerSecurityConfig):
     device: str = option("auto", DEVICE_CHOICES_HELP)
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))
+    quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
     max_draft_tokens: int = option(16, "largest draft block accepted")
     block_size: int = option(16, "tokens per KV block")
     gpu_memory_utilization: float = option(0.9, "on a GPU, the fraction of its memory this verifier may use: the KV "
@@ -41,6 +50,8 @@ class VerifierConfig(ServerSecurityConfig):
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
         self.check_security()
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
