@@ -1,8 +1,8 @@
-"""Weight-only int8 (issue 13): the draft's milliseconds per drafted token and the draft/verify split of a round,
-with the draft's weights in bf16 against int8, and optionally the target's too (--target-int8), on the default
+"""Weight-only quantization (issue 13): the draft's milliseconds per drafted token and the draft/verify split of a
+round, with the draft's weights in bf16, int8 and int4, and the target's as chosen (--target), on the default
 pair. One verifier; one draft service per variant on it; the same greedy prompt (the demo's), k = 4.
 
-Usage: python bench/quantization.py [--tokens 64 --runs 3 --target-int8]
+Usage: python bench/quantization.py [--tokens 64 --runs 3 --target none|int8|int4 --drafts none,int8,int4]
 """
 
 from __future__ import annotations
@@ -25,18 +25,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--target-int8", action="store_true", help="also quantize the target")
+    parser.add_argument("--target", dest="target_q", default="none", choices=("none", "int8", "int4"),
+                        help="the target's quantization (none: float32)")
+    parser.add_argument("--drafts", default="none,int8,int4", help="the draft's quantizations to compare")
     args = parser.parse_args()
     target, draft = _default_model("target"), _default_model("draft")
     logs = Path(tempfile.mkdtemp(prefix="quantization-"))
-    target_q = ["--quantization", "int8", "--dtype", "bfloat16"] if args.target_int8 else ["--dtype", "float32"]
+    target_q = (["--quantization", args.target_q, "--dtype", "bfloat16"] if args.target_q != "none"
+                else ["--dtype", "float32"])
     with Stack() as stack:
         verifier = stack.start("verifier", ["verifier", "--model", str(target), *target_q], log_dir=logs)
         drafts = {q: stack.start(f"draft-{q}", ["draft", "--model", str(draft), "--dtype", "bfloat16",
                                                 "--quantization", q, "--verifier", verifier.address], log_dir=logs)
-                  for q in ("none", "int8")}
-        print(f"target {'int8/bf16' if args.target_int8 else 'fp32'}; draft bf16 weights vs int8; k = 4, greedy, "
-              f"{args.tokens} tokens, median of {args.runs}")
+                  for q in args.drafts.split(",")}
+        print(f"target {args.target_q + '/bf16' if args.target_q != 'none' else 'fp32'}; draft bf16 with weights "
+              f"{args.drafts}; k = 4, greedy, {args.tokens} tokens, median of {args.runs}")
         outputs = {}
         for q, service in drafts.items():
             rows = []
@@ -53,7 +56,8 @@ def main() -> int:
             med = [statistics.median(c) for c in zip(*rows, strict=True)]
             print(f"draft {q:>4}: {med[0]:.1f} ms per drafted token; round: draft {med[1]:.0f} ms / verify "
                   f"{med[2]:.0f} ms; {med[4]:.2f} tokens/round; {med[3]:.2f} tok/s")
-        print(f"outputs identical (both verified by the same target): {outputs['none'] == outputs['int8']}")
+        same = len({tuple(o) for o in outputs.values()}) == 1
+        print(f"outputs identical (all verified by the same target): {same}")
     return 0
 
 

@@ -14,9 +14,10 @@ import re
 from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-QUANTIZATIONS = ("none", "int8")
-QUANTIZATION_HELP = ("weight-only quantization of every linear layer on CPU: none, or int8 (per output channel, "
-                     "activations in --dtype float32 or bfloat16); the quantized model is the one verified against")
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATION_HELP = ("weight-only quantization of every linear layer on CPU: none; int8 (per output channel, "
+                     "activations in --dtype float32 or bfloat16); int4 (affine per group of 32, bfloat16 "
+                     "activations). The quantized model is the one verified against")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}

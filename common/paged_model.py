@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from common.config import QUANTIZATIONS
-from common.cpu_linear import Int8Linear, PackedLinear, onednn_available
+from common.cpu_linear import Int4Linear, Int8Linear, PackedLinear, onednn_available
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels import platform
 from kernels.kv_cache_write import write_kv
@@ -62,8 +62,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class PagedCausalLM:
     def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
                  release_unpacked: bool = False, quantization: str = "none") -> None:
-        """quantization "int8": every linear layer (lm_head included) weight-only int8 per output channel, on CPU
-        (common.cpu_linear.Int8Linear); "none": the model's own weights (oneDNN-packed on CPU)."""
+        """quantization "int8" or "int4": every linear layer (lm_head included) weight-only quantized, on CPU
+        (common.cpu_linear.Int8Linear / Int4Linear); "none": the model's own weights (oneDNN-packed on CPU)."""
         self.model = model
         self.kv_cache = kv_cache
         spec = kv_cache.spec
@@ -92,7 +92,7 @@ class PagedCausalLM:
                                                  and model.dtype in (torch.float32, torch.bfloat16)
                                                  and onednn_available())
         if self.packed:
-            linear = Int8Linear if quantization == "int8" else PackedLinear
+            linear = {"int8": Int8Linear, "int4": Int4Linear}.get(quantization, PackedLinear)
             self.qkv = [linear(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj) for la in self.layers]
             self.o_proj = [linear(la.self_attn.o_proj) for la in self.layers]
             self.gate_up = [linear(la.mlp.gate_proj, la.mlp.up_proj) for la in self.layers]
@@ -100,6 +100,9 @@ class PagedCausalLM:
             self.head = linear(self.lm_head)
             if release_unpacked:  # the services own their model: keep one copy of each weight, not two
                 _release_linear_weights(model)
+                for m in [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.head]:
+                    if isinstance(m, Int4Linear):
+                        m.release_reference()
 
     @property
     def device(self) -> torch.device:

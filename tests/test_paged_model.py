@@ -68,12 +68,15 @@ def test_rollback_then_rewrite_reuses_slots():
     assert float((out - ref).abs().max()) <= 1e-9
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3)])
-def test_int8_quantized_runner_computes_the_fake_quantized_model(dtype, tol):
-    """--quantization int8: the paged runner equals transformers' forward of the same model with every linear
-    weight replaced by its int8-dequantized value (the quantized model is what gets verified), and it is not the
-    unquantized model."""
-    from common.cpu_linear import Int8Linear
+@pytest.mark.parametrize("quantization,tol", [("int8", 2e-3), ("int4", 0.15)])
+def test_quantized_runner_computes_the_fake_quantized_model(quantization, tol):
+    """--quantization int8 / int4: the paged runner equals transformers' forward of the same model with every
+    linear weight replaced by its dequantized value (the quantized model is what gets verified), and it is not the
+    unquantized model. (int4 runs its activations in bfloat16, hence its tolerance.)"""
+    from common.cpu_linear import Int4Linear, Int8Linear
+
+    quantizer = Int8Linear if quantization == "int8" else Int4Linear
+    dtype = torch.float32
 
     config = model_config("qwen2", 97, eos_token_id=None, heads=4, kv_heads=2, hidden=64)
     model = build_model(config, seed=5, dtype=torch.float32)
@@ -81,9 +84,9 @@ def test_int8_quantized_runner_computes_the_fake_quantized_model(dtype, tol):
     with torch.no_grad():
         for module in fake.modules():
             if isinstance(module, torch.nn.Linear):
-                module.weight.copy_(Int8Linear(module).dequantized())
+                module.weight.copy_(quantizer(module).dequantized())
     model, fake = model.to(dtype), fake.to(torch.float64)
-    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 4), quantization="int8")
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 4), quantization=quantization)
     seq = torch.randint(0, 97, (11,), generator=torch.Generator().manual_seed(2))
     out = _run(runner, BlockManager(16, 4), [seq], [(0, 0, 11)]).to(torch.float64)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""--quantization int8 on both services: the quantized model is the target, and speculation stays lossless
+"""--quantization int8 and int4 on both services: the quantized model is the target, and speculation stays lossless
 against it (greedy identical to k = 0 with the same quantization, coupled sampling identical to its k = 0)."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from specwire.testing import LocalStack, text_pair
 PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43]]
 
 
-@pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    root = tmp_path_factory.mktemp("int8")
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
     target, draft = text_pair(root, "qwen2", dtype=torch.float32)
-    flags = ("--quantization", "int8")
+    flags = ("--quantization", request.param)
     with LocalStack.start(target, draft, log_dir=root / "logs", verifier_args=flags, draft_args=flags) as stack:
         yield stack
 
 
-def test_int8_speculation_is_lossless_against_the_int8_target(quantized):
+def test_speculation_is_lossless_against_the_quantized_target(quantized):
     with quantized.client() as client:
         for prompt in PROMPTS:
             def run(k, prompt=prompt, **kw):
