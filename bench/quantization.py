@@ -41,6 +41,12 @@ def main() -> int:
         print(f"target {args.target_q + '/bf16' if args.target_q != 'none' else 'fp32'}; draft bf16 with weights "
               f"{args.drafts}; k = 4, greedy, {args.tokens} tokens, median of {args.runs}")
         outputs = {}
+        with Client(next(iter(drafts.values())).address) as client:  # the target alone, same quantization
+            client.generate("warm up", max_tokens=4, temperature=0.0)
+            alone = statistics.median(
+                client.generate(DEFAULT_PROMPT, max_tokens=args.tokens, temperature=0.0, num_speculative_tokens=0,
+                                ignore_eos=True).stats.tokens_per_second for _ in range(args.runs))
+        print(f"target alone (k = 0): {alone:.2f} tok/s")
         for q, service in drafts.items():
             rows = []
             with Client(service.address) as client:
@@ -55,7 +61,7 @@ def main() -> int:
                     outputs[q] = r.token_ids
             med = [statistics.median(c) for c in zip(*rows, strict=True)]
             print(f"draft {q:>4}: {med[0]:.1f} ms per drafted token; round: draft {med[1]:.0f} ms / verify "
-                  f"{med[2]:.0f} ms; {med[4]:.2f} tokens/round; {med[3]:.2f} tok/s")
+                  f"{med[2]:.0f} ms; {med[4]:.2f} tokens/round; {med[3]:.2f} tok/s = {med[3] / alone:.2f}x k = 0")
         same = len({tuple(o) for o in outputs.values()}) == 1
         print(f"outputs identical (all verified by the same target): {same}")
     return 0
