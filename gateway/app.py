@@ -31,7 +31,7 @@ from gateway.openai_api import (
     stats_extension,
     usage,
 )
-from specwire.client import AsyncClient, Result
+from specwire.client import AsyncClient, Chunk, Result
 from specwire.errors import SpecwireError
 
 log = structlog.get_logger(__name__)
@@ -156,7 +156,15 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
         client = state["client"]
         rid, t0 = new_id(prefix), time.perf_counter()
         if body.stream:
-            events = _stream(client, body, kwargs, rid, kind, choice)
+            result = Result()
+            chunks = client.stream(**kwargs, result=result)
+            try:  # the first chunk before the headers: a request the services refuse gets its own status
+                first = await anext(chunks)
+            except StopAsyncIteration:
+                first = None
+            except SpecwireError as err:
+                raise from_grpc(err.code, err.message) from None
+            events = _stream(body, chunks, first, result, rid, kind, choice)
             return StreamingResponse(_sse(events, rid, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
@@ -174,18 +182,22 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
                  wall_s=round(time.perf_counter() - t0, 4))
         return JSONResponse(out, headers={"X-Request-Id": rid})
 
-    async def _stream(client: AsyncClient, body, kwargs: dict, rid: str, kind: str,
+    async def _stream(body, chunks: AsyncIterator[Chunk], first: Chunk | None, result: Result, rid: str, kind: str,
                       choice) -> AsyncIterator[dict]:
         chunk_kind = kind + ".chunk" if kind == "chat.completion" else kind
         head = {"id": rid, "object": chunk_kind, "created": now(), "model": name}
         extra = {"usage": None} if body.include_usage else {}
-        result = Result()
         if kind == "chat.completion":  # OpenAI's first chat chunk names the role
             yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}
-        async for chunk in client.stream(**kwargs, result=result):
-            if chunk.text:
-                yield {**head, "choices": [choice(chunk.text, None, final=False)], **extra}
+        try:
+            if first is not None and first.text:
+                yield {**head, "choices": [choice(first.text, None, final=False)], **extra}
+            async for chunk in chunks:
+                if chunk.text:
+                    yield {**head, "choices": [choice(chunk.text, None, final=False)], **extra}
+        finally:
+            await chunks.aclose()  # also when the client went away: cancels the generation
         last = {**head, "choices": [choice("", finish_reason(result), final=False)], **extra}
         if body.specwire_stats:
             last["specwire_stats"] = stats_extension(result.stats)

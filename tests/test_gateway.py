@@ -143,6 +143,19 @@ def test_bad_completion_requests_get_openai_errors(client, kwargs, error, status
     assert set(err.value.body) >= {"message", "type"}
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_refused_streamed_request_gets_its_status_not_a_200(client, endpoint):
+    """The services' refusal arrives before the first token: the stream has not begun, so it is a plain 400."""
+    model = _model(client)
+    with pytest.raises(openai.BadRequestError) as err:
+        if endpoint == "chat":
+            list(client.chat.completions.create(model=model, messages=MESSAGES, stream=True, temperature=-0.5))
+        else:
+            list(client.completions.create(model=model, prompt=PROMPT, stream=True, top_p=0.0))
+    assert err.value.status_code == 400
+    assert ("temperature" if endpoint == "chat" else "top_p") in err.value.message
+
+
 def _raw(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:
     request = urllib.request.Request(url + path, data=body, headers={"Content-Type": "application/json",
                                                                       **(headers or {})})
