@@ -15,6 +15,7 @@ import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.security import TokenFile, read_file, read_token
@@ -37,6 +38,7 @@ from specwire.errors import SpecwireError
 log = structlog.get_logger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 DISCONNECT_POLL_S = 0.25
 _HTTP_ERRORS = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
 
@@ -59,6 +61,43 @@ def connect(config: GatewayConfig) -> AsyncClient:
                        private_key=pem(config.server_key, "client key"), tls_server_name=config.server_tls_name)
 
 
+class GatewayMetrics:
+    """Prometheus metrics of the gateway, served at /metrics."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("specwire_gateway_requests", "HTTP requests, by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.latency = Histogram("specwire_gateway_response_seconds", "Time to the response's headers: the whole "
+                                 "answer when unstreamed, the first chunk when streamed", ["endpoint"],
+                                 registry=self.registry,
+                                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+
+
+class CountRequests:
+    """ASGI middleware: counts each HTTP response by endpoint and status when its headers go out."""
+
+    def __init__(self, app, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in ROUTES else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        t0 = time.perf_counter()
+
+        async def counted(message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint=endpoint, status=str(message["status"])).inc()
+                self.metrics.latency.labels(endpoint=endpoint).observe(time.perf_counter() - t0)
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
 def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> FastAPI:
     name = model_name(config)
     chat = chat if chat is not None else ChatTemplate.load(config.tokenizer)
@@ -75,6 +114,14 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
         await state["client"].close()
 
     app = FastAPI(title="specwire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    metrics = GatewayMetrics()
+    # NOTE: a plain ASGI middleware, not @app.middleware("http"): Starlette's BaseHTTPMiddleware re-wraps streamed
+    # bodies, and a client's disconnect then no longer cancels its generation (tests/test_gateway.py caught it).
+    app.add_middleware(CountRequests, metrics=metrics)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, err: ApiError) -> JSONResponse:

@@ -253,3 +253,16 @@ def test_chat_without_a_chat_template_is_a_clear_400(gateway, tmp_path):
                                                                           "max_tokens": 2}).encode())
         assert status == 200  # completions need no template
         service.stop()
+
+
+def test_prometheus_metrics_count_requests_by_endpoint_and_status(gateway, client):
+    _, url = gateway
+    model = _model(client)
+    client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
+    with urllib.request.urlopen(url + "/metrics") as reply:  # open, as /health
+        text = reply.read().decode()
+    assert 'specwire_gateway_requests_total{endpoint="/v1/completions",status="200"}' in text
+    assert 'specwire_gateway_requests_total{endpoint="/v1/completions",status="404"}' in text
+    assert 'specwire_gateway_response_seconds_count{endpoint="/v1/completions"}' in text
