@@ -19,6 +19,14 @@ QUANTIZATION_HELP = ("weight-only quantization of every linear layer on CPU: non
                      "activations in --dtype float32 or bfloat16); int4 (affine per group of 32, bfloat16 "
                      "activations). The quantized model is the one verified against")
 
+
+def check_weights(dtype: str, quantization: str) -> None:
+    """--dtype and --quantization, as both services take them."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 

@@ -10,6 +10,7 @@ from common.config import (
     QUANTIZATION_HELP,
     QUANTIZATIONS,
     ServerSecurityConfig,
+    check_weights,
     format_bytes,
     option,
     parse_bytes,
@@ -77,10 +78,7 @@ class DraftConfig(ServerSecurityConfig):
                              "--verifier-tls-key")
         if self.verifier_retry_deadline_s < 0:
             raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_weights(self.dtype, self.quantization)
         if not 0 <= self.pipeline_width <= 8:
             raise ValueError(f"pipeline_width must be in [0, 8] (0: learned), got {self.pipeline_width}")
         if self.num_speculative_tokens < 0:

@@ -10,6 +10,7 @@ from common.config import (
     QUANTIZATION_HELP,
     QUANTIZATIONS,
     ServerSecurityConfig,
+    check_weights,
     format_bytes,
     option,
     parse_bytes,
@@ -50,10 +51,7 @@ class VerifierConfig(ServerSecurityConfig):
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
         self.check_security()
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        check_weights(self.dtype, self.quantization)
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
         if self.max_draft_tokens < 0:
