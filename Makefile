@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 models: $(STAMP)
-	$(PY) scripts/fetch_models.py
+	$(PY) scripts/fetch_models.py --keep-gguf
 
 demo: models
 	$(VENV)/bin/specwire demo

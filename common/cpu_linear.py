@@ -9,6 +9,9 @@ This is what makes verifying k + 1 tokens cost about the same as one. Projection
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 
@@ -72,44 +75,81 @@ class Int8Linear(torch.nn.Module):
 INT4_GROUP = 32
 
 
+@dataclass(frozen=True)
+class Int4Weights:
+    """One matrix in torch's int4 convention: w = (q - 8) * scale + zero per group of INT4_GROUP input weights."""
+
+    q: torch.Tensor  # [out, in] int32 in [0, 15]
+    scale: torch.Tensor  # [out, in / INT4_GROUP] float32
+    zero: torch.Tensor  # [out, in / INT4_GROUP] float32
+
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32, with scale and zero as given (not rounded)
+        out, cols = self.q.shape
+        groups = (self.q.to(torch.float32).reshape(out, -1, INT4_GROUP) - 8.0) * self.scale[..., None]
+        return (groups + self.zero[..., None]).reshape(out, cols)
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weights:
+    """Affine min/max quantization per group of INT4_GROUP input weights (what a float checkpoint gets)."""
+    weight = weight.detach().to(torch.float32)
+    out_features, in_features = weight.shape
+    if in_features % INT4_GROUP:
+        raise ValueError(f"int4 quantization needs in_features divisible by {INT4_GROUP}, got {in_features}")
+    groups = weight.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp_min(1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
+    return Int4Weights(q.reshape(out_features, in_features), scale, low + 8.0 * scale)
+
+
 class Int4Linear(torch.nn.Module):
     """Weight-only int4 for one or more concatenated nn.Linear layers: affine per group of 32 input weights, in
     torch's int4 convention w = (q - 8) * scale + zero with q in [0, 15] (scale and zero in bfloat16, as Q4_K's
     affine sub-blocks of 32), through aten's CPU int4 matmul. Activations run in bfloat16; the output is cast back to
     the model's dtype. Every shape uses the same kernel.
 
+    `codes`, one entry per linear, gives weights already in this form (a GGUF's Q4 blocks, common.gguf_weights);
+    a None entry, or no `codes`, quantizes that linear's float weight with quantize_int4.
+
     NOTE: measured on the 2-core AVX2 dev machine, a 1536x8960 linear took 0.25 ms at 1 row, 0.69 ms at 5 rows and
     3.5 ms at 40, the same as int8: at these sizes the kernel is compute-bound, so int4 buys memory, not speed.
+    The kernel also takes float32 activations with float32 scales (which would keep a Q4_K scale exact), but that
+    path is a scalar reference: 10 ms at 1 row, 81 ms at 5.
     """
 
-    def __init__(self, *linears: torch.nn.Linear) -> None:
+    def __init__(self, *linears: torch.nn.Linear, codes: Sequence[Int4Weights | None] | None = None) -> None:
         super().__init__()
-        weight = torch.cat([lin.weight.detach() for lin in linears], dim=0).to(torch.float32)
-        out_features, in_features = weight.shape
-        if in_features % INT4_GROUP:
-            raise ValueError(f"int4 quantization needs in_features divisible by {INT4_GROUP}, got {in_features}")
+        codes = list(codes) if codes is not None else [None] * len(linears)
+        if len(codes) != len(linears):
+            raise ValueError(f"{len(linears)} linears but {len(codes)} code entries")
+        parts = [c if c is not None else quantize_int4(lin.weight) for c, lin in zip(codes, linears, strict=True)]
+        for part, lin in zip(parts, linears, strict=True):
+            if tuple(part.q.shape) != (lin.out_features, lin.in_features):
+                raise ValueError(f"int4 codes of shape {tuple(part.q.shape)} for a linear of "
+                                 f"{(lin.out_features, lin.in_features)}")
         self.dtype = linears[0].weight.dtype
         biases = [lin.bias for lin in linears]
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.cat([b.detach() if b is not None else torch.zeros(lin.out_features, dtype=self.dtype)
                                    for b, lin in zip(biases, linears, strict=True)]).to(self.dtype)
+        q = torch.cat([p.q for p in parts])
+        scale = torch.cat([p.scale for p in parts])
+        zero = torch.cat([p.zero for p in parts])
+        out_features, in_features = q.shape
         padded = -(-out_features // 16) * 16  # the packing wants N divisible by 16: zero rows, sliced off
-        weight = torch.cat([weight, weight.new_zeros(padded - out_features, in_features)])
-        groups = weight.reshape(padded, in_features // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        scale = ((high - low) / 15.0).clamp_min(1e-12)
-        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32)
-        zero = low + 8.0 * scale
+        pad = padded - out_features
+        q_padded = torch.cat([q, q.new_full((pad, in_features), 8)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
         self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(padded, in_features), 1)
-        self._q = q[:out_features]  # for dequantized() (tests); the services free it
+        self.qweight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q_padded.to(torch.int32).contiguous(), 1)
+        self._q = q  # for dequantized() (tests); the services free it
         self.out_features = out_features
 
-    def dequantized(self) -> torch.Tensor:  # [out, in] float32
+    def dequantized(self) -> torch.Tensor:  # [out, in] float32: what the kernel multiplies by (bf16 scale and zero)
         sz = self.scales_and_zeros.to(torch.float32).transpose(0, 1)[:self.out_features]  # [out, groups, 2]
-        w = (self._q.to(torch.float32) - 8.0) * sz[..., 0:1] + sz[..., 1:2]
-        return w.reshape(self.out_features, -1)
+        return Int4Weights(self._q, sz[..., 0].contiguous(), sz[..., 1].contiguous()).dequantized()
 
     def release_reference(self) -> None:
         self._q = None

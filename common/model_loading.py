@@ -7,6 +7,7 @@ into a safetensors directory in the cache folder and reloaded from there in seco
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ class LoadedModel:
     vocab_size: int  # rows of the logits
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    gguf_path: Path | None = None  # the GGUF file the weights were converted from, if any
 
 
 def cache_dir() -> Path:
@@ -60,6 +62,32 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     return out
 
 
+SOURCE_MARKER = "specwire_source.json"
+
+
+def source_gguf(path: str | os.PathLike) -> Path | None:
+    """The GGUF file a model path stands for, or None: the file itself, a directory's single .gguf, or the file
+    a converted directory records in its SOURCE_MARKER, while that file is still there with the same size."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        marker = p / SOURCE_MARKER
+        if (p / "config.json").exists():
+            if not marker.exists():
+                return None
+            source = json.loads(marker.read_text())
+            gguf = (p / source["gguf"]).resolve()
+            return gguf if gguf.is_file() and gguf.stat().st_size == source["size"] else None
+        ganged = sorted(p.glob("*.gguf"))
+        return ganged[0] if len(ganged) == 1 else None
+    return p if p.suffix == ".gguf" and p.is_file() else None
+
+
+def record_source(model_dir: Path, gguf_path: Path) -> None:
+    """Note in a converted directory which GGUF file it came from (relative, so the pair can move together)."""
+    (model_dir / SOURCE_MARKER).write_text(json.dumps({
+        "gguf": os.path.relpath(gguf_path.resolve(), model_dir.resolve()), "size": gguf_path.stat().st_size}))
+
+
 def convert_gguf(gguf_path: Path, out: Path) -> None:
     """Dequantise a GGUF file into a float32 safetensors directory (config, weights, tokenizer)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -80,6 +108,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     os.replace(tmp, out)
+    record_source(out, gguf_path)
     log.info("gguf_convert_done", out=str(out))
 
 
@@ -111,6 +140,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         vocab_size=model.get_output_embeddings().weight.shape[0],
         eos_token_ids=eos,
         max_model_len=int(getattr(model.config, "max_position_embeddings", 2048)),
+        gguf_path=source_gguf(path),
     )
 
 

@@ -9,17 +9,23 @@ attention runs per sequence through kernels.paged_attention.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from common.config import QUANTIZATIONS
 from common.cpu_linear import Int4Linear, Int8Linear, PackedLinear, onednn_available
+from common.gguf_weights import GGUFFile, map_int4
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels import platform
 from kernels.kv_cache_write import write_kv
 from kernels.paged_attention import attention_metadata, paged_attention, paged_attention_tensors
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -61,9 +67,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class PagedCausalLM:
     def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
-                 release_unpacked: bool = False, quantization: str = "none") -> None:
+                 release_unpacked: bool = False, quantization: str = "none",
+                 gguf_path: str | Path | None = None) -> None:
         """quantization "int8" or "int4": every linear layer (lm_head included) weight-only quantized, on CPU
-        (common.cpu_linear.Int8Linear / Int4Linear); "none": the model's own weights (oneDNN-packed on CPU)."""
+        (common.cpu_linear.Int8Linear / Int4Linear); "none": the model's own weights (oneDNN-packed on CPU).
+        gguf_path: the GGUF file the model was converted from; with int4, its Q4 blocks are used as they are
+        (common.gguf_weights) instead of requantizing their float values."""
         self.model = model
         self.kv_cache = kv_cache
         spec = kv_cache.spec
@@ -93,6 +102,8 @@ class PagedCausalLM:
                                                  and onednn_available())
         if self.packed:
             linear = {"int8": Int8Linear, "int4": Int4Linear}.get(quantization, PackedLinear)
+            if quantization == "int4" and gguf_path is not None:
+                linear = self._gguf_int4(model, Path(gguf_path))
             self.qkv = [linear(la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj) for la in self.layers]
             self.o_proj = [linear(la.self_attn.o_proj) for la in self.layers]
             self.gate_up = [linear(la.mlp.gate_proj, la.mlp.up_proj) for la in self.layers]
@@ -103,6 +114,17 @@ class PagedCausalLM:
                 for m in [*self.qkv, *self.o_proj, *self.gate_up, *self.down, self.head]:
                     if isinstance(m, Int4Linear):
                         m.release_reference()
+
+    @staticmethod
+    def _gguf_int4(model: Any, gguf_path: Path) -> Callable[..., Int4Linear]:
+        mapping = map_int4(model, GGUFFile(gguf_path))
+        log.info("gguf_int4_mapping", gguf=str(gguf_path), **mapping.summary())
+        names = {id(module): name for name, module in model.named_modules()}
+
+        def build(*linears: torch.nn.Linear) -> Int4Linear:
+            return Int4Linear(*linears, codes=[mapping.codes.get(names[id(lin)]) for lin in linears])
+
+        return build
 
     @property
     def device(self) -> torch.device:

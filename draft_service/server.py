@@ -79,7 +79,8 @@ async def serve(config: DraftConfig) -> None:
         spec = kv_cache_spec(loaded.model)
         num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
         kv = KVCache(spec, num_blocks, config.block_size, device)
-        runner = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization)
+        runner = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
+                               gguf_path=loaded.gguf_path)
         info = describe_device(device)
         log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
                  kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)

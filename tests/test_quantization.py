@@ -3,20 +3,32 @@ against it (greedy identical to k = 0 with the same quantization, coupled sampli
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+from gguf_files import gguf_source
 
 from specwire.testing import LocalStack, text_pair
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43]]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "int4-gguf"])
 def quantized(request, tmp_path_factory):
+    """int4-gguf: both models are conversions of Q4_0 GGUF files, whose blocks the services map as they are."""
     root = tmp_path_factory.mktemp(request.param)
     target, draft = text_pair(root, "qwen2", dtype=torch.float32)
-    flags = ("--quantization", request.param)
+    if request.param == "int4-gguf":
+        gguf_source(target)
+        gguf_source(draft)
+    flags = ("--quantization", request.param.split("-")[0])
     with LocalStack.start(target, draft, log_dir=root / "logs", verifier_args=flags, draft_args=flags) as stack:
+        if request.param == "int4-gguf":
+            for service in ("verifier", "draft"):
+                mapped = [json.loads(line) for line in (root / "logs" / f"{service}.log").read_text().splitlines()
+                          if "gguf_int4_mapping" in line]
+                assert mapped and mapped[0]["exact"] == 2 * 7 + 1 and mapped[0]["requantized"] == 0, mapped
         yield stack
 
 

@@ -39,7 +39,8 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     log.info("kv_cache", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
              num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
              bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size)
-    model = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization)
+    model = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
+                          gguf_path=loaded.gguf_path)
     return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size),
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
