@@ -1,5 +1,6 @@
 """A GGUF's Q4 blocks mapped onto the int4 layout: the file's codes and scales as they are, checked against gguf-py's
 own dequantization, and the other types (or a file that is not the model) requantized."""
+
 from __future__ import annotations
 
 import numpy as np
