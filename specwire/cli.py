@@ -11,7 +11,7 @@ import asyncio
 import json
 import sys
 
-from common.config import DTYPES, add_config_flags, add_flag, config_from_args
+from common.config import DTYPES, QUANTIZATIONS, add_config_flags, add_flag, config_from_args
 
 
 def _verifier_parser(sub) -> None:
@@ -83,6 +83,11 @@ def _demo_parser(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the target's dtype")
     p.add_argument("--draft-dtype", default="bfloat16", choices=DTYPES,
                    help="the draft's dtype: bfloat16 halves its memory traffic; outputs stay exact either way")
+    p.add_argument("--quantization", default="none", choices=QUANTIZATIONS,
+                   help="the target's weight-only quantization (int8/int4: with --dtype bfloat16 or float32); the "
+                        "k = 0 baseline runs the same quantized target")
+    p.add_argument("--draft-quantization", default="none", choices=QUANTIZATIONS,
+                   help="the draft's weight-only quantization")
     p.add_argument("--no-baseline", action="store_true", help="skip the k=0 run")
     p.add_argument("--no-gateway", action="store_true", help="skip the OpenAI gateway's chat request")
     p.add_argument("--gateway-tokens", type=int, default=48, help="tokens of the gateway's chat answer")

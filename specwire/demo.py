@@ -78,15 +78,17 @@ def run_demo(args) -> int:
     prompt = args.prompt or DEFAULT_PROMPT
     k = args.num_speculative_tokens
     log_dir = Path(tempfile.mkdtemp(prefix="specwire-demo-"))
-    print(f"specwire demo: target {target} ({args.dtype}), draft {draft} ({args.draft_dtype}), k = {k}, greedy, "
-          f"{args.max_tokens} tokens "
-          f"(service logs in {log_dir})", flush=True)
+    target_q, draft_q = args.quantization, args.draft_quantization
+    weights = {q: "" if q == "none" else f", {q} weights" for q in (target_q, draft_q)}
+    print(f"specwire demo: target {target} ({args.dtype}{weights[target_q]}), draft {draft} ({args.draft_dtype}"
+          f"{weights[draft_q]}), k = {k}, greedy, {args.max_tokens} tokens (service logs in {log_dir})", flush=True)
     with Stack() as stack:
         verifier = stack.start("verifier", ["verifier", "--model", str(target), "--dtype", args.dtype,
-                                            "--max-draft-tokens", str(max(k, 16))], log_dir=log_dir)
+                                            "--quantization", target_q, "--max-draft-tokens", str(max(k, 16))],
+                               log_dir=log_dir)
         drafter = stack.start("draft", ["draft", "--model", str(draft), "--dtype", args.draft_dtype,
-                                        "--verifier", verifier.address, "--num-speculative-tokens", str(k)],
-                              log_dir=log_dir)
+                                        "--quantization", draft_q, "--verifier", verifier.address,
+                                        "--num-speculative-tokens", str(k)], log_dir=log_dir)
         print(f"verifier on {verifier.address}, draft service on {drafter.address}\n", flush=True)
         with Client(drafter.address) as client:
             print(f"--- speculative (k = {k}) ---", flush=True)
