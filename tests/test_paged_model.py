@@ -100,3 +100,37 @@ def test_int8_quantization_is_refused_off_the_cpu_float_path():
     model = build_model(model_config("qwen2", 61, eos_token_id=None), seed=4, dtype=torch.float64)
     with pytest.raises(ValueError, match="CPU path for float32 or bfloat16"):
         PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 4), quantization="int8")
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_token_computes_the_same_alone_or_inside_a_verification_block(quantization, dtype):
+    """Greedy identity between k = 0 and k > 0 rests on this: a position's logits are bit for bit the same whether
+    it is decoded alone (one row) or verified in a block of k + 1 rows. (Attention over exactly the keys a query
+    sees; a one-row linear run as two rows.)"""
+    config = model_config("qwen2", 97, eos_token_id=None, hidden=256, heads=2, kv_heads=1, layers=2)
+    model = build_model(config, seed=11, dtype=dtype)
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 16), quantization=quantization)
+    seq = torch.randint(0, 97, (45,), generator=torch.Generator().manual_seed(3))
+    prefill = [(0, 0, 30)]
+    blocks = BlockManager(16, 16)
+    _run(runner, blocks, [seq], prefill)
+    alone = torch.cat([_run(runner, blocks, [seq], [(0, p, p + 1)]) for p in range(30, 45)])
+    blocks = BlockManager(16, 16)
+    _run(runner, blocks, [seq], prefill)
+    in_blocks = torch.cat([_run(runner, blocks, [seq], [(0, p, p + 5)]) for p in range(30, 45, 5)])
+    assert torch.equal(alone, in_blocks), float((alone.float() - in_blocks.float()).abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_linear_rows_do_not_depend_on_the_row_count(dtype):
+    """oneDNN's single-row path rounds differently from its batched one at a decoder's shapes (1536 -> 8960)."""
+    from common.cpu_linear import PackedLinear
+
+    torch.manual_seed(0)
+    layer = PackedLinear(torch.nn.Linear(1536, 8960).to(dtype))
+    x = torch.randn(5, 1536).to(dtype)
+    first = layer(x[:1])
+    assert first.shape == (1, 8960)
+    for rows in (2, 3, 5):
+        assert torch.equal(layer(x[:rows])[:1], first), rows
