@@ -21,6 +21,7 @@ import torch
 
 from common.aio import coalesce
 from common.block_manager import BlockManager
+from common.compute_thread import compute_thread
 from common.errors import ErrorCode, ServiceError
 from common.paged_model import ForwardBatch, PagedCausalLM
 from common.sampling import SparseProbs
@@ -178,11 +179,12 @@ class DraftModel:
 class Proposer:
     """Batches concurrent draft requests: while one batch drafts, new requests queue for the next."""
 
-    def __init__(self, model: DraftModel) -> None:
+    def __init__(self, model: DraftModel, executor: ThreadPoolExecutor | None = None) -> None:
+        """executor: the one thread the model runs on; pass the one that loaded it (see common.compute_thread)."""
         self.model = model
         self._pending: list[tuple[DraftSequence, int, float, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-model")
+        self._executor = executor or compute_thread("draft-model")
         self._task: asyncio.Task | None = None
         self._last_batch_s = 0.0
 

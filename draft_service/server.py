@@ -9,12 +9,13 @@ from grpc_health.v1 import health, health_pb2
 from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
+from common.compute_thread import compute_thread
 from common.config import parse_dtype
 from common.device import describe_device, resolve_device, resolve_dtype_name
 from common.errors import ErrorCode, ServiceError
 from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, num_blocks_for_budget
-from common.model_loading import load_model, load_tokenizer
+from common.model_loading import LoadedModel, load_model, load_tokenizer
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.tokenizer import tokenizer_fingerprint
 from draft_service.config import DraftConfig
@@ -65,6 +66,21 @@ async def connect_at_start(link: VerifierLink, timeout_s: float) -> None:
         raise
 
 
+def build_draft_model(config: DraftConfig) -> tuple[LoadedModel, DraftModel]:
+    device = resolve_device(config.device)
+    dtype = resolve_dtype_name(config.dtype, device)
+    loaded = load_model(config.model, parse_dtype(dtype), device)
+    spec = kv_cache_spec(loaded.model)
+    num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
+    kv = KVCache(spec, num_blocks, config.block_size, device)
+    runner = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
+                           gguf_path=loaded.gguf_path)
+    info = describe_device(device)
+    log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
+             kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)
+    return loaded, DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support)
+
+
 async def serve(config: DraftConfig) -> None:
     proposer: Proposer | None = None
     drafter: Drafter
@@ -73,18 +89,9 @@ async def serve(config: DraftConfig) -> None:
         model_id, vocab_size, fingerprint = f"ngram:{config.model}", None, tokenizer_fingerprint(tokenizer)
         drafter = NgramDrafter()
     else:
-        device = resolve_device(config.device)
-        dtype = resolve_dtype_name(config.dtype, device)
-        loaded = load_model(config.model, parse_dtype(dtype), device)
-        spec = kv_cache_spec(loaded.model)
-        num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
-        kv = KVCache(spec, num_blocks, config.block_size, device)
-        runner = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
-                               gguf_path=loaded.gguf_path)
-        info = describe_device(device)
-        log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
-                 kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)
-        proposer = Proposer(DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support))
+        executor = compute_thread("draft-model")  # the model loads on the thread that runs it
+        loaded, model = await asyncio.get_running_loop().run_in_executor(executor, build_draft_model, config)
+        proposer = Proposer(model, executor)
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
         drafter = ModelDrafter(proposer, config.draft_confidence_threshold)

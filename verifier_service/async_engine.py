@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import structlog
 
 from common.aio import coalesce
+from common.compute_thread import compute_thread
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.types import CloseStreamCmd, Command, Outcome, StepResult
@@ -19,13 +20,16 @@ log = structlog.get_logger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics) -> None:
+    def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        """executor: the one thread every step runs on; pass the one that loaded the model (see
+        common.compute_thread)."""
         self.engine = engine
         self.metrics = metrics
         self._streams: dict[int, asyncio.Queue[Outcome]] = {}
         self._stream_ids = itertools.count(1)
         self._wakeup = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-engine")
+        self._executor = executor or compute_thread("verifier-engine")
         self._task: asyncio.Task | None = None
         self._last_step_s = 0.0
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import structlog
 import torch
 from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
+from common.compute_thread import compute_thread
 from common.config import parse_dtype
 from common.device import describe_device, kv_budget_from_utilization, resolve_device, resolve_dtype_name
 from common.grpc_server import build_grpc_server, serve_until_signal
@@ -71,9 +74,10 @@ def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb
 
 
 async def serve(config: VerifierConfig) -> None:
-    engine = build_engine(config)
+    executor = compute_thread("verifier-engine")  # the model loads on the thread that steps it
+    engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, executor)
     servicer = VerifierServicer(async_engine, verifier_info(engine, config))
     server = build_grpc_server(
         config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
