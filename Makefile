@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install models demo test test-all test-compose lint protos gpu-wheels certs clean
+.PHONY: install models demo test test-all test-compose test-triton36 lint protos gpu-wheels certs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,19 @@ test-all: $(STAMP)
 test-compose: $(STAMP)
 	$(PY) scripts/compose_check.py || [ $$? -eq 77 ]
 
+# The kernels under triton 3.6 (the GPU check machine's version): a side environment with torch 2.13 and triton
+# 3.6.0 that borrows the rest from .venv; interpreter tests and ahead-of-time compiles. numpy < 2.4: triton 3.6's
+# interpreter breaks on numpy 2.4 (triton-lang/triton#9171).
+T36 := .venv-triton36
+test-triton36: $(STAMP)
+	test -x $(T36)/bin/python || python3 -m venv $(T36)
+	$(T36)/bin/python -m pip install -q torch==2.13.0 triton==3.6.0 'numpy<2.4'
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > $$($(T36)/bin/python -c "import site; print(site.getsitepackages()[0])")/specwire-venv.pth
+	TRITON_INTERPRET=1 $(T36)/bin/python -m pytest -p no:cacheprovider -q tests/test_kernels_triton.py \
+	  tests/test_philox.py tests/test_rejection_sampler.py tests/test_sampling_probs.py tests/test_kernels_aot.py \
+	  tests/test_static_forward.py
+	$(T36)/bin/python -c "import triton; assert triton.__version__.startswith('3.6'), triton.__version__"
+
 # Development TLS material and tokens for compose.yaml (never for production).
 certs: $(STAMP)
 	$(PY) scripts/make_dev_certs.py deploy/certs --host verifier --host draft-a --host draft-b
@@ -50,4 +63,4 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels grpcio==1.85.1 'protobuf>=6.31,<8'
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(T36) .pytest_cache .ruff_cache

@@ -7,11 +7,13 @@ Steps, each recorded in $OUT/gpu_check.json (or --out), and a table on stdout:
 1. the environment: torch, triton, device, platform;
 2. every kernel against its reference on the device, and the Philox generator bit for bit (bench/kernels.py);
 3. the end-to-end tests through both services on the device (tests/test_e2e_triton.py with SPECWIRE_TEST_DEVICE),
-   and a verifier that sizes its KV pool by --gpu-memory-utilization;
-4. kernel timings against the measured copy bandwidth (bench/kernels.py);
-5. verify-step timings of random-weight bf16 models shaped like Qwen2.5-1.5B and a 7B (Qwen2.5-7B): batch 1, 8,
+   eagerly and again with --cuda-graphs, and a verifier that sizes its KV pool by --gpu-memory-utilization;
+4. a captured graph's replay against the eager step (logits, argmax, the KV it writes);
+5. kernel timings against the measured copy bandwidth (bench/kernels.py);
+6. verify-step timings of random-weight bf16 models shaped like Qwen2.5-1.5B and a 7B (Qwen2.5-7B): batch 1, 8,
    32 and 64, k + 1 = 1 and 5: step time, tokens/s, the share of the weight-read floor (weight bytes / copy
-   bandwidth) and the host time per step (building the batch and the verification inputs, before any device work).
+   bandwidth), the host time per step (block copies and the batch built, before any device work) and the
+   device's own time (CUDA events), eagerly through the static buffers and replayed as graphs.
 """
 
 from __future__ import annotations
@@ -70,20 +72,21 @@ def kernels(smoke: bool, out_dir: Path) -> dict:
     return results
 
 
-def end_to_end(out_dir: Path) -> dict:
-    """tests/test_e2e_triton.py on the GPU: both services with --device cuda, greedy identity, seeded
-    reproducibility and the statistical test with its negative control."""
-    env = {**os.environ, "SPECWIRE_TEST_DEVICE": "cuda"}
+def end_to_end(out_dir: Path, *, graphs: bool = False) -> dict:
+    """tests/test_e2e_triton.py on the GPU: both services with --device cuda (and --cuda-graphs), greedy identity,
+    seeded reproducibility and the statistical test with its negative control."""
+    env = {**os.environ, "SPECWIRE_TEST_DEVICE": "cuda", "SPECWIRE_TEST_CUDA_GRAPHS": "1" if graphs else "0"}
     env.pop("TRITON_INTERPRET", None)
+    name = "e2e-graphs" if graphs else "e2e"
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           str(ROOT / "tests" / "test_e2e_triton.py"), f"--junitxml={out_dir / 'e2e.xml'}"]
+           str(ROOT / "tests" / "test_e2e_triton.py"), f"--junitxml={out_dir / (name + '.xml')}"]
     t0 = time.perf_counter()
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     print(run.stdout[-3000:])
     if run.returncode != 0:
-        raise CheckFailed(f"end-to-end tests failed on the device:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
+        raise CheckFailed(f"end-to-end tests ({name}) failed on the device:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
     if " skipped" in run.stdout:
-        raise CheckFailed("an end-to-end test skipped on the GPU")
+        raise CheckFailed(f"an end-to-end test ({name}) skipped on the GPU")
     return {"passed": True, "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -121,11 +124,13 @@ def build_random_model(shape: tuple, device: str, dtype: torch.dtype):
 
 
 def verify_step_timings(shape_name: str, shape: tuple, device: str, bandwidth: float, *, smoke: bool) -> list[dict]:
-    """Step time of one verification step: B sequences with a 512-token context each feed k + 1 tokens."""
+    """Step time of one verification step: B sequences with a 512-token context each feed k + 1 tokens, through
+    the service's path (static buffers, eager) and, on a GPU, replayed as CUDA graphs (--cuda-graphs)."""
     from common.block_manager import BlockManager
     from common.kv_cache import KVCache
     from common.paged_model import PagedCausalLM, kv_cache_spec
     from common.sampling import SamplingParams
+    from common.static_forward import StaticForward
     from verifier_service.model_runner import VerifierRunner
     from verifier_service.scheduler import ScheduledSeq, SchedulerOutput
     from verifier_service.sequence import Sequence, SequenceStatus
@@ -139,9 +144,13 @@ def verify_step_timings(shape_name: str, shape: tuple, device: str, bandwidth: f
     batches = (1, 2) if smoke else (1, 8, 32, 64)
     spec = kv_cache_spec(model)
     max_batch = max(batches)
-    num_blocks = max_batch * (-(-(context + 8) // block))
-    runner = VerifierRunner(PagedCausalLM(model, KVCache(spec, num_blocks, block, device)),
-                            BlockManager(num_blocks, block))
+    blocks_per_seq = -(-(context + 8) // block)
+    num_blocks = max_batch * blocks_per_seq
+    paged = PagedCausalLM(model, KVCache(spec, num_blocks, block, device))
+    eager = StaticForward(paged, max_tokens=max_batch * 5, max_blocks_per_seq=blocks_per_seq)
+    graphs = (StaticForward(paged, max_tokens=max_batch * 5, max_blocks_per_seq=blocks_per_seq, graphs=True)
+              if device == "cuda" else None)
+    runner = VerifierRunner(paged, BlockManager(num_blocks, block), eager)
     vocab = shape[-1]
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -159,44 +168,107 @@ def verify_step_timings(shape_name: str, shape: tuple, device: str, bandwidth: f
                 drafts = tuple(torch.randint(0, vocab, (k,), generator=gen).tolist())
                 out.scheduled.append(ScheduledSeq(seq, context - 1, context + k, ProposeCmd(seq.key, context, drafts,
                                                                                             None), 0))
-            times, hosts = [], []
-            for rep in range(2 if smoke else 8):
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                runner.prepare_inputs(out)  # the host's share: metadata, packing (the run repeats it)
-                t_host = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                ran = runner.run(out)
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                if rep:  # the first is warm-up (Triton compiles)
-                    times.append(time.perf_counter() - t0)
-                    hosts.append(t_host)
-                assert len(ran.sampled) == batch
-            step = sorted(times)[len(times) // 2]
-            host = sorted(hosts)[len(hosts) // 2]
-            rows.append({"model": shape_name, "batch": batch, "k_plus_1": width, "step_ms": round(step * 1e3, 3),
-                         "tokens_per_s": round(batch * width / step, 1), "host_ms": round(host * 1e3, 3),
-                         "host_share": round(host / step, 3),
-                         "floor_share": round(floor_s / step, 3) if floor_s else None})
-            print(f"| {shape_name} | {batch} | {width} | {rows[-1]['step_ms']} | {rows[-1]['tokens_per_s']} | "
-                  f"{rows[-1]['host_ms']} ({100 * rows[-1]['host_share']:.0f} %) | {rows[-1]['floor_share']} |",
-                  flush=True)
-    del runner, model
+            row = {"model": shape_name, "batch": batch, "k_plus_1": width}
+            for mode, static in (("eager", eager), ("graphs", graphs)):
+                if static is None:
+                    continue
+                runner.static = static
+                times, hosts, devices = [], [], []
+                for rep in range(2 if smoke else 8):
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    ran = runner.run(out)
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+                    if rep:  # the first is warm-up (Triton compiles)
+                        times.append(time.perf_counter() - t0)
+                        hosts.append(ran.host_s)
+                        devices.append(ran.device_s or 0.0)
+                    if len(ran.sampled) != batch or not ran.static:
+                        raise CheckFailed(f"{shape_name} {batch}x{width} {mode}: the step did not run static")
+                step, host, dev = (sorted(v)[len(v) // 2] for v in (times, hosts, devices))
+                prefix = "" if mode == "eager" else "graph_"
+                row.update({f"{prefix}step_ms": round(step * 1e3, 3), f"{prefix}tokens_per_s": round(batch * width / step, 1),
+                            f"{prefix}host_ms": round(host * 1e3, 3), f"{prefix}host_share": round(host / step, 3),
+                            f"{prefix}device_ms": round(dev * 1e3, 3),
+                            f"{prefix}floor_share": round(floor_s / step, 3) if floor_s else None})
+            rows.append(row)
+            print(f"| {shape_name} | {batch} | {width} | {row['step_ms']} | {row['tokens_per_s']} | "
+                  f"{row['host_ms']} ({100 * row['host_share']:.0f} %) | {row['device_ms']} | {row['floor_share']} | "
+                  f"{row.get('graph_step_ms', '-')} | {row.get('graph_floor_share', '-')} |", flush=True)
+    del runner, model, eager, graphs, paged
     if device == "cuda":
         torch.cuda.empty_cache()
     return rows
 
 
+def graph_replay(device: str) -> dict:
+    """A captured step computes what the eager step computes: Qwen2.5-1.5B-shaped random bf16 weights (4 layers),
+    a verification step of 3 sequences (9 tokens, padded to the 16-token graph), logits and the KV it writes."""
+    from common.block_manager import BlockManager
+    from common.kv_cache import KVCache
+    from common.paged_model import ForwardBatch, PagedCausalLM, kv_cache_spec
+    from common.static_forward import StaticForward
+
+    hidden, inter, _, heads, kv_heads, vocab = SHAPES["qwen2.5-1.5b"]
+    model = build_random_model((hidden, inter, 4, heads, kv_heads, vocab), device, torch.bfloat16)
+    block = 16
+    runners = [PagedCausalLM(model, KVCache(kv_cache_spec(model), 32, block, device)) for _ in range(2)]
+    contexts = [100, 7, 33]
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, vocab, (n + 8,), generator=gen).tolist() for n in contexts]
+    blocks = BlockManager(32, block)
+
+    def batch(feeds, every_row=True):
+        ids, pos, slots, qs = [], [], [], [0]
+        for seq, start, end in feeds:
+            blocks.allocate(seq, end)
+            ids += tokens[seq][start:end]
+            pos += range(start, end)
+            slots += blocks.slots(seq, start, end)
+            qs.append(qs[-1] + end - start)
+        return ForwardBatch(torch.tensor(ids), torch.tensor(pos), torch.tensor(slots), qs, [e for _, _, e in feeds],
+                            [blocks.table(s) for s, _, _ in feeds],
+                            None if every_row else torch.tensor([q - 1 for q in qs[1:]]))
+
+    prefill = batch([(i, 0, n) for i, n in enumerate(contexts)], every_row=False)
+    for runner in runners:
+        runner.forward(prefill)
+    step = batch([(i, n, n + w) for i, (n, w) in enumerate(zip(contexts, (5, 3, 1), strict=True))])
+    expected = runners[0].forward(step).float()
+    static = StaticForward(runners[1], max_tokens=64, max_blocks_per_seq=8, graphs=True)
+    got = static.forward(step).float()
+    if static.num_replays != 1:
+        raise CheckFailed("the graph step did not replay")
+    err = (got - expected).abs().max().item()
+    same_argmax = bool((got.argmax(1) == expected.argmax(1)).all())
+    kv_err = max((a.float() - b.float()).abs().max().item() for a, b in zip(
+        runners[0].kv_cache.key_caches + runners[0].kv_cache.value_caches,
+        runners[1].kv_cache.key_caches + runners[1].kv_cache.value_caches, strict=True))
+    scale = expected.abs().max().item()
+    if err > 0.05 * scale or kv_err > 0.05 or not same_argmax:
+        raise CheckFailed(f"graph replay differs from the eager step: logits max err {err} (scale {scale}), KV max "
+                          f"err {kv_err}, same argmax {same_argmax}")
+    captured = sorted(static.graphs)
+    del static, runners, model
+    torch.cuda.empty_cache()
+    return {"logits_max_abs_err": err, "logits_scale": scale, "kv_max_abs_err": kv_err, "same_argmax": same_argmax,
+            "captured_sizes": captured}
+
+
 def goals(rows: list[dict]) -> dict:
-    """The issue's goals, computed (figures for the note, not pass/fail)."""
+    """The issue's goals, computed (figures for the note, not pass/fail), eager and with graphs."""
     by = {(r["model"], r["batch"], r["k_plus_1"]): r for r in rows}
     out = {}
     if ("qwen2.5-7b", 64, 5) in by:
-        out["7b_64x5_over_64x1"] = round(by[("qwen2.5-7b", 64, 5)]["step_ms"] / by[("qwen2.5-7b", 64, 1)]["step_ms"], 3)
-        out["7b_batch1_step_over_floor"] = round(1 / by[("qwen2.5-7b", 1, 1)]["floor_share"], 3)
-        out["7b_batch64_host_share"] = by[("qwen2.5-7b", 64, 5)]["host_share"]
+        big, one, single = by[("qwen2.5-7b", 64, 5)], by[("qwen2.5-7b", 64, 1)], by[("qwen2.5-7b", 1, 1)]
+        for prefix in ("", "graph_"):
+            if f"{prefix}step_ms" not in big:
+                continue
+            out[f"{prefix}7b_64x5_over_64x1"] = round(big[f"{prefix}step_ms"] / one[f"{prefix}step_ms"], 3)
+            out[f"{prefix}7b_batch1_step_over_floor"] = round(1 / single[f"{prefix}floor_share"], 3)
+            out[f"{prefix}7b_batch64_host_share"] = big[f"{prefix}host_share"]
     return out
 
 
@@ -217,11 +289,18 @@ def main() -> int:
         report["kernels"] = kernels(args.smoke, args.out)
         if not (args.smoke and args.skip_e2e):
             report["end_to_end"] = end_to_end(args.out)
+            if not args.smoke:
+                report["end_to_end_graphs"] = end_to_end(args.out, graphs=True)
         if not args.smoke:
             report["pool_sizing"] = gpu_pool_sizing(args.out)
+            report["graph_replay"] = graph_replay("cuda")
+            print(json.dumps(report["graph_replay"]))
         bandwidth = report["kernels"].get("copy_gbps", 0.0) * 1e9
-        print("| model | batch | k+1 | step ms | tokens/s | host ms (share) | floor share |\n|---|---|---|---|---|---|---|")
+        print("| model | batch | k+1 | step ms | tokens/s | host ms (share) | device ms | floor share | graph step ms | "
+              "graph floor share |\n|---|---|---|---|---|---|---|---|---|---|")
         rows = []
+        if args.smoke:  # the services' GPU path on CPU tensors: static buffers feed the (interpreted) kernels
+            os.environ["SPECWIRE_KERNELS"] = "triton"
         for name, shape in (SMOKE_SHAPES if args.smoke else SHAPES).items():
             rows += verify_step_timings(name, shape, device, bandwidth, smoke=args.smoke)
         report["verify_step"] = rows

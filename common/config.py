@@ -60,6 +60,22 @@ class ServerSecurityConfig:
             raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
 
 
+@dataclasses.dataclass(frozen=True)
+class StaticForwardConfig:
+    """The flags both model services share for static device buffers and CUDA/HIP graphs
+    (common.static_forward)."""
+
+    cuda_graphs: bool = option(False, "on a GPU, capture the forward of decode-sized steps (every token's logits "
+                               "wanted, <= 16 tokens per sequence) as CUDA/HIP graphs at start-up, one per size "
+                               "bucket up to --cuda-graph-max-tokens, and replay them")
+    cuda_graph_max_tokens: int = option(512, "largest decode-sized step run through static device buffers on the "
+                                        "Triton path (with --cuda-graphs: the largest captured bucket)")
+
+    def check_static_forward(self) -> None:
+        if self.cuda_graph_max_tokens < 1:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 1, got {self.cuda_graph_max_tokens}")
+
+
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:
     """One flag per field of `config_cls` declared with option(); a field without a default (the model path)
     becomes an optional flag, and the command checks it."""

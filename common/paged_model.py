@@ -23,7 +23,7 @@ from common.gguf_weights import GGUFFile, map_int4
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels import platform
 from kernels.kv_cache_write import write_kv
-from kernels.paged_attention import attention_metadata, paged_attention, paged_attention_tensors
+from kernels.paged_attention import AttentionMetadata, attention_metadata, paged_attention, paged_attention_tensors
 
 log = structlog.get_logger(__name__)
 
@@ -36,16 +36,25 @@ class ForwardBatch:
     query_start: list[int]  # [num_seqs + 1]
     context_lens: list[int]  # [num_seqs], tokens in the cache once this batch is written
     block_tables: list[list[int]]  # [num_seqs] block ids
-    logits_indices: torch.Tensor  # [num_logits] int64 rows of the batch whose logits are returned
+    logits_indices: torch.Tensor | None  # [num_logits] int64 rows whose logits are returned; None: every row
+    # the Triton path's attention metadata already on the device (common.static_forward); None: built from the
+    # lists above when the Triton path runs
+    attention: AttentionMetadata | None = None
+
+    @property
+    def max_query_len(self) -> int:
+        return max(b - a for a, b in zip(self.query_start, self.query_start[1:], strict=False))
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The tensors on `device`, in one host-to-device copy."""
         if self.input_ids.device == device:
             return self
-        parts = (self.input_ids, self.positions, self.slot_mapping, self.logits_indices)
+        parts = [self.input_ids, self.positions, self.slot_mapping]
+        if self.logits_indices is not None:
+            parts.append(self.logits_indices)
         moved = torch.cat(parts).to(device).split([t.numel() for t in parts])
         return ForwardBatch(moved[0], moved[1], moved[2], self.query_start, self.context_lens, self.block_tables,
-                            moved[3])
+                            moved[3] if self.logits_indices is not None else None, self.attention)
 
 
 def kv_cache_spec(model: Any) -> KVCacheSpec:
@@ -137,13 +146,30 @@ class PagedCausalLM:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_logits, vocab_size] in the model's dtype
         batch = batch.to(self.device)
+        hidden = self.hidden_states(batch)
+        if batch.logits_indices is not None:
+            if batch.logits_indices.numel() == 0:
+                return hidden.new_empty((0, self.vocab_size))
+            # NOTE: the final norm and lm_head run only on the rows whose logits are needed; prefill rows need
+            # none and lm_head is the largest matrix of a small model.
+            hidden = hidden[batch.logits_indices]
+        return self.logits(self.norm(hidden))
+
+    def logits(self, normed: torch.Tensor) -> torch.Tensor:  # [rows, vocab_size]
+        return self.head(normed) if self.packed else self.lm_head(normed)
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: ForwardBatch) -> torch.Tensor:  # [num_tokens, hidden], before the final norm
+        """Every layer over the batch, whose tensors are on the model's device. With `batch.attention` set
+        (static buffers) no host list is read: this is what a CUDA/HIP graph captures."""
         num_tokens = batch.input_ids.numel()
         hidden = self.embed_tokens(batch.input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), batch.positions.unsqueeze(0))  # [1, num_tokens, head_dim]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        device_meta = (attention_metadata(batch.block_tables, batch.query_start, batch.context_lens, hidden.device)
-                       if platform.use_triton(hidden) else None)
+        meta = batch.attention
+        if meta is None and platform.use_triton(hidden):  # block tables etc. built once per forward, not per layer
+            meta = attention_metadata(batch.block_tables, batch.query_start, batch.context_lens, hidden.device)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
@@ -158,8 +184,9 @@ class PagedCausalLM:
             k = k * cos + _rotate_half(k) * sin
             key_cache, value_cache = self.kv_cache.key_caches[i], self.kv_cache.value_caches[i]
             write_kv(k, v, key_cache, value_cache, batch.slot_mapping)
-            if device_meta is not None:  # GPU: block tables etc. built once per forward, not once per layer
-                o = paged_attention_tensors(q, key_cache, value_cache, *device_meta, self.scale,
+            if meta is not None:
+                o = paged_attention_tensors(q, key_cache, value_cache, meta.block_tables, meta.query_start,
+                                            meta.context_lens, meta.max_query_len, self.scale,
                                             self.sliding_windows[i])
             else:
                 o = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.query_start,
@@ -172,12 +199,7 @@ class PagedCausalLM:
                 hidden = hidden + self.down[i](layer.mlp.act_fn(gate) * up)
             else:
                 hidden = hidden + layer.mlp(h)
-        if batch.logits_indices.numel() == 0:
-            return hidden.new_empty((0, self.vocab_size))
-        # NOTE: the final norm and lm_head run only on the rows whose logits are needed; prefill rows need none
-        # and lm_head is the largest matrix of a small model.
-        selected = self.norm(hidden[batch.logits_indices])
-        return self.head(selected) if self.packed else self.lm_head(selected)
+        return hidden
 
 
 def _release_linear_weights(model: Any) -> None:

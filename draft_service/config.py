@@ -10,6 +10,7 @@ from common.config import (
     QUANTIZATION_HELP,
     QUANTIZATIONS,
     ServerSecurityConfig,
+    StaticForwardConfig,
     check_weights,
     format_bytes,
     option,
@@ -23,7 +24,7 @@ PROPOSERS = ("model", "ngram")
 
 
 @dataclass(frozen=True)
-class DraftConfig(ServerSecurityConfig):
+class DraftConfig(ServerSecurityConfig, StaticForwardConfig):
     model: str = option(None, "draft: HF model directory or .gguf file (with --proposer ngram: the tokenizer)")
     verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT")
     host: str = option("127.0.0.1", "address to bind")
@@ -79,6 +80,7 @@ class DraftConfig(ServerSecurityConfig):
         if self.verifier_retry_deadline_s < 0:
             raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
         check_weights(self.dtype, self.quantization)
+        self.check_static_forward()
         if not 0 <= self.pipeline_width <= 8:
             raise ValueError(f"pipeline_width must be in [0, 8] (0: learned), got {self.pipeline_width}")
         if self.num_speculative_tokens < 0:

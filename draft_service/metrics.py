@@ -18,6 +18,8 @@ class DraftMetrics:
         self.accepted_tokens = Counter("specwire_draft_accepted_tokens", "Proposed tokens the verifier accepted",
                                        registry=r)
         self.rounds = Counter("specwire_draft_rounds", "Verification rounds", registry=r)
+        self.static_steps = Counter("specwire_draft_static_steps", "Draft model steps run through the static "
+                                    "buffers (graph replays with --cuda-graphs)", registry=r)
         self.active = Gauge("specwire_draft_active_generations", "Generations in progress", registry=r)
         self.latency = Histogram("specwire_draft_generation_seconds", "Wall time of a generation", registry=r,
                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -25,6 +26,7 @@ from common.compute_thread import compute_thread
 from common.errors import ErrorCode, ServiceError
 from common.paged_model import ForwardBatch, PagedCausalLM
 from common.sampling import SparseProbs
+from common.static_forward import StaticForward
 from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
@@ -36,10 +38,14 @@ ALTERNATIVES = 2  # guesses kept per drafted position for pipelined branches (dr
 class DraftModel:
     """Synchronous; runs in the proposer's worker thread."""
 
-    def __init__(self, runner: PagedCausalLM, blocks: BlockManager, q_max_support: int) -> None:
+    def __init__(self, runner: PagedCausalLM, blocks: BlockManager, q_max_support: int,
+                 static: StaticForward | None = None, on_static_step: Callable[[], None] | None = None) -> None:
+        """static: one-token-per-sequence steps run through its static device buffers (and graphs)."""
         self.runner = runner
         self.blocks = blocks
         self.q_max_support = q_max_support
+        self.static = static
+        self._on_static_step = on_static_step
 
     def release(self, *seqs: DraftSequence) -> None:
         for seq in seqs:
@@ -117,8 +123,14 @@ class DraftModel:
             query_start=query_start,
             context_lens=[seq.num_cached for seq, _ in feeds],
             block_tables=[self.blocks.table(seq) for seq, _ in feeds],
-            logits_indices=torch.tensor([e - 1 for e in query_start[1:]], dtype=torch.int64),
+            # one token per sequence (a drafting step): every row wanted, so None, and the step may run static
+            logits_indices=None if len(input_ids) == len(feeds) else torch.tensor([e - 1 for e in query_start[1:]],
+                                                                                  dtype=torch.int64),
         )
+        if self.static is not None and self.static.eligible(batch):
+            if self._on_static_step:
+                self._on_static_step()
+            return self.static.forward(batch)
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,

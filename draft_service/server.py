@@ -17,6 +17,7 @@ from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, num_blocks_for_budget
 from common.model_loading import LoadedModel, load_model, load_tokenizer
 from common.paged_model import PagedCausalLM, kv_cache_spec
+from common.static_forward import build_static_forward
 from common.tokenizer import tokenizer_fingerprint
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
@@ -66,7 +67,7 @@ async def connect_at_start(link: VerifierLink, timeout_s: float) -> None:
         raise
 
 
-def build_draft_model(config: DraftConfig) -> tuple[LoadedModel, DraftModel]:
+def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) -> tuple[LoadedModel, DraftModel]:
     device = resolve_device(config.device)
     dtype = resolve_dtype_name(config.dtype, device)
     loaded = load_model(config.model, parse_dtype(dtype), device)
@@ -78,24 +79,29 @@ def build_draft_model(config: DraftConfig) -> tuple[LoadedModel, DraftModel]:
     info = describe_device(device)
     log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
              kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)
-    return loaded, DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support)
+    static = build_static_forward(runner, max_tokens=config.cuda_graph_max_tokens, max_model_len=loaded.max_model_len,
+                                  block_size=config.block_size, graphs=config.cuda_graphs)
+    model = DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support, static,
+                       on_static_step=metrics.static_steps.inc if metrics else None)
+    return loaded, model
 
 
 async def serve(config: DraftConfig) -> None:
     proposer: Proposer | None = None
     drafter: Drafter
+    metrics = DraftMetrics()
     if config.proposer == "ngram":  # prompt lookup: the tokenizer is all it needs
         tokenizer = load_tokenizer(config.model)
         model_id, vocab_size, fingerprint = f"ngram:{config.model}", None, tokenizer_fingerprint(tokenizer)
         drafter = NgramDrafter()
     else:
         executor = compute_thread("draft-model")  # the model loads on the thread that runs it
-        loaded, model = await asyncio.get_running_loop().run_in_executor(executor, build_draft_model, config)
+        loaded, model = await asyncio.get_running_loop().run_in_executor(executor, build_draft_model, config,
+                                                                          metrics)
         proposer = Proposer(model, executor)
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
         drafter = ModelDrafter(proposer, config.draft_confidence_threshold)
-    metrics = DraftMetrics()
     security = LinkSecurity.from_files(tls=config.verifier_uses_tls, ca=config.verifier_tls_ca,
                                        cert=config.verifier_tls_cert, key=config.verifier_tls_key,
                                        server_name=config.verifier_tls_server_name,

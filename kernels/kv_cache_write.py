@@ -13,12 +13,14 @@ from kernels.platform import elementwise_warps, reference_guard, use_triton
 def write_kv_kernel(
     key_ptr, value_ptr,  # [num_tokens, num_kv_heads * head_dim], contiguous rows
     key_cache_ptr, value_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
-    slot_ptr,  # [num_tokens] int64
+    slot_ptr,  # [num_tokens] int32 or int64; a negative slot: a padding token, nothing written
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
     offs = tl.arange(0, BLOCK)
     for start in range(0, ROW, BLOCK):
         mask = start + offs < ROW
@@ -42,6 +44,8 @@ def write_kv(
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
 ) -> None:
+    """Slot -1 marks a padding token of a static (graph-replayed) batch: the Triton kernel skips it. Only the
+    Triton path sees padding (common.static_forward runs where the kernels do), so the reference refuses it."""
     if key.shape[0] == 0:
         return
     if not use_triton(key, key_cache):

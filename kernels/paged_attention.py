@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -172,22 +173,32 @@ def paged_attention(
     if not use_triton(query, key_cache) or query.dtype == torch.float64:
         return paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens,
                                          scale, sliding_window)
-    return paged_attention_tensors(query, key_cache, value_cache,
-                                   *attention_metadata(block_tables, query_start, context_lens, query.device),
-                                   scale, sliding_window)
+    meta = attention_metadata(block_tables, query_start, context_lens, query.device)
+    return paged_attention_tensors(query, key_cache, value_cache, meta.block_tables, meta.query_start,
+                                   meta.context_lens, meta.max_query_len, scale, sliding_window)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """The Triton launch's metadata on the device, built once per forward pass (or held in static buffers)."""
+
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32; entries past a sequence's blocks unread
+    query_start: torch.Tensor  # [num_seqs + 1] int32
+    context_lens: torch.Tensor  # [num_seqs] int32; 0 with an empty query: a padding sequence, skipped
+    max_query_len: int  # sets the launch grid's query tiles
 
 
 def attention_metadata(block_tables: list[list[int]], query_start: list[int], context_lens: list[int],
-                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The Triton launch's metadata on `device`: block tables [num_seqs, max_blocks] int32 (zero-padded),
-    query_start int32, context_lens int32, and the longest query. Build it once per forward pass."""
+                       device: torch.device) -> AttentionMetadata:
+    """From host lists, in one host-to-device copy: block tables zero-padded to the longest, query_start,
+    context_lens, and the longest query."""
     width = max(1, max(len(t) for t in block_tables))
     num_seqs = len(block_tables)
     flat = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]  # zero-padded rows
-    # one host-to-device copy for all three
     packed = torch.tensor(flat + list(query_start) + list(context_lens), dtype=torch.int32).to(device)
     tables, qs, ctx = packed.split([num_seqs * width, len(query_start), len(context_lens)])
-    return (tables.view(num_seqs, width), qs, ctx, max(b - a for a, b in zip(query_start, query_start[1:], strict=False)))
+    return AttentionMetadata(tables.view(num_seqs, width), qs, ctx,
+                             max(b - a for a, b in zip(query_start, query_start[1:], strict=False)))
 
 
 def paged_attention_tensors(
@@ -210,7 +221,7 @@ def paged_attention_tensors(
     query = query.contiguous()
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                   BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda)
-    args = (out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale, block_tables.shape[1],
+    args = (out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale, block_tables.stride(0),
             sliding_window or 0)
     if os.environ.get("SPECWIRE_AUTOTUNE") == "1" and query.is_cuda:  # opt-in: the first launch per shape tunes
         grid = lambda meta: (block_tables.shape[0], triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads)  # noqa: E731

@@ -21,13 +21,15 @@ from tiny_models import build_model, greedy_continuation, make_text_pair, model_
 
 DEVICE = os.environ.get("SPECWIRE_TEST_DEVICE", "cpu")
 TRITON_ENV = {"SPECWIRE_KERNELS": "triton", **({"TRITON_INTERPRET": "1"} if DEVICE == "cpu" else {})}
+# bench/gpu_check.py runs the module a second time with graphs captured and replayed (a GPU only)
+GRAPHS = ["--cuda-graphs"] if os.environ.get("SPECWIRE_TEST_CUDA_GRAPHS") == "1" else []
 STAT_VOCAB = 8
 
 
 def _stack(target, draft, log_dir, *, k=4):
     # block size 16: the Triton attention walks whole pages of a power-of-two size >= 16
     return start_stack(target, draft, log_dir, k=k, dtype="float32", block_size=16, env=TRITON_ENV,
-                       extra_verifier=["--device", DEVICE], extra_draft=["--device", DEVICE])
+                       extra_verifier=["--device", DEVICE, *GRAPHS], extra_draft=["--device", DEVICE, *GRAPHS])
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +45,9 @@ def _assert_triton_ran(stack):
         log = service.log_text()
         assert "must not run" not in log, log[-3000:]
     assert stack.metric("specwire_kv_blocks_used") == 0
+    # decode-sized steps went through the static device buffers a graph replays (common.static_forward)
+    assert stack.metric("specwire_static_steps_total") > 0
+    assert stack.metric("specwire_draft_static_steps_total", draft=True) > 0
 
 
 def test_greedy_equals_target_only_through_the_triton_path(triton_stack):

@@ -118,4 +118,5 @@ class AsyncEngine:
                  verifications=s.num_verifications, drafted=s.num_draft_tokens, accepted=s.num_accepted_tokens,
                  emitted=s.num_emitted_tokens, forward_ms=round(s.forward_s * 1e3, 2),
                  sample_ms=round(s.sample_s * 1e3, 2), host_ms=round(s.host_s * 1e3, 2),
+                 device_ms=None if s.device_s is None else round(s.device_s * 1e3, 2), static=s.static,
                  kv_blocks_used=engine.blocks.num_used_blocks)

@@ -10,6 +10,7 @@ from common.config import (
     QUANTIZATION_HELP,
     QUANTIZATIONS,
     ServerSecurityConfig,
+    StaticForwardConfig,
     check_weights,
     format_bytes,
     option,
@@ -21,7 +22,7 @@ CPU_KV_CACHE_MEMORY = 1 << 30  # the pool's default size on CPU, where the host'
 
 
 @dataclass(frozen=True)
-class VerifierConfig(ServerSecurityConfig):
+class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
     model: str = option(None, "target: HF model directory or .gguf file")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50051, "gRPC port")
@@ -51,6 +52,7 @@ class VerifierConfig(ServerSecurityConfig):
         if not self.model:
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
         self.check_security()
+        self.check_static_forward()
         check_weights(self.dtype, self.quantization)
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")

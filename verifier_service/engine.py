@@ -16,6 +16,7 @@ from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError
 from common.model_loading import LoadedModel
 from common.paged_model import PagedCausalLM
+from common.static_forward import StaticForward
 from verifier_service.model_runner import VerifierRunner
 from verifier_service.scheduler import Scheduler, SchedulerOutput
 from verifier_service.sequence import Sequence
@@ -44,7 +45,8 @@ EXPIRY_SCAN_INTERVAL_S = 0.25
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
                  max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
-                 sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096) -> None:
+                 sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096,
+                 static: StaticForward | None = None) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -53,7 +55,7 @@ class VerifierEngine:
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
                                    eos_token_ids=frozenset(loaded.eos_token_ids))
-        self.runner = VerifierRunner(model, blocks)
+        self.runner = VerifierRunner(model, blocks, static)
         self.sequence_idle_timeout_s = sequence_idle_timeout_s
         self.max_sequences_per_stream = max_sequences_per_stream
         self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
@@ -96,6 +98,8 @@ class VerifierEngine:
             forward_s=ran.forward_s,
             sample_s=ran.sample_s,
             host_s=ran.host_s,
+            device_s=ran.device_s,
+            static=ran.static,
             tokens_by_stream=scheduled.tokens_by_stream,
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):

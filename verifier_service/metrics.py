@@ -26,6 +26,14 @@ class VerifierMetrics:
         self.steps = Counter("specwire_steps", "Forward passes", registry=r)
         self.step_seconds = Histogram("specwire_step_seconds", "Wall time of one verification step", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.step_host_seconds = Histogram("specwire_step_host_seconds", "Host time of one step before any "
+                                           "device work: block copies queued, batch built", registry=r,
+                                           buckets=(0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1))
+        self.step_device_seconds = Histogram("specwire_step_device_seconds", "On a GPU, the device's time for one "
+                                             "step's forward and verification", registry=r,
+                                             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+        self.static_steps = Counter("specwire_static_steps", "Steps run through the static buffers (graph replays "
+                                    "with --cuda-graphs)", registry=r)
         self.batch_size = Histogram("specwire_step_batch_size", "Sequences per step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.live_sequences = Gauge("specwire_live_sequences", "Open sequences", registry=r)
@@ -53,6 +61,11 @@ class VerifierMetrics:
             self.stream_tokens.labels(stream=str(stream_id)).inc(tokens)
         self.budget_fairness.set(stats.budget_fairness)
         self.step_seconds.observe(stats.forward_s + stats.sample_s)
+        self.step_host_seconds.observe(stats.host_s)
+        if stats.device_s is not None:
+            self.step_device_seconds.observe(stats.device_s)
+        if stats.static:
+            self.static_steps.inc()
         self.batch_size.observe(stats.num_seqs)
         self.num_drafts.inc(stats.num_verifications)
         self.num_draft_tokens.inc(stats.num_draft_tokens)

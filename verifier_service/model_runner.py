@@ -10,6 +10,7 @@ import torch
 
 from common.block_manager import BlockManager
 from common.paged_model import ForwardBatch, PagedCausalLM
+from common.static_forward import StaticForward
 from verifier_service.scheduler import SchedulerOutput
 from verifier_service.verification import VerifyItem, verify_batch
 
@@ -22,12 +23,18 @@ class RunnerOutput:
     forward_s: float  # preparation, copies and the forward pass
     sample_s: float  # verification: probabilities, rejection sampling, the copy of the tokens back
     host_s: float  # the host's share before any device work: block copies queued, batch built on the host
+    device_s: float | None = None  # on a GPU: the device's time from the forward's first kernel to the tokens
+    static: bool = False  # the forward ran through the static buffers (a graph replay with graphs on)
 
 
 class VerifierRunner:
-    def __init__(self, model: PagedCausalLM, blocks: BlockManager) -> None:
+    def __init__(self, model: PagedCausalLM, blocks: BlockManager, static: StaticForward | None = None) -> None:
+        """static: decode-sized steps go through its static device buffers (and graphs); others, and every step
+        without it, through the model's forward."""
         self.model = model
         self.blocks = blocks
+        self.static = static
+        self._timed = model.device.type == "cuda"
 
     def run(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -35,10 +42,20 @@ class VerifierRunner:
             self.model.kv_cache.copy_blocks(out.block_copies)
         batch, items = self.prepare_inputs(out)
         host_s = time.perf_counter() - t0
-        logits = self.model.forward(batch)  # [num_draft_tokens + num_verifications, vocab_size]
+        static = self.static is not None and self.static.eligible(batch)
+        if self._timed:  # events on the stream: the device's own time, read after the tokens came back
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        logits = (self.static if static else self.model).forward(batch)  # [num_draft_tokens + batch, vocab]
         t1 = time.perf_counter()
         sampled = verify_batch(logits, items) if items else []
-        return RunnerOutput(sampled, batch.input_ids.numel(), t1 - t0, time.perf_counter() - t1, host_s)
+        device_s = None
+        if self._timed:
+            end.record()
+            end.synchronize()
+            device_s = start.elapsed_time(end) / 1e3
+        return RunnerOutput(sampled, batch.input_ids.numel(), t1 - t0, time.perf_counter() - t1, host_s, device_s,
+                            static)
 
     def prepare_inputs(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[VerifyItem]]:
         """One flattened variable-length batch; logits only for each verification's [last, drafts] rows."""
@@ -66,6 +83,8 @@ class VerifierRunner:
             query_start=query_start,
             context_lens=[item.end for item in out.scheduled],
             block_tables=[self.blocks.table(item.seq.key) for item in out.scheduled],
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64),
+            # every row wanted (a decode-sized step: verification blocks only): None, so it may run static
+            logits_indices=None if len(logits_rows) == len(input_ids) else torch.tensor(logits_rows,
+                                                                                          dtype=torch.int64),
         )
         return batch, items

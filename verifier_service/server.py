@@ -16,6 +16,7 @@ from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from common.model_loading import LoadedModel, load_model
 from common.paged_model import PagedCausalLM, kv_cache_spec, profile_peak_memory
+from common.static_forward import build_static_forward
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import CPU_KV_CACHE_MEMORY, VerifierConfig
@@ -44,7 +45,10 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
              bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size)
     model = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
                           gguf_path=loaded.gguf_path)
-    return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size),
+    static = build_static_forward(model, max_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens),
+                                  max_model_len=loaded.max_model_len, block_size=config.block_size,
+                                  graphs=config.cuda_graphs)
+    return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size), static=static,
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
                           sequence_idle_timeout_s=config.sequence_idle_timeout_s,

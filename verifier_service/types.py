@@ -101,6 +101,8 @@ class StepStats:
     forward_s: float = 0.0
     sample_s: float = 0.0
     host_s: float = 0.0  # of forward_s: building the batch on the host
+    device_s: float | None = None  # on a GPU: the device's time for the forward and the verification
+    static: bool = False  # the forward ran through the static buffers (replayed a graph with --cuda-graphs)
     tokens_by_stream: dict[int, int] = field(default_factory=dict)  # streams with work -> tokens scheduled
 
     @property

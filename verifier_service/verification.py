@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from common.sampling import SamplingParams, SparseProbs
@@ -69,8 +70,8 @@ def verify_batch(
 
 
 def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
-    """The step's integer inputs in one int64 buffer and its real ones in one float64 buffer: two copies to
-    the device, whatever the batch."""
+    """The step's integer and real inputs in one int64 buffer, the reals as their float64 bit patterns: one
+    copy to the device, whatever the batch."""
     ints: list[list[int]] = []
     reals: list[list[float]] = []
     ints.append([t for it in items for t in it.draft_token_ids])  # draft token ids
@@ -102,9 +103,8 @@ def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
             q_probs.extend(p / total for p in q.probs)
     ints += [sampled_rows, top_k, q_rows, q_token_ids]
     reals += [temperature, top_p, q_probs]
-    (draft_ids, cu_t, one_hot, greedy, coupled, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t) = _copy(
-        ints, torch.int64, device)
-    temperature_t, top_p_t, q_probs_t = _copy(reals, torch.float64, device)
+    (draft_ids, cu_t, one_hot, greedy, coupled, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t,
+     temperature_t, top_p_t, q_probs_t) = _copy(ints, reals, device)
     return VerifyInputs(
         spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool()),
         sampling=SamplingMetadata(greedy.bool(), seeds, positions, coupled.bool()),
@@ -113,9 +113,14 @@ def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
     )
 
 
-def _copy(parts: list[list], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    flat = torch.tensor([x for part in parts for x in part], dtype=dtype).to(device)
-    return list(flat.split([len(part) for part in parts]))
+def _copy(ints: list[list[int]], reals: list[list[float]], device: torch.device) -> list[torch.Tensor]:
+    """`ints` as int64 tensors then `reals` as float64 tensors, on `device`, from one host-to-device copy."""
+    host = np.concatenate([np.array([x for part in ints for x in part], dtype=np.int64),
+                           np.array([x for part in reals for x in part], dtype=np.float64).view(np.int64)])
+    flat = torch.from_numpy(host).to(device)
+    num_ints = sum(len(part) for part in ints)
+    return [*flat[:num_ints].split([len(part) for part in ints]),
+            *flat[num_ints:].view(torch.float64).split([len(part) for part in reals])]
 
 
 def compute_target_probs(
