@@ -100,6 +100,8 @@ class StaticForward:
         self._hidden = torch.empty((max_tokens, model.model.config.hidden_size), dtype=model.model.dtype,
                                    device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # the last copy out of the staging buffer: the next step waits for it before writing there
+        self._copied = torch.cuda.Event() if pin else None
         self.num_static_steps = 0
         self.num_replays = 0
         if graphs:
@@ -139,6 +141,8 @@ class StaticForward:
         and copies it to the device in one copy."""
         lay, host = self.layout, self._host
         n, num_seqs = batch.input_ids.numel(), len(batch.block_tables)
+        if self._copied is not None:
+            self._copied.synchronize()  # already done in practice: every step reads its results back
         host[lay.ids:lay.ids + n] = batch.input_ids.numpy()
         host[lay.positions:lay.positions + n] = batch.positions.numpy()
         host[lay.slots:lay.slots + n] = batch.slot_mapping.numpy()
@@ -152,6 +156,8 @@ class StaticForward:
             row[:len(table)] = table  # entries past a sequence's blocks are never read
         used = lay.size(num_seqs)
         self._buffer[:used].copy_(self._staging[:used], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def _views(self, num_seqs: int, num_tokens: int) -> ForwardBatch:
         """The static batch: `num_seqs` sequence slots over `num_tokens` tokens, as views of the device buffer."""
