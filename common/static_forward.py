@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import structlog
 import torch
 
@@ -117,13 +118,20 @@ class StaticForward:
                 and batch.max_query_len <= self.max_query_len
                 and max(len(t) for t in batch.block_tables) <= self.layout.width)
 
-    @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_logits, vocab_size]
+        return self.forward_with(batch)[0]
+
+    @torch.inference_mode()
+    def forward_with(self, batch: ForwardBatch, payload: np.ndarray | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits, and `payload` (int64, the step's other inputs: the verification's) on the device. On the
+        static path the payload rides in the same host-to-device copy as the batch, in the block-table rows
+        the step leaves unused; otherwise, or when it does not fit there, it takes a copy of its own."""
         if not self.eligible(batch):
-            return self.model.forward(batch)
+            return self.model.forward(batch), _to_device(payload, self.device)
         num_tokens = batch.input_ids.numel()
         size = self._bucket(num_tokens) if self.graphs else num_tokens
-        self._load(batch, size)
+        on_device = self._load(batch, size, payload)
         self.num_static_steps += 1
         if self.graphs:
             self.graphs[size].replay()
@@ -131,14 +139,15 @@ class StaticForward:
             normed = self._hidden[:num_tokens]
         else:
             normed = self.model.norm(self.model.hidden_states(self._views(len(batch.block_tables), num_tokens)))
-        return self.model.logits(normed)
+        return self.model.logits(normed), on_device
 
     def _bucket(self, num_tokens: int) -> int:
         return next(s for s in sorted(self.graphs) if s >= num_tokens)
 
-    def _load(self, batch: ForwardBatch, size: int) -> None:
+    def _load(self, batch: ForwardBatch, size: int, payload: np.ndarray | None = None) -> torch.Tensor | None:
         """Writes the step into the staging buffer, padded to `size` tokens and sequences (a graph's bucket),
-        and copies it to the device in one copy."""
+        with `payload` after the block-table rows it uses, and copies it all to the device in one copy. Returns
+        the payload's device view. Padding sequences never read their table rows, so the payload may sit there."""
         lay, host = self.layout, self._host
         n, num_seqs = batch.input_ids.numel(), len(batch.block_tables)
         if self._copied is not None:
@@ -155,9 +164,19 @@ class StaticForward:
         for row, table in zip(tables, batch.block_tables, strict=True):
             row[:len(table)] = table  # entries past a sequence's blocks are never read
         used = lay.size(num_seqs)
+        start = used + used % 2  # int64 alignment
+        inline = payload is not None and start + 2 * payload.size <= host.size
+        if inline:
+            host[start:start + 2 * payload.size] = payload.view(np.int32)
+            used = start + 2 * payload.size
         self._buffer[:used].copy_(self._staging[:used], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+        if payload is None:
+            return None
+        if not inline:
+            return _to_device(payload, self.device)
+        return self._buffer[start:used].view(torch.int64)
 
     def _views(self, num_seqs: int, num_tokens: int) -> ForwardBatch:
         """The static batch: `num_seqs` sequence slots over `num_tokens` tokens, as views of the device buffer."""
@@ -200,6 +219,10 @@ class StaticForward:
         log.info("graphs_captured", sizes=len(self.graphs), max_tokens=self.max_tokens,
                  seconds=round(time.perf_counter() - t0, 2),
                  memory_bytes=max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))
+
+
+def _to_device(payload: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    return None if payload is None else torch.from_numpy(payload).to(device)
 
 
 def build_static_forward(model: PagedCausalLM, *, max_tokens: int, max_model_len: int, block_size: int,

@@ -70,6 +70,9 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
                   "slot_ptr": "*i64"}
         specs.append((KernelSpec(f"write_kv[{dt}]", write_kv_kernel, kv_sig, {"ROW": 1024, "BLOCK": 1024}, False),
                       elementwise_warps(rocm)))
+        if dt == "bf16":  # the static buffers (common.static_forward) carry int32 slots, -1 for padding
+            specs.append((KernelSpec(f"write_kv[{dt},i32 slots]", write_kv_kernel, {**kv_sig, "slot_ptr": "*i32"},
+                                     {"ROW": 1024, "BLOCK": 1024}, False), elementwise_warps(rocm)))
     rec_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
                "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
                "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}

@@ -159,3 +159,29 @@ def test_steps_that_are_not_decode_sized_take_the_ordinary_forward(triton_path):
     expected = pair.runners[0].forward(too_many)
     torch.testing.assert_close(static.forward(too_many), expected, atol=0, rtol=0)
     assert static.num_static_steps == 0
+
+
+def test_the_verification_inputs_ride_in_the_same_copy(triton_path):
+    """The payload (the verification's int64 inputs, reals as their bits) comes back exactly, from inside the
+    static device buffer; one too large for the unused table rows takes its own copy and is as exact."""
+    import numpy as np
+
+    pair = _Pair()
+    batch = pair.verification()
+    expected = pair.runners[0].forward(batch)
+    static = StaticForward(pair.runners[1], max_tokens=32, max_blocks_per_seq=4)
+    payload = np.concatenate([np.array([7, -1, 2**62 + 3], dtype=np.int64),
+                              np.array([0.9, 1e-300], dtype=np.float64).view(np.int64)])
+    logits, on_device = static.forward_with(batch, payload)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert on_device.dtype == torch.int64 and on_device.tolist() == payload.tolist()
+    assert on_device[3:].view(torch.float64).tolist() == [0.9, 1e-300]
+    buffer = static._buffer
+    assert buffer.data_ptr() <= on_device.data_ptr() < buffer.data_ptr() + buffer.numel() * 4  # the same copy
+    start = static.layout.size(3) + static.layout.size(3) % 2  # after the 3 table rows the step uses, aligned
+    room = (buffer.numel() - start) // 2  # int64 values that fit
+    for size, inline in ((room, True), (room + 1, False)):
+        values = np.arange(size, dtype=np.int64) * 2**40
+        _, got = static.forward_with(pair.verification(), values)
+        assert torch.equal(got, torch.from_numpy(values))
+        assert (buffer.data_ptr() <= got.data_ptr() < buffer.data_ptr() + buffer.numel() * 4) is inline

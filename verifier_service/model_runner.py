@@ -12,7 +12,7 @@ from common.block_manager import BlockManager
 from common.paged_model import ForwardBatch, PagedCausalLM
 from common.static_forward import StaticForward
 from verifier_service.scheduler import SchedulerOutput
-from verifier_service.verification import VerifyItem, verify_batch
+from verifier_service.verification import VerifyItem, pack_host, verify_batch
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class RunnerOutput:
     num_tokens: int  # tokens fed
     forward_s: float  # preparation, copies and the forward pass
     sample_s: float  # verification: probabilities, rejection sampling, the copy of the tokens back
-    host_s: float  # the host's share before any device work: block copies queued, batch built on the host
+    host_s: float  # the host's share before any device work: block copies queued, batch and inputs packed
     device_s: float | None = None  # on a GPU: the device's time from the forward's first kernel to the tokens
     static: bool = False  # the forward ran through the static buffers (a graph replay with graphs on)
 
@@ -41,14 +41,19 @@ class VerifierRunner:
         if out.block_copies:
             self.model.kv_cache.copy_blocks(out.block_copies)
         batch, items = self.prepare_inputs(out)
+        host_inputs = pack_host(items) if items else None
         host_s = time.perf_counter() - t0
         static = self.static is not None and self.static.eligible(batch)
         if self._timed:  # events on the stream: the device's own time, read after the tokens came back
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        logits = (self.static if static else self.model).forward(batch)  # [num_draft_tokens + batch, vocab]
+        if static:  # the verification's inputs travel with the batch: one host-to-device copy for the step
+            logits, flat = self.static.forward_with(batch, host_inputs.flat if host_inputs else None)
+        else:
+            logits = self.model.forward(batch)  # [num_draft_tokens + batch, vocab]
+            flat = torch.from_numpy(host_inputs.flat).to(logits.device) if host_inputs else None
         t1 = time.perf_counter()
-        sampled = verify_batch(logits, items) if items else []
+        sampled = verify_batch(logits, items, host_inputs.on_device(flat)) if items else []
         device_s = None
         if self._timed:
             end.record()

@@ -51,10 +51,12 @@ class VerifyInputs:
 def verify_batch(
     logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]: per item its k_i draft rows then its bonus row
     items: list[VerifyItem],
+    inputs: VerifyInputs | None = None,  # already on the device (see HostInputs); None: packed and copied here
 ) -> list[list[int] | None]:
     """For each item, its accepted draft tokens followed by the recovered or bonus token; None for an item
     whose target logits are not all finite (its sequence fails alone)."""
-    inputs = pack_inputs(items, logits.device)
+    if inputs is None:
+        inputs = pack_inputs(items, logits.device)
     target_probs = compute_target_probs(logits, inputs)  # [num_draft_tokens + batch, vocab_size]
     spec = densify_draft_probs(inputs, logits.shape[1], target_probs.dtype)
     out = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling)  # [batch, max_spec_len + 1]
@@ -69,9 +71,36 @@ def verify_batch(
     return [None if row is None else [t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in rows]
 
 
+@dataclass(frozen=True)
+class HostInputs:
+    """The step's verification inputs on the host: integers, then the reals as their float64 bit patterns, in one
+    int64 array, so one host-to-device copy moves them (alone, or behind the forward batch's static buffers)."""
+
+    flat: np.ndarray  # int64
+    int_sizes: tuple[int, ...]
+    real_sizes: tuple[int, ...]
+
+    def on_device(self, flat: torch.Tensor) -> VerifyInputs:
+        """`flat`: this array's copy on the device."""
+        num_ints = sum(self.int_sizes)
+        (draft_ids, cu_t, one_hot, greedy, coupled, seeds, positions, rows_t, top_k_t, q_rows_t,
+         q_ids_t) = flat[:num_ints].split(self.int_sizes)
+        temperature_t, top_p_t, q_probs_t = flat[num_ints:].view(torch.float64).split(self.real_sizes)
+        return VerifyInputs(
+            spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool()),
+            sampling=SamplingMetadata(greedy.bool(), seeds, positions, coupled.bool()),
+            sampled_rows=rows_t, temperature=temperature_t.float(), top_k=top_k_t, top_p=top_p_t.float(),
+            q_rows=q_rows_t, q_token_ids=q_ids_t, q_probs=q_probs_t,
+        )
+
+
 def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
-    """The step's integer and real inputs in one int64 buffer, the reals as their float64 bit patterns: one
-    copy to the device, whatever the batch."""
+    """The step's verification inputs on `device`, from one host-to-device copy."""
+    host = pack_host(items)
+    return host.on_device(torch.from_numpy(host.flat).to(device))
+
+
+def pack_host(items: list[VerifyItem]) -> HostInputs:
     ints: list[list[int]] = []
     reals: list[list[float]] = []
     ints.append([t for it in items for t in it.draft_token_ids])  # draft token ids
@@ -103,24 +132,9 @@ def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
             q_probs.extend(p / total for p in q.probs)
     ints += [sampled_rows, top_k, q_rows, q_token_ids]
     reals += [temperature, top_p, q_probs]
-    (draft_ids, cu_t, one_hot, greedy, coupled, seeds, positions, rows_t, top_k_t, q_rows_t, q_ids_t,
-     temperature_t, top_p_t, q_probs_t) = _copy(ints, reals, device)
-    return VerifyInputs(
-        spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool()),
-        sampling=SamplingMetadata(greedy.bool(), seeds, positions, coupled.bool()),
-        sampled_rows=rows_t, temperature=temperature_t.float(), top_k=top_k_t, top_p=top_p_t.float(),
-        q_rows=q_rows_t, q_token_ids=q_ids_t, q_probs=q_probs_t,
-    )
-
-
-def _copy(ints: list[list[int]], reals: list[list[float]], device: torch.device) -> list[torch.Tensor]:
-    """`ints` as int64 tensors then `reals` as float64 tensors, on `device`, from one host-to-device copy."""
-    host = np.concatenate([np.array([x for part in ints for x in part], dtype=np.int64),
+    flat = np.concatenate([np.array([x for part in ints for x in part], dtype=np.int64),
                            np.array([x for part in reals for x in part], dtype=np.float64).view(np.int64)])
-    flat = torch.from_numpy(host).to(device)
-    num_ints = sum(len(part) for part in ints)
-    return [*flat[:num_ints].split([len(part) for part in ints]),
-            *flat[num_ints:].view(torch.float64).split([len(part) for part in reals])]
+    return HostInputs(flat, tuple(len(p) for p in ints), tuple(len(p) for p in reals))
 
 
 def compute_target_probs(
