@@ -140,35 +140,54 @@ class DraftModel:
         likely tokens other than the drafted one, best first). A row whose logits are not all finite gives
         (None, None, 0.0, ()): that sequence's block ends there, and the verifier, which decides every token, is
         not misled (a draft's numerics cannot change the output, only its speed)."""
-        finite = torch.isfinite(logits).all(dim=1).tolist()
-        confidence = (logits.float().softmax(dim=1).max(dim=1).values.tolist() if need_confidence
-                      else [1.0] * logits.shape[0])
+        num_rows, vocab_size = logits.shape
+        finite_t = torch.isfinite(logits).all(dim=1)
+        confidence_t = (logits.float().softmax(dim=1).max(dim=1).values if need_confidence
+                        else logits.new_ones(num_rows, dtype=torch.float32))
         # temperature and top-k/p keep the logits' order
-        top = logits.topk(min(ALTERNATIVES + 1, logits.shape[1]), dim=1).indices.tolist()
+        top_t = logits.topk(min(ALTERNATIVES + 1, vocab_size), dim=1).indices
+        # NOTE: everything the host needs from this step leaves the device in one copy, as float64 (token ids and
+        # float32 probabilities are exact in it): per row finite, confidence, argmax and the runners-up, then
+        # the sampled rows' q, [num_sampled, q_max_support] probabilities and ids. One sync per drafting step.
+        head = torch.cat([t.double() for t in (finite_t.unsqueeze(1), confidence_t.unsqueeze(1),
+                                               logits.argmax(dim=1, keepdim=True), top_t)], dim=1)
+        sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy]
+        parts = [head.flatten()]
+        if sampled:
+            params = [seqs[i].sampling for i in sampled]
+            device = logits.device
+            rows = torch.tensor(sampled, device=device)
+            # a non-finite row's q is never used; zeros keep its probabilities finite
+            safe = torch.where(finite_t[rows].unsqueeze(1), logits[rows], 0.0)
+            probs = compute_probs(safe, torch.tensor([p.temperature for p in params], device=device),
+                                  torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
+                                  torch.tensor([p.top_p for p in params], device=device))
+            support = min(self.q_max_support, probs.shape[1])
+            top_probs_t, top_ids_t = probs.topk(support, dim=1)
+            parts += [top_probs_t.double().flatten(), top_ids_t.double().flatten()]
+        host = torch.cat(parts).cpu()
+        head_h = host[:head.numel()].view(num_rows, -1)
+        finite = head_h[:, 0].bool().tolist()
+        confidence = head_h[:, 1].tolist()
+        top = head_h[:, 3:].long().tolist()
 
         def other_than(token: int, row: int) -> tuple[int, ...]:
             return tuple(t for t in top[row] if t != token)[:ALTERNATIVES]
 
         out: list[tuple[int | None, SparseProbs | None, float, tuple[int, ...]]] = [
             (t, None, c, other_than(t, row))
-            for row, (t, c) in enumerate(zip(logits.argmax(dim=1).tolist(), confidence, strict=True))]
+            for row, (t, c) in enumerate(zip(head_h[:, 2].long().tolist(), confidence, strict=True))]
         for i, ok in enumerate(finite):
             if not ok:
                 out[i] = (None, None, 0.0, ())
-        sampled = [i for i, s in enumerate(seqs) if not s.sampling.is_greedy and finite[i]]
         if not sampled:
             return out
-        params = [seqs[i].sampling for i in sampled]
-        device = logits.device
-        probs = compute_probs(logits[torch.tensor(sampled, device=device)],
-                              torch.tensor([p.temperature for p in params], device=device),
-                              torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-                              torch.tensor([p.top_p for p in params], device=device))
-        support = min(self.q_max_support, probs.shape[1])
-        top_probs, top_ids = probs.topk(support, dim=1)
-        # q leaves the device once per drafting step: [num_sampled, q_max_support], the rest runs on the host
-        top_probs, top_ids = top_probs.to("cpu", torch.float64), top_ids.cpu()
+        tail = host[head.numel():]
+        top_probs = tail[:tail.numel() // 2].view(len(sampled), -1)
+        top_ids = tail[tail.numel() // 2:].view(len(sampled), -1).long()
         for row, i in enumerate(sampled):
+            if not finite[i]:
+                continue
             keep = top_probs[row] > 0
             q_ids = top_ids[row][keep]
             # NOTE: the wire carries float32. The draft samples from exactly the float32 values that travel: the
