@@ -23,7 +23,13 @@ from common.gguf_weights import GGUFFile, map_int4
 from common.kv_cache import KVCache, KVCacheSpec
 from kernels import platform
 from kernels.kv_cache_write import write_kv
-from kernels.paged_attention import AttentionMetadata, attention_metadata, paged_attention, paged_attention_tensors
+from kernels.paged_attention import (
+    AttentionMetadata,
+    attention_metadata,
+    longest_query,
+    paged_attention,
+    paged_attention_tensors,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +49,7 @@ class ForwardBatch:
 
     @property
     def max_query_len(self) -> int:
-        return max(b - a for a, b in zip(self.query_start, self.query_start[1:], strict=False))
+        return longest_query(self.query_start)
 
     def to(self, device: torch.device) -> ForwardBatch:
         """The tensors on `device`, in one host-to-device copy."""

@@ -83,8 +83,8 @@ class StaticForward:
         """max_tokens: the largest static step (and, with graphs, the largest captured bucket);
         max_blocks_per_seq: a block table row, enough for the longest sequence (max_model_len / block_size)."""
         if graphs and model.device.type != "cuda":
-            raise ValueError("CUDA/HIP graphs need a GPU (--device cuda); this model is on "
-                             f"{model.device.type}")
+            raise ValueError(f"--cuda-graphs needs a GPU; this service runs on {model.device.type} (use --device "
+                             "cuda, or drop --cuda-graphs)")
         if not platform.use_triton(model.embed_tokens.weight):
             raise ValueError("static buffers feed the Triton kernels: a GPU, or SPECWIRE_KERNELS=triton on CPU")
         if max_tokens < 1 or max_blocks_per_seq < 1:
@@ -119,16 +119,15 @@ class StaticForward:
                 and max(len(t) for t in batch.block_tables) <= self.layout.width)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [num_logits, vocab_size]
-        return self.forward_with(batch)[0]
+        """Any batch: the static path when it is eligible, the model's ordinary forward otherwise."""
+        return self.run(batch)[0] if self.eligible(batch) else self.model.forward(batch)
 
     @torch.inference_mode()
-    def forward_with(self, batch: ForwardBatch, payload: np.ndarray | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits, and `payload` (int64, the step's other inputs: the verification's) on the device. On the
-        static path the payload rides in the same host-to-device copy as the batch, in the block-table rows
-        the step leaves unused; otherwise, or when it does not fit there, it takes a copy of its own."""
-        if not self.eligible(batch):
-            return self.model.forward(batch), _to_device(payload, self.device)
+    def run(self, batch: ForwardBatch, payload: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An eligible batch (the caller checked `eligible`) through the static path: the logits, and `payload`
+        (int64, the step's other inputs: the verification's) on the device. The payload rides in the same
+        host-to-device copy as the batch, in the block-table rows the step leaves unused; when it does not fit
+        there, it takes a copy of its own."""
         num_tokens = batch.input_ids.numel()
         size = self._bucket(num_tokens) if self.graphs else num_tokens
         on_device = self._load(batch, size, payload)
@@ -175,7 +174,7 @@ class StaticForward:
         if payload is None:
             return None
         if not inline:
-            return _to_device(payload, self.device)
+            return torch.from_numpy(payload).to(self.device)
         return self._buffer[start:used].view(torch.int64)
 
     def _views(self, num_seqs: int, num_tokens: int) -> ForwardBatch:
@@ -221,18 +220,12 @@ class StaticForward:
                  memory_bytes=max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))
 
 
-def _to_device(payload: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
-    return None if payload is None else torch.from_numpy(payload).to(device)
-
-
 def build_static_forward(model: PagedCausalLM, *, max_tokens: int, max_model_len: int, block_size: int,
                          graphs: bool) -> StaticForward | None:
     """The static path where the Triton kernels run (a GPU, or SPECWIRE_KERNELS=triton); None on the CPU's
-    torch path, whose attention reads host lists. Graphs asked for without a GPU are a clear error."""
-    if graphs and model.device.type != "cuda":
-        raise ValueError(f"--cuda-graphs needs a GPU; this service runs on {model.device.type} (use --device cuda, "
-                         "or drop --cuda-graphs)")
-    if not platform.use_triton(model.embed_tokens.weight):
+    torch path, whose attention reads host lists. Graphs asked for without a GPU are a clear error (raised by
+    StaticForward)."""
+    if not graphs and not platform.use_triton(model.embed_tokens.weight):
         return None
     static = StaticForward(model, max_tokens=max_tokens, max_blocks_per_seq=-(-max_model_len // block_size),
                            graphs=graphs)

@@ -130,7 +130,7 @@ class DraftModel:
         if self.static is not None and self.static.eligible(batch):
             if self._on_static_step:
                 self._on_static_step()
-            return self.static.forward(batch)
+            return self.static.run(batch)[0]
         return self.runner.forward(batch)
 
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,

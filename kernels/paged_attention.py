@@ -188,6 +188,10 @@ class AttentionMetadata:
     max_query_len: int  # sets the launch grid's query tiles
 
 
+def longest_query(query_start: list[int]) -> int:
+    return max(b - a for a, b in zip(query_start, query_start[1:], strict=False))
+
+
 def attention_metadata(block_tables: list[list[int]], query_start: list[int], context_lens: list[int],
                        device: torch.device) -> AttentionMetadata:
     """From host lists, in one host-to-device copy: block tables zero-padded to the longest, query_start,
@@ -197,8 +201,7 @@ def attention_metadata(block_tables: list[list[int]], query_start: list[int], co
     flat = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]  # zero-padded rows
     packed = torch.tensor(flat + list(query_start) + list(context_lens), dtype=torch.int32).to(device)
     tables, qs, ctx = packed.split([num_seqs * width, len(query_start), len(context_lens)])
-    return AttentionMetadata(tables.view(num_seqs, width), qs, ctx,
-                             max(b - a for a, b in zip(query_start, query_start[1:], strict=False)))
+    return AttentionMetadata(tables.view(num_seqs, width), qs, ctx, longest_query(query_start))
 
 
 def paged_attention_tensors(

@@ -172,7 +172,7 @@ def test_the_verification_inputs_ride_in_the_same_copy(triton_path):
     static = StaticForward(pair.runners[1], max_tokens=32, max_blocks_per_seq=4)
     payload = np.concatenate([np.array([7, -1, 2**62 + 3], dtype=np.int64),
                               np.array([0.9, 1e-300], dtype=np.float64).view(np.int64)])
-    logits, on_device = static.forward_with(batch, payload)
+    logits, on_device = static.run(batch, payload)
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
     assert on_device.dtype == torch.int64 and on_device.tolist() == payload.tolist()
     assert on_device[3:].view(torch.float64).tolist() == [0.9, 1e-300]
@@ -182,6 +182,6 @@ def test_the_verification_inputs_ride_in_the_same_copy(triton_path):
     room = (buffer.numel() - start) // 2  # int64 values that fit
     for size, inline in ((room, True), (room + 1, False)):
         values = np.arange(size, dtype=np.int64) * 2**40
-        _, got = static.forward_with(pair.verification(), values)
+        _, got = static.run(pair.verification(), values)
         assert torch.equal(got, torch.from_numpy(values))
         assert (buffer.data_ptr() <= got.data_ptr() < buffer.data_ptr() + buffer.numel() * 4) is inline

@@ -48,12 +48,13 @@ class VerifierRunner:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         if static:  # the verification's inputs travel with the batch: one host-to-device copy for the step
-            logits, flat = self.static.forward_with(batch, host_inputs.flat if host_inputs else None)
+            logits, flat = self.static.run(batch, host_inputs.flat if host_inputs else None)
+            inputs = host_inputs.on_device(flat) if host_inputs else None
         else:
             logits = self.model.forward(batch)  # [num_draft_tokens + batch, vocab]
-            flat = torch.from_numpy(host_inputs.flat).to(logits.device) if host_inputs else None
+            inputs = host_inputs.to(logits.device) if host_inputs else None
         t1 = time.perf_counter()
-        sampled = verify_batch(logits, items, host_inputs.on_device(flat)) if items else []
+        sampled = verify_batch(logits, items, inputs) if items else []
         device_s = None
         if self._timed:
             end.record()

@@ -80,6 +80,10 @@ class HostInputs:
     int_sizes: tuple[int, ...]
     real_sizes: tuple[int, ...]
 
+    def to(self, device: torch.device) -> VerifyInputs:
+        """On `device`, in one host-to-device copy."""
+        return self.on_device(torch.from_numpy(self.flat).to(device))
+
     def on_device(self, flat: torch.Tensor) -> VerifyInputs:
         """`flat`: this array's copy on the device."""
         num_ints = sum(self.int_sizes)
@@ -96,8 +100,7 @@ class HostInputs:
 
 def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
     """The step's verification inputs on `device`, from one host-to-device copy."""
-    host = pack_host(items)
-    return host.on_device(torch.from_numpy(host.flat).to(device))
+    return pack_host(items).to(device)
 
 
 def pack_host(items: list[VerifyItem]) -> HostInputs:
