@@ -97,8 +97,9 @@ def compute_probs(
     top_p: torch.Tensor,  # [num_rows] float in (0, 1], 1 = off
 ) -> torch.Tensor:  # [num_rows, vocab_size], float32 or float64 (the wider of logits' dtype and float32)
     """Softmax of logits / temperature restricted to the top-k tokens and then to the smallest set of most
-    probable tokens whose mass reaches top_p. Ties at a boundary keep every tied token (a rule both ends of the
-    wire share, so the draft's q and the target's p are defined the same way)."""
+    probable tokens whose mass reaches top_p. Ties at a boundary keep every tied token, and top-p is decided over
+    every token top-k kept, which may be more than k (a rule both ends of the wire and both paths, kernel and
+    reference, share, so the draft's q and the target's p are defined the same way on any device)."""
     if use_triton(logits) and logits.dtype != torch.float64 and logits.shape[0] > 0:
         return compute_probs_triton(logits, temperature, top_k, top_p)
     return compute_probs_reference(logits, temperature, top_k, top_p)
@@ -130,7 +131,9 @@ def compute_probs_reference(
             k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
             kth = sorted_x.gather(1, (k - 1).unsqueeze(1))  # [num_rows, 1]
             x = x.masked_fill(x < kth, float("-inf"))
-            sorted_x = sorted_x.masked_fill(torch.arange(vocab).unsqueeze(0) >= k.unsqueeze(1), float("-inf"))
+            # by value, not by position: the tokens tied with the k-th are kept, so top-p is decided over the same
+            # set (possibly more than k tokens) that the kernel and the rest of the row keep
+            sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
         if need_p:
             sorted_probs = sorted_x.softmax(dim=1)
             mass_before = sorted_probs.cumsum(dim=1) - sorted_probs
