@@ -4,9 +4,11 @@ Tokens travel as gRPC metadata `authorization: Bearer <token>` on every call. A 
 refuses any call without a listed token with UNAUTHENTICATED before its handler runs; health checks stay open
 for probes. Tokens are compared in constant time and never logged. The file holds one token per line (blank
 lines and `#` comments ignored), so a new token can be added, rolled out to clients and the old one removed; the
-file is re-read when it changes, without a restart.
+file is re-read when it changes, without a restart. A client sends the first token line. A re-read that finds no
+token, or a line that does not parse, keeps the last good set and logs an error: a file caught half-written
+never locks everyone out. Replace the file by atomic rename (write a temporary file beside it, then `mv`).
 
-No torch import: the SDK uses the client half.
+No torch or structlog import at module level: the SDK, installed without the server extra, uses the client half.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ AUTH_METADATA_KEY = "authorization"
 _BEARER = "Bearer "
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 _RELOAD_CHECK_S = 1.0
+
+
+def _log():
+    import structlog  # the server extra; the SDK's half of this module never logs
+
+    return structlog.get_logger(__name__)
 
 
 def read_file(path: str, what: str) -> bytes:
@@ -64,20 +72,26 @@ def tls_name_override(server_name: str | None) -> list[tuple[str, str]]:
 # -- bearer tokens ----------------------------------------------------------------------------------------------
 
 
-def parse_tokens(text: str) -> frozenset[bytes]:
-    tokens = set()
-    for line in text.splitlines():
+def token_lines(text: str) -> list[bytes]:
+    """The tokens of a token file in file order (blank lines and `#` comments skipped)."""
+    tokens = []
+    for number, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if line and not line.startswith("#"):
-            if any(c.isspace() for c in line):
-                raise ValueError("a token may not contain whitespace (one token per line)")
-            tokens.add(line.encode())
-    return frozenset(tokens)
+            if any(c.isspace() for c in line):  # the message names the line, never its text: it may be a secret
+                raise ValueError(f"line {number}: a token may not contain whitespace (one token per line)")
+            tokens.append(line.encode())
+    return tokens
+
+
+def parse_tokens(text: str) -> frozenset[bytes]:
+    return frozenset(token_lines(text))
 
 
 def read_token(path: str) -> str:
-    """A client's token: the first token in the file."""
-    tokens = sorted(parse_tokens(read_file(path, "token file").decode()))
+    """A client's token: the first token line of the file. During a rotation the file may list the new token first
+    while the servers still accept both."""
+    tokens = token_lines(read_file(path, "token file").decode())
     if not tokens:
         raise ValueError(f"the token file {path!r} holds no token")
     return tokens[0].decode()
@@ -88,23 +102,48 @@ def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class TokenFile:
-    """The accepted tokens, re-read when the file changes (checked at most once a second)."""
+    """The accepted tokens. The file is checked at most once a second and re-read when it changed. A re-read that
+    fails (unreadable, not UTF-8, a line with whitespace, or no token at all: a file truncated for rewriting) keeps
+    the last good set and logs an error once per failure; a failed file is read again at every check until good."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self._mtime_ns = -1
+        self._key: tuple[int, ...] | None = None
         self._next_check = 0.0
+        self._failure: str | None = None
         self._tokens: frozenset[bytes] = frozenset()
-        self._reload()
-        if not self._tokens:
-            raise ValueError(f"the token file {path!r} holds no token: every call would be refused")
+        try:  # at start a bad file is the caller's error: the service does not start
+            self._reload()
+        except OSError as err:
+            raise ValueError(f"cannot read the token file {path!r}: {err.strerror}") from None
+
+    def _stat_key(self) -> tuple[int, ...]:
+        st = os.stat(self.path)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def _read(self) -> frozenset[bytes]:
+        try:
+            tokens = parse_tokens(read_file(self.path, "token file").decode())
+        except UnicodeDecodeError:
+            raise ValueError(f"the token file {self.path!r} is not UTF-8 text") from None
+        if not tokens:
+            raise ValueError(f"the token file {self.path!r} holds no token: every call would be refused")
+        return tokens
 
     def _reload(self) -> None:
-        stat = os.stat(self.path)
-        if stat.st_mtime_ns != self._mtime_ns:
-            self._tokens = parse_tokens(read_file(self.path, "token file").decode())
-            self._mtime_ns = stat.st_mtime_ns
+        # NOTE: keyed on (device, inode, size, mtime, ctime), not mtime alone: an atomic rename changes the inode,
+        # and a rewrite in place usually changes the size even within one coarse mtime tick. The key is committed
+        # only after a good read that it still describes, so a file caught mid-write is read again next time.
+        key = self._stat_key()
+        if key == self._key and self._failure is None:
+            return
+        tokens = self._read()
+        if self._stat_key() != key:
+            raise ValueError(f"the token file {self.path!r} changed while being read")
+        if self._tokens and tokens != self._tokens:
+            _log().info("token_file_reloaded", path=self.path, num_tokens=len(tokens))
+        self._tokens, self._key = tokens, key
 
     def tokens(self) -> frozenset[bytes]:
         now = time.monotonic()
@@ -113,8 +152,13 @@ class TokenFile:
                 self._next_check = now + _RELOAD_CHECK_S
                 try:
                     self._reload()
-                except (OSError, ValueError):  # keep the last good set while the file is being replaced
-                    pass
+                    self._failure = None
+                except (OSError, ValueError) as err:
+                    reason = str(err) if isinstance(err, ValueError) else f"cannot read it: {err.strerror}"
+                    if reason != self._failure:  # once per failure, not once a second
+                        _log().error("token_file_reload_failed", path=self.path, reason=reason,
+                                     num_tokens_kept=len(self._tokens))
+                    self._failure = reason
         return self._tokens
 
     def accepts(self, presented: bytes) -> bool:

@@ -6,6 +6,7 @@ a log."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -13,11 +14,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from common import security
 from common.errors import ErrorCode, ServiceError
-from common.security import read_token
+from common.security import TokenFile, read_token
 from draft_service.verifier_link import LinkSecurity, VerifierLink
 from specwire import Client, UnauthenticatedError, UnavailableError
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc
@@ -182,3 +185,68 @@ def test_the_container_healthcheck_speaks_tls_and_mutual_tls(secure_stack, certs
     assert check(running.draft) == 1  # plaintext against TLS
     assert check(running.verifier, *ca) == 1  # no client certificate
     assert check(running.verifier, *ca, "--cert", str(certs / "client.pem"), "--key", str(certs / "client.key")) == 0
+
+
+# -- token files, without a stack ------------------------------------------------------------------------------
+
+
+def test_a_client_sends_the_first_token_line_not_the_smallest(tmp_path):
+    """A rotation that lists the new token first must move the clients to it (the old one sorts first here)."""
+    path = tmp_path / "tokens"
+    path.write_text("# rotated 2026-01-01\n\n  zz-new-token  \naa-old-token\n")
+    assert read_token(str(path)) == "zz-new-token"
+
+
+OLD, NEW = "tok-old-5b1f0c", "tok-new-9e27d4"
+
+
+@pytest.fixture
+def token_file(tmp_path, monkeypatch) -> tuple[Path, TokenFile]:
+    monkeypatch.setattr(security, "_RELOAD_CHECK_S", 0.0)  # every call checks the file
+    path = tmp_path / "tokens"
+    path.write_text(OLD + "\n")
+    return path, TokenFile(str(path))
+
+
+@pytest.mark.parametrize("content", [b"", b"# only a comment\n\n", b"two words\n", b"\xff\xfe\n", None],
+                         ids=["empty", "comments-only", "whitespace", "not-utf8", "missing"])
+def test_a_reloaded_file_that_is_empty_or_bad_keeps_the_last_good_set_and_logs_an_error(token_file, content):
+    path, tokens = token_file
+    with structlog.testing.capture_logs() as logs:
+        if content is None:
+            path.unlink()
+        else:
+            path.write_bytes(content)
+        assert tokens.tokens() == {OLD.encode()}
+        assert tokens.accepts(OLD.encode())
+        assert tokens.tokens() == {OLD.encode()}  # checked again: still kept, and logged only once
+        path.write_text(f"{NEW}\n")
+        assert tokens.tokens() == {NEW.encode()}  # the next good file is taken
+    failures = [e for e in logs if e["event"] == "token_file_reload_failed"]
+    assert len(failures) == 1 and failures[0]["log_level"] == "error" and failures[0]["num_tokens_kept"] == 1
+    assert any(e["event"] == "token_file_reloaded" and e["num_tokens"] == 1 for e in logs)
+    assert OLD not in str(logs) and NEW not in str(logs)
+
+
+def test_a_write_that_ends_within_the_same_mtime_tick_is_still_read(token_file):
+    """A reader that catches a rewrite half-way (here: part of the new token) must see the rest, even when the
+    filesystem's coarse mtime does not move between the two writes."""
+    path, tokens = token_file
+    tick = path.stat().st_mtime_ns + 10**9
+    path.write_text(NEW[:5])
+    os.utime(path, ns=(tick, tick))
+    assert tokens.tokens() == {NEW[:5].encode()}
+    path.write_text(f"{OLD}\n{NEW}\n")
+    os.utime(path, ns=(tick, tick))
+    assert tokens.tokens() == {OLD.encode(), NEW.encode()}
+
+
+def test_a_token_file_that_is_bad_at_start_is_a_clear_error(tmp_path):
+    (tmp_path / "empty").write_text("# no token yet\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        TokenFile(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="cannot read the token file"):
+        TokenFile(str(tmp_path / "missing"))
+    (tmp_path / "bad").write_text("a b\n")
+    with pytest.raises(ValueError, match="line 1"):
+        TokenFile(str(tmp_path / "bad"))
