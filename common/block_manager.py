@@ -7,6 +7,10 @@ re-checked against the stored token ids and the stored parent hash, so even a co
 another prefix (vLLM moved from Python's hash() to sha256 for the same reason). A freed block keeps its hash
 until it is handed out again: the free list doubles as an LRU prefix cache.
 
+A cache salt (vLLM's per-request cache_salt) is the parent of a sequence's first block: its chain starts from
+sha256(salt) instead of the shared root, so a salted sequence shares blocks only with sequences of the same
+salt, and unsalted ones only with unsalted ones. Every later block inherits the salt through the chain.
+
 Invariants (tests/test_block_manager.py checks them under random operation sequences):
 - num_free_blocks + num_used_blocks == num_blocks; a block is free iff its reference count is 0;
 - a block's reference count equals the number of tables that hold it; a block in two tables is a complete,
@@ -36,6 +40,7 @@ class Block:
 class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # chained hashes of its leading registered blocks
+    root: bytes | None = None  # the parent of its first block: salt_root(its cache salt)
 
 
 class BlockManager:
@@ -144,7 +149,7 @@ class BlockManager:
         p = self._seqs[parent]
         for block_id in p.table:
             self.blocks[block_id].ref_count += 1
-        self._seqs[child] = _SeqBlocks(list(p.table), list(p.hashes))
+        self._seqs[child] = _SeqBlocks(list(p.table), list(p.hashes), p.root)
 
     def copy_on_write(self, seq: Hashable, start: int, end: int) -> list[tuple[int, int]] | None:
         """Make the blocks covering positions [start, end) exclusively `seq`'s before it writes there: a
@@ -171,6 +176,24 @@ class BlockManager:
         del s.hashes[first:]
         return copies
 
+    def reserve(self, seq: Hashable, start: int, end: int) -> list[tuple[int, int]] | None:
+        """Make positions [start, end) of `seq` writable before a step feeds them: copy_on_write of the blocks
+        already there, then allocate up to `end`, all or nothing. Returns the block copies to apply, or None
+        when the pool cannot hold both (nothing changed). Done in two calls, a copy-on-write that succeeds
+        followed by an allocation that fails would leave the table pointing at copies nobody applies."""
+        table = self._seqs[seq].table if seq in self._seqs else []
+        first, last = start // self.block_size, min(self.blocks_for(end), len(table))
+        num_shared = sum(1 for i in range(first, last) if self.blocks[table[i]].ref_count > 1)
+        num_new = max(0, self.blocks_for(end) - len(table))
+        if num_shared + num_new > len(self._free):
+            return None
+        # each copy takes one free block and frees none (its source stays held by another table), so the growth
+        # still has the blocks counted for it
+        copies = self.copy_on_write(seq, start, end) if table else []
+        if copies is None or not self.allocate(seq, end):
+            raise RuntimeError(f"reserve({seq!r}, {start}, {end}) miscounted the free blocks")
+        return copies
+
     def slots(self, seq: Hashable, start: int, end: int) -> list[int]:
         """Pool slots of positions [start, end) of `seq` (its table must already cover them)."""
         table, bs = self._seqs[seq].table, self.block_size
@@ -184,10 +207,17 @@ class BlockManager:
         h.update(array("q", token_ids).tobytes())
         return h.digest()
 
-    def cached_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    @staticmethod
+    def salt_root(cache_salt: str | None) -> bytes | None:
+        """The parent hash of a sequence's first block: None (the shared root) without a salt."""
+        if cache_salt is None:
+            return None
+        return hashlib.sha256(b"specwire-cache-salt\0" + cache_salt.encode()).digest()
+
+    def cached_prefix(self, token_ids: Sequence[int], max_tokens: int, *, cache_salt: str | None = None) -> list[int]:
         """The registered blocks that hold the longest prefix of `token_ids` made of complete blocks within its
-        first `max_tokens` tokens. A lookup: nothing changes."""
-        bs, parent, found = self.block_size, None, []
+        first `max_tokens` tokens, in `cache_salt`'s chain. A lookup: nothing changes."""
+        bs, parent, found = self.block_size, self.salt_root(cache_salt), []
         for i in range(min(len(token_ids), max_tokens) // bs):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
             h = self.chain_hash(parent, chunk)
@@ -199,20 +229,23 @@ class BlockManager:
             parent = h
         return found
 
-    def can_admit(self, token_ids: Sequence[int], max_prefix_tokens: int, num_tokens: int) -> bool:
+    def can_admit(self, token_ids: Sequence[int], max_prefix_tokens: int, num_tokens: int, *,
+                  cache_salt: str | None = None) -> bool:
         """Whether a new sequence whose first tokens are `token_ids` can hold `num_tokens` tokens, counting the
         cached prefix match_prefix would attach (cached blocks on the free list stop being free when attached)."""
-        hits = self.cached_prefix(token_ids, max_prefix_tokens)
+        hits = self.cached_prefix(token_ids, max_prefix_tokens, cache_salt=cache_salt)
         free_hits = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_for(num_tokens) - len(hits) <= len(self._free) - free_hits
 
-    def match_prefix(self, seq: Hashable, token_ids: Sequence[int], max_tokens: int) -> int:
-        """Attach to a new sequence the blocks of cached_prefix(token_ids, max_tokens). Returns how many tokens
-        they hold."""
+    def match_prefix(self, seq: Hashable, token_ids: Sequence[int], max_tokens: int, *,
+                     cache_salt: str | None = None) -> int:
+        """Attach to a new sequence the blocks of cached_prefix(token_ids, max_tokens, cache_salt=...), and
+        make `cache_salt` the root of the blocks it registers from now on. Returns how many tokens they hold."""
         s = self._seq(seq)
         if s.table:
             raise ValueError(f"match_prefix on {seq!r}, which already holds blocks")
-        for block_id in self.cached_prefix(token_ids, max_tokens):
+        s.root = self.salt_root(cache_salt)
+        for block_id in self.cached_prefix(token_ids, max_tokens, cache_salt=cache_salt):
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
@@ -232,7 +265,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(s.hashes), min(num_verified // bs, len(s.table))):
             chunk = tuple(token_ids[i * bs:(i + 1) * bs])
-            parent = s.hashes[-1] if s.hashes else None
+            parent = s.hashes[-1] if s.hashes else s.root
             h = self.chain_hash(parent, chunk)
             s.hashes.append(h)
             block = self.blocks[s.table[i]]

@@ -14,6 +14,7 @@ from common.block_manager import BlockManager
 BS, POOL = 4, 24
 # few distinct token values so prefixes repeat and the cache gets hits
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=30)
+SALTS = st.sampled_from([None, "tenant-a", "tenant-b"])
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -23,20 +24,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens: dict[int, list[int]] = {}  # verified tokens of each live sequence
         self.verified: dict[int, int] = {}  # tokens whose K/V is committed
         self.written: dict[int, int] = {}  # tokens whose K/V was ever written (a rollback does not unwrite)
+        self.salts: dict[int, str | None] = {}  # each sequence's cache salt
         self.next_id = 0
 
     def _new_id(self) -> int:
         self.next_id += 1
         return self.next_id
 
-    @rule(tokens=TOKENS, extra=st.integers(0, 40))
-    def open_with_prefix_match(self, tokens, extra):
+    @rule(tokens=TOKENS, extra=st.integers(0, 40), salt=SALTS)
+    def open_with_prefix_match(self, tokens, extra, salt):
         seq = self._new_id()
         # admission is decided before attaching: it must agree with attaching and then asking
         free_before = list(self.bm._free)
-        admit = self.bm.can_admit(tokens, len(tokens) - 1, len(tokens) + extra)
+        admit = self.bm.can_admit(tokens, len(tokens) - 1, len(tokens) + extra, cache_salt=salt)
         assert list(self.bm._free) == free_before  # the check changed nothing, not even the LRU order
-        matched = self.bm.match_prefix(seq, tokens, len(tokens) - 1)
+        matched = self.bm.match_prefix(seq, tokens, len(tokens) - 1, cache_salt=salt)
+        self.salts[seq] = salt
         assert admit == self.bm.can_allocate(seq, len(tokens) + extra)
         assert matched % BS == 0 and matched <= len(tokens) - 1
         for i in range(matched // BS):  # hits hold exactly the tokens asked for
@@ -89,13 +92,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.tokens[child] = list(self.tokens[parent])
         self.verified[child] = self.verified[parent]
         self.written[child] = self.written[parent]
+        self.salts[child] = self.salts[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.bm.free(seq)
-        del self.tokens[seq], self.verified[seq], self.written[seq]
+        del self.tokens[seq], self.verified[seq], self.written[seq], self.salts[seq]
 
     @invariant()
     def pool_is_whole(self):
@@ -123,7 +127,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             block = self.bm.blocks[b]
             assert block.hash == h and len(block.token_ids) == BS
         for seq in self.bm.sequences():
-            parent = None
+            parent = BlockManager.salt_root(self.salts[seq])  # every chain starts from its sequence's salt
             for i, b in enumerate(self.bm.table(seq)):
                 block = self.bm.blocks[b]
                 chunk = tuple(self.tokens[seq][i * BS:(i + 1) * BS])
@@ -186,3 +190,50 @@ def test_chain_hashes_are_sha256_of_parent_and_tokens():
     first = BlockManager.chain_hash(None, [1, 2])
     assert len(first) == 32 and first != BlockManager.chain_hash(None, [2, 1])
     assert BlockManager.chain_hash(first, [3, 4]) != BlockManager.chain_hash(None, [3, 4])
+
+
+def test_cache_salts_partition_the_prefix_cache():
+    """vLLM's cache_salt: the salt is the parent of the first block, so the whole chain differs. Same salt
+    shares, another salt shares nothing, and no salt shares only with no salt."""
+    bm = BlockManager(32, 2)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+
+    def run(seq, salt):
+        matched = bm.match_prefix(seq, prompt, len(prompt) - 1, cache_salt=salt)
+        assert bm.allocate(seq, len(prompt))
+        bm.commit(seq, prompt, len(prompt) - 1)
+        return matched
+
+    assert run("a1", "tenant-a") == 0
+    assert run("a2", "tenant-a") == 6  # same salt: every complete verified block is shared
+    assert run("b1", "tenant-b") == 0  # another salt: nothing
+    assert run("n1", None) == 0  # no salt does not see salted blocks...
+    assert run("n2", None) == 6
+    assert run("c1", "tenant-c") == 0  # ...and a salt does not see unsalted ones
+    tables = {seq: set(bm.table(seq)) for seq in ("a1", "a2", "b1", "n1", "n2", "c1")}
+    assert tables["a1"] & tables["a2"] and tables["n1"] & tables["n2"]
+    for x, y in (("a1", "b1"), ("a1", "n1"), ("b1", "n1"), ("c1", "n1"), ("c1", "a1")):
+        assert not tables[x] & tables[y], f"{x} and {y} share a block"
+    # the salt follows the chain into every later block, and a salted lookup is only a lookup
+    assert bm.cached_prefix(prompt, 6, cache_salt="tenant-a") == bm.table("a1")[:3]
+    assert bm.cached_prefix(prompt, 6, cache_salt="tenant-z") == []
+    assert not bm.can_admit(prompt, 6, 2 * (bm.num_free_blocks + 1), cache_salt="tenant-z")
+    assert bm.can_admit(prompt, 6, 2 * (bm.num_free_blocks + 3), cache_salt="tenant-a")
+
+
+def test_reserve_copies_and_grows_all_or_nothing():
+    """Room for a copy-on-write copy but not also for the growth: reserve changes nothing (a copy_on_write that
+    succeeds, then an allocate that fails, would leave the table pointing at a copy nobody applies); with one
+    more free block it does both."""
+    bm = BlockManager(4, 4)
+    bm.allocate("a", 6)
+    bm.fork("a", "b")  # blocks 0 and 1 shared: writing position 5 needs a copy of block 1
+    bm.allocate("c", 4)  # one block left free
+    before = (list(bm.table("a")), [blk.ref_count for blk in bm.blocks], bm.num_free_blocks)
+    assert bm.reserve("a", 5, 10) is None
+    assert (list(bm.table("a")), [blk.ref_count for blk in bm.blocks], bm.num_free_blocks) == before
+    bm.free("c")
+    copies = bm.reserve("a", 5, 10)
+    table = bm.table("a")
+    assert copies == [(1, table[1])] and len(table) == 3 and bm.num_free_blocks == 0
+    assert all(bm.blocks[b].ref_count == 1 for b in table[1:]) and bm.blocks[table[0]].ref_count == 2

@@ -47,18 +47,30 @@ class VerifierMetrics:
                                      "Verify stream", ["stream"], registry=r)
         self.budget_fairness = Gauge("specwire_token_budget_fairness", "Jain's index of the last step's tokens "
                                      "per stream with work (1: equal shares, 1/n: one stream took all)", registry=r)
+        # Streams whose series may exist. A step in flight when a stream closes still reports it; only streams
+        # in this set get a series, so a closed stream's series stays removed.
+        self._open_streams: set[int] = set()
+
+    def open_stream(self, stream_id: int) -> None:
+        self._open_streams.add(stream_id)
 
     def forget_stream(self, stream_id: int) -> None:
+        self._open_streams.discard(stream_id)
         for metric in (self.stream_sequences, self.stream_tokens):
             try:
                 metric.remove(str(stream_id))
             except KeyError:
                 pass
 
+    def set_stream_sequences(self, stream_id: int, num_sequences: int) -> None:
+        if stream_id in self._open_streams:
+            self.stream_sequences.labels(stream=str(stream_id)).set(num_sequences)
+
     def observe_step(self, stats: StepStats) -> None:
         self.steps.inc()
         for stream_id, tokens in stats.tokens_by_stream.items():
-            self.stream_tokens.labels(stream=str(stream_id)).inc(tokens)
+            if stream_id in self._open_streams:
+                self.stream_tokens.labels(stream=str(stream_id)).inc(tokens)
         self.budget_fairness.set(stats.budget_fairness)
         self.step_seconds.observe(stats.forward_s + stats.sample_s)
         self.step_host_seconds.observe(stats.host_s)

@@ -12,7 +12,7 @@ running 1 each get a turn per step; admission order alone would let the 16 fill 
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -35,6 +35,9 @@ class ScheduledSeq:
     end: int
     proposal: ProposeCmd | None  # None: a prefill chunk
     num_prefill_tokens: int  # verified tokens among those fed (the last one excepted in a verification)
+    # copy-on-write (source, destination) blocks to apply before the forward; set once its blocks are reserved,
+    # so only an item in the step carries copies
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -53,7 +56,6 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # stale proposals dropped, sequences refused
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write, before the forward
     num_prefix_hit_tokens: int = 0
     num_preempted: int = 0
     tokens_by_stream: dict[int, int] = field(default_factory=dict)  # every stream with work, scheduled or not
@@ -62,10 +64,21 @@ class SchedulerOutput:
     def verifications(self) -> list[ScheduledSeq]:
         return [s for s in self.scheduled if s.proposal is not None]
 
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write, before the forward: those of the scheduled items only, so a step that ends up empty
+        has none left unapplied."""
+        return [copy for s in self.scheduled for copy in s.block_copies]
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_batched_tokens: int, max_draft_tokens: int,
                  max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+        # a verification is never split and never exceeds the budget, so the budget must hold the largest one
+        # (VerifierConfig refuses this too), or a sequence would wait for it forever
+        if max_num_batched_tokens < max_draft_tokens + 1:
+            raise ValueError(f"max_num_batched_tokens {max_num_batched_tokens} cannot hold a verification block "
+                             f"of max_draft_tokens + 1 = {max_draft_tokens + 1} tokens")
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_draft_tokens = max_draft_tokens
@@ -176,10 +189,12 @@ class Scheduler:
         hit_tokens = 0
         while self.waiting:
             seq = self.waiting[0]
-            if not self.blocks.can_admit(seq.token_ids, seq.num_tokens - 1, seq.num_tokens + self.max_draft_tokens):
+            if not self.blocks.can_admit(seq.token_ids, seq.num_tokens - 1, seq.num_tokens + self.max_draft_tokens,
+                                         cache_salt=seq.cache_salt):
                 break
             self.waiting.popleft()
-            seq.num_cached = self.blocks.match_prefix(seq.key, seq.token_ids, seq.num_tokens - 1)
+            seq.num_cached = self.blocks.match_prefix(seq.key, seq.token_ids, seq.num_tokens - 1,
+                                                      cache_salt=seq.cache_salt)
             seq.status = SequenceStatus.RUNNING
             self.running[seq.key] = seq
             hit_tokens += seq.num_cached
@@ -212,9 +227,13 @@ class Scheduler:
             seq.proposals = kept
         return dropped
 
-    def _candidates(self, seq: Sequence, budget: int, batch_is_empty: bool) -> list[ScheduledSeq]:
-        """What `seq` could run in this step, best first: its next proposal's verification when it fits the
-        budget (a lone verification always runs, whatever its size), then the next chunk of its prefill."""
+    def _candidates(self, seq: Sequence, budget: int) -> list[ScheduledSeq]:
+        """What `seq` could run in this step, best first: its next proposal's verification, with the rest of its
+        prefill, when both fit the budget; then the next chunk of its prefill. So a proposal that arrives before
+        the prefill is done (a small draft prefills faster) waits while the prefill goes on in chunks, and no
+        step exceeds the budget, which is what the device's memory was profiled for. Once the prefill is done, a
+        verification is at most max_draft_tokens + 1 <= max_num_batched_tokens tokens: it fits whenever it is
+        first in a step, which fair turns make it within a few steps."""
         candidates = []
         if seq.proposals:
             proposal = seq.proposals[0]
@@ -222,7 +241,7 @@ class Scheduler:
             room = self.max_model_len - seq.num_tokens
             proposal = proposal.truncated(room - 1)
             end = seq.num_tokens + proposal.num_draft_tokens
-            if end - seq.num_cached <= budget or batch_is_empty:
+            if end - seq.num_cached <= budget:
                 candidates.append(ScheduledSeq(seq, seq.num_cached, end, proposal,
                                                num_prefill_tokens=seq.num_tokens - 1 - seq.num_cached))
         prefill_end = min(seq.num_tokens - 1, seq.num_cached + budget)
@@ -233,11 +252,12 @@ class Scheduler:
 
     def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
         busy = {item.seq.key for item in out.scheduled}
-        for item in self._candidates(seq, budget, batch_is_empty=not out.scheduled):
-            if self._reserve(item, busy, out.block_copies):
+        for item in self._candidates(seq, budget):
+            copies = self._reserve(item, busy)
+            if copies is not None:
                 if item.proposal is not None:
                     seq.proposals.popleft()
-                return item
+                return replace(item, block_copies=tuple(copies))
             if self.blocks.blocks_for(item.end) > self.blocks.num_blocks:
                 self.release(seq.key)
                 out.outcomes.append(ErrorOut(
@@ -246,19 +266,17 @@ class Scheduler:
                 return None
         return None
 
-    def _reserve(self, item: ScheduledSeq, busy: set[SeqKey], block_copies: list[tuple[int, int]]) -> bool:
-        """Blocks for positions [start, end) of the item's sequence, exclusively its own. While the pool is
-        short, preempt the most recently admitted other sequence with no work in this step."""
-        key = item.seq.key
+    def _reserve(self, item: ScheduledSeq, busy: set[SeqKey]) -> list[tuple[int, int]] | None:
+        """Blocks for positions [start, end) of the item's sequence, exclusively its own: the copy-on-write
+        copies to apply before the forward, or None (nothing changed) when they cannot be had. While the pool
+        is short, preempt the most recently admitted other sequence with no work in this step."""
         while True:
-            copies = self.blocks.copy_on_write(key, item.start, item.end)
-            if copies:
-                block_copies.extend(copies)
-            if copies is not None and self.blocks.allocate(key, item.end):
-                return True
+            copies = self.blocks.reserve(item.seq.key, item.start, item.end)
+            if copies is not None:
+                return copies
             victim = self._pick_victim(item.seq, busy)
             if victim is None:
-                return False
+                return None
             self._preempt(victim)
 
     def _pick_victim(self, seq: Sequence, busy: set[SeqKey]) -> Sequence | None:
