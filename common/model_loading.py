@@ -34,6 +34,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_model_len: int
     gguf_path: Path | None = None  # the GGUF file the weights were converted from, if any
+    model_fingerprint: str = ""  # model_fingerprint() of its directory: which weights these are
 
 
 def cache_dir() -> Path:
@@ -112,6 +113,83 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     log.info("gguf_convert_done", out=str(out))
 
 
+# -- model identity ------------------------------------------------------------------------------------------
+
+# NOTE: the fingerprint reads the config, every safetensors header and FINGERPRINT_SAMPLES slices of
+# FINGERPRINT_SAMPLE_BYTES from each tensor (its start, middle and end), at most FINGERPRINT_MAX_TENSORS
+# tensors: a few hundred KB of reads for any model size, where hashing every byte would read a 140 GB
+# checkpoint at each start. Headers alone would not do: two fine-tunes of one base (or two random inits) have
+# identical headers. Training or re-initialising changes practically every element of a tensor, so its sampled
+# bytes change too; an edit of a few weights away from the samples would go unseen. -- specwire
+FINGERPRINT_SAMPLES = 3
+FINGERPRINT_SAMPLE_BYTES = 64
+FINGERPRINT_MAX_TENSORS = 4096
+# other weight formats transformers loads, sampled as plain files
+_OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth")
+_OTHER_WEIGHTS_SAMPLES = 256
+# config keys that say nothing about the weights (they change on a re-save)
+_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version")
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """sha256 (hex) of what makes a model directory compute what it computes, in bounded time whatever its size:
+    config.json and generation_config.json (canonical JSON, volatile keys dropped), then per weights file its
+    name, size, header (safetensors: every tensor's name, dtype, shape and offsets) and a bounded sample of its
+    bytes (see the NOTE above). The directory's path is not part of it: a copy or a move keeps the fingerprint.
+    A GGUF model's directory is its deterministic conversion (resolve_model_dir), so the fingerprint follows
+    the GGUF file's contents."""
+    d = Path(model_dir)
+    h = hashlib.sha256(b"specwire-model-fingerprint-v1\0")
+    for name in ("config.json", "generation_config.json"):
+        if (d / name).is_file():
+            config = json.loads((d / name).read_text())
+            for key in _VOLATILE_CONFIG_KEYS:
+                config.pop(key, None)
+            h.update(f"{name}\0{json.dumps(config, sort_keys=True)}\0".encode())
+    weights = sorted(d.glob("*.safetensors"))
+    for path in weights:
+        _fingerprint_safetensors(h, path)
+    if not weights:
+        for path in sorted(p for pattern in _OTHER_WEIGHTS for p in d.glob(pattern)):
+            _fingerprint_plain(h, path)
+    return h.hexdigest()
+
+
+def _fingerprint_safetensors(h: Any, path: Path) -> None:
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = f.read(header_len)
+        h.update(f"{path.name}\0{size}\0".encode())
+        h.update(header)
+        tensors = sorted((name, meta["data_offsets"]) for name, meta in json.loads(header).items()
+                         if name != "__metadata__")
+        stride = max(1, -(-len(tensors) // FINGERPRINT_MAX_TENSORS))
+        base = 8 + header_len
+        for _, (begin, end) in tensors[::stride]:
+            for offset in _sample_offsets(begin, end):
+                f.seek(base + offset)
+                h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+
+
+def _sample_offsets(begin: int, end: int) -> list[int]:
+    """Where a tensor of bytes [begin, end) is sampled: its start, middle and end (all of it when small)."""
+    n = end - begin
+    if n <= FINGERPRINT_SAMPLES * FINGERPRINT_SAMPLE_BYTES:
+        return list(range(begin, end, FINGERPRINT_SAMPLE_BYTES))
+    last = end - FINGERPRINT_SAMPLE_BYTES
+    return [begin + (last - begin) * i // (FINGERPRINT_SAMPLES - 1) for i in range(FINGERPRINT_SAMPLES)]
+
+
+def _fingerprint_plain(h: Any, path: Path) -> None:
+    size = path.stat().st_size
+    h.update(f"{path.name}\0{size}\0".encode())
+    with path.open("rb") as f:
+        for i in range(_OTHER_WEIGHTS_SAMPLES):
+            f.seek(size * i // _OTHER_WEIGHTS_SAMPLES)
+            h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+
+
 def load_tokenizer(path: str | os.PathLike) -> Any:
     from transformers import AutoTokenizer
 
@@ -141,6 +219,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         eos_token_ids=eos,
         max_model_len=int(getattr(model.config, "max_position_embeddings", 2048)),
         gguf_path=source_gguf(path),
+        model_fingerprint=model_fingerprint(model_dir),
     )
 
 

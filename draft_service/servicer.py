@@ -27,6 +27,7 @@ def request_from_proto(msg: draft_pb2.GenerateRequest, deadline: float | None = 
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         deadline=deadline,
         wire_mode=wire.wire_mode_from_proto(msg.wire_mode),
+        cache_salt=wire.cache_salt_from_proto(msg),
     )
 
 

@@ -65,6 +65,30 @@ class VerifierIdentity:
     max_draft_tokens: int
     max_model_len: int
     features: tuple[str, ...] = ()  # VerifierInfo.features
+    # what decides the output besides the tokens; "" from a verifier older than these fields
+    model_fingerprint: str = ""
+    dtype: str = ""
+    quantization: str = ""
+
+    def target_change(self, now: VerifierIdentity) -> str | None:
+        """Why a sequence started on this verifier's target cannot continue on `now`'s, or None. Compared: the
+        model fingerprint (the model id when either side has none: an older verifier), the dtype and the
+        quantization (each when both sides state it)."""
+        changed = []
+        if self.model_fingerprint and now.model_fingerprint:
+            if self.model_fingerprint != now.model_fingerprint:
+                changed.append(f"model fingerprint {self.model_fingerprint[:16]} ({self.model_id!r}) -> "
+                               f"{now.model_fingerprint[:16]} ({now.model_id!r})")
+        elif self.model_id != now.model_id:
+            changed.append(f"model {self.model_id!r} -> {now.model_id!r}")
+        if self.dtype and now.dtype and self.dtype != now.dtype:
+            changed.append(f"dtype {self.dtype} -> {now.dtype}")
+        if self.quantization and now.quantization and self.quantization != now.quantization:
+            changed.append(f"quantization {self.quantization} -> {now.quantization}")
+        if not changed:
+            return None
+        return (f"the verifier's target changed since this sequence started ({'; '.join(changed)}): continuing "
+                "it there would mix two models' output, so it is not resumed; retry the request")
 
 
 @dataclass(frozen=True)
@@ -76,6 +100,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None
     deadline: float | None = None  # time.monotonic() of the client's deadline; None: none
     wire_mode: WireMode | None = None  # None: the service's --wire-mode
+    cache_salt: str | None = None  # the verifier shares cached prefix blocks only within one salt
 
 
 @dataclass(frozen=True)

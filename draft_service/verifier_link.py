@@ -84,6 +84,8 @@ class VerifierLink:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self._inboxes: dict[int, asyncio.Queue[LinkEvent]] = {}
         self._open_on: dict[int, int] = {}  # seq id -> the connection it was (re)opened on
+        self._started_on: dict[int, VerifierIdentity] = {}  # seq id -> the target that began its output
+        self._cache_salts: dict[int, str] = {}  # seq id -> its prefix-cache salt, sent again on every reopen
         self._seq_ids = itertools.count(1)
         self._reconnect_task: asyncio.Task | None = None
         self._attempted = asyncio.Event()  # set (and replaced) after every connection attempt
@@ -198,7 +200,9 @@ class VerifierLink:
         if mismatch is not None:
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, mismatch)
         self.identity = VerifierIdentity(info.model_id, info.vocab_size, info.tokenizer_fingerprint,
-                                         info.max_draft_tokens, info.max_model_len, tuple(info.features))
+                                         info.max_draft_tokens, info.max_model_len, tuple(info.features),
+                                         model_fingerprint=info.model_fingerprint, dtype=info.dtype,
+                                         quantization=info.quantization)
 
     async def close(self) -> None:
         self._closed = True
@@ -223,28 +227,53 @@ class VerifierLink:
     # -- sequences --------------------------------------------------------------------------------------------
 
     async def open(self, prompt_token_ids: list[int], sampling: SamplingParams, *, retry_s: float,
-                   deadline: float | None = None) -> int:
-        """Open a sequence (waiting up to retry_s for the stream); returns its id on this link."""
+                   deadline: float | None = None, cache_salt: str | None = None) -> int:
+        """Open a sequence (waiting up to retry_s for the stream); returns its id on this link. `cache_salt`
+        stays with the sequence: every reopen sends it again."""
         seq_id = next(self._seq_ids)
-        await self.reopen(seq_id, prompt_token_ids, sampling, num_output_tokens=0, retry_s=retry_s,
-                          deadline=deadline)
+        if cache_salt is not None:
+            self._cache_salts[seq_id] = cache_salt
+        try:
+            await self.reopen(seq_id, prompt_token_ids, sampling, num_output_tokens=0, retry_s=retry_s,
+                              deadline=deadline)
+        except BaseException:
+            self._cache_salts.pop(seq_id, None)
+            self._started_on.pop(seq_id, None)
+            raise
         return seq_id
 
     async def reopen(self, seq_id: int, token_ids: list[int], sampling: SamplingParams, *, num_output_tokens: int,
                      retry_s: float, deadline: float | None = None) -> None:
         """(Re)open `seq_id` on the current stream with `token_ids`, the last num_output_tokens of them its
-        verified output so far. Events of an earlier stream still queued for it are discarded."""
+        verified output so far. Events of an earlier stream still queued for it are discarded. A sequence with
+        output resumes only on the target it started on (VerifierIdentity.target_change): FAILED_PRECONDITION
+        otherwise."""
+        cache_salt = self._cache_salts.get(seq_id)
         while True:
             identity = await self.ensure_connected(retry_s)
             if sampling.coupled and wire.FEATURE_COUPLED not in identity.features:  # e.g. a resume on an older one
                 raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"the verifier at {self._target} does not "
                                    "implement the coupled wire mode")
+            if cache_salt is not None and wire.FEATURE_CACHE_SALT not in identity.features:
+                # an older verifier would ignore the salt and share this tenant's prefix cache with everyone
+                raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"the verifier at {self._target} does not "
+                                   "implement cache_salt (prefix-cache isolation); send the request without it")
+            started = self._started_on.get(seq_id)
+            if started is not None and num_output_tokens:
+                change = started.target_change(identity)
+                if change is not None:
+                    log.warning("resume_refused_target_changed", target=self._target, seq_id=seq_id, reason=change)
+                    raise ServiceError(ErrorCode.FAILED_PRECONDITION, change)
+            else:  # no output yet: whatever target it is (re)opened on produces all of it
+                self._started_on[seq_id] = identity
             self._inboxes[seq_id] = asyncio.Queue()
             self._open_on[seq_id] = self._num_connections
             msg = verifier_pb2.OpenSequence(seq_id=seq_id, prompt_token_ids=token_ids, num_output_tokens=num_output_tokens,
                                             sampling=wire.sampling_to_proto(sampling), coupled=sampling.coupled)
             if deadline is not None:
                 msg.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
+            if cache_salt is not None:
+                msg.cache_salt = cache_salt
             try:
                 self._send(verifier_pb2.DraftMessage(open=msg))
                 return
@@ -272,6 +301,8 @@ class VerifierLink:
     def release(self, seq_id: int, *, cancel: bool) -> None:
         """Forget the sequence; with cancel, tell the verifier to free it (it frees finished ones itself)."""
         open_on = self._open_on.pop(seq_id, None)
+        self._started_on.pop(seq_id, None)
+        self._cache_salts.pop(seq_id, None)
         if self._inboxes.pop(seq_id, None) is not None and cancel and open_on == self._num_connections \
                 and self.connected:
             self._send(verifier_pb2.DraftMessage(close=verifier_pb2.CloseSequence(seq_id=seq_id)))
@@ -320,6 +351,11 @@ class VerifierLink:
             seq_id = v.seq_id
         elif kind == "error":
             e = msg.error
+            if e.seq_id == 0:  # names no sequence (a duplicate open, a message the verifier did not understand):
+                # no live sequence ends for it; it points at a bug in this draft, so it is logged
+                log.warning("verifier_stream_error", target=self._target, code=wire.error_code_from_proto(e.code).name,
+                            message=e.message)
+                return
             event, seq_id = ErrorEvent(wire.error_code_from_proto(e.code), e.message), e.seq_id
         elif kind == "dropped":
             d = msg.dropped

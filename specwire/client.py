@@ -82,7 +82,8 @@ def _stats(msg: draft_pb2.Stats) -> Stats:
 def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, max_tokens: int,
                   temperature: float, top_k: int, top_p: float, seed: int | None, stop: Sequence[str] | None,
                   num_speculative_tokens: int | None, ignore_eos: bool,
-                  wire_mode: str | WireMode | None = None) -> draft_pb2.GenerateRequest:
+                  wire_mode: str | WireMode | None = None,
+                  cache_salt: str | None = None) -> draft_pb2.GenerateRequest:
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
     if max_tokens < 1:  # caught before sending: the service would answer the same
@@ -102,6 +103,8 @@ def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, ma
         except ValueError:
             raise InvalidArgumentError(f"wire_mode must be one of {', '.join(m.value for m in WireMode)}, got "
                                        f"{wire_mode!r}") from None
+    if cache_salt is not None:  # judged by the service (1 to 256 characters)
+        req.cache_salt = cache_salt
     return req
 
 
@@ -223,15 +226,19 @@ class Client(_ClientBase):
                max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop: Sequence[str] | None = None,
                num_speculative_tokens: int | None = None, ignore_eos: bool = False,
-               wire_mode: str | WireMode | None = None, result: Result | None = None) -> Iterator[Chunk]:
+               wire_mode: str | WireMode | None = None, result: Result | None = None,
+               cache_salt: str | None = None) -> Iterator[Chunk]:
         """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end.
         `wire_mode` ("sparse", "one-hot" or "coupled") overrides the draft service's for this request: "coupled"
-        makes a seeded output the target-alone output for that seed, whatever the draft, k or pipelining."""
+        makes a seeded output the target-alone output for that seed, whatever the draft, k or pipelining.
+        `cache_salt` (1 to 256 characters; vLLM's cache_salt) isolates the request's prefix cache on the
+        verifier: it shares cached KV blocks only with requests of the same salt, so one tenant cannot tell from
+        latency whether another's prompt is cached. Give each tenant its own."""
         acc = _Accumulator()
         if result is not None:
             acc.result = result
         req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
-                            num_speculative_tokens, ignore_eos, wire_mode)
+                            num_speculative_tokens, ignore_eos, wire_mode, cache_salt)
         for msg in self._responses(req):
             chunk = acc.add(msg)
             if chunk is not None:
@@ -282,12 +289,13 @@ class AsyncClient(_ClientBase):
                      max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                      seed: int | None = None, stop: Sequence[str] | None = None,
                      num_speculative_tokens: int | None = None, ignore_eos: bool = False,
-                     wire_mode: str | WireMode | None = None, result: Result | None = None) -> AsyncIterator[Chunk]:
+                     wire_mode: str | WireMode | None = None, result: Result | None = None,
+                     cache_salt: str | None = None) -> AsyncIterator[Chunk]:
         acc = _Accumulator()
         if result is not None:
             acc.result = result
         req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
-                            num_speculative_tokens, ignore_eos, wire_mode)
+                            num_speculative_tokens, ignore_eos, wire_mode, cache_salt)
         await self._wait_connected()
         call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True, metadata=self._metadata)
         try:

@@ -6,17 +6,20 @@ and a verifier that does not come back (UNAVAILABLE after --verifier-retry-deadl
 from __future__ import annotations
 
 import asyncio
+import shutil
 import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
-from specwire import AsyncClient, Client, UnavailableError
+from common.model_loading import model_fingerprint
+from specwire import AsyncClient, Client, FailedPreconditionError, UnavailableError
 
 from stacks import start_stack
-from tiny_models import greedy_continuation, make_text_pair
+from tiny_models import build_model, greedy_continuation, make_text_pair
 
 PROMPT = [5, 9, 14, 3, 22, 7]
 N = 300
@@ -175,3 +178,38 @@ def test_the_draft_health_follows_its_verifier(fault_stack):
     asyncio.run(wait_for("SERVING"))
     assert gateway_health() == 200
     running.stop_service(gateway)
+
+
+def test_a_resume_onto_a_verifier_restarted_with_another_model_fails_naming_both(fault_stack, tmp_path):
+    """Same tokenizer and vocabulary, other weights: the handshake passes, but a sequence with output is not
+    continued by another model. New requests are served by the new one."""
+    from transformers import AutoConfig
+
+    running, target = fault_stack
+    other = tmp_path / "other-target"
+    shutil.copytree(target, other)  # the same tokenizer files
+    build_model(AutoConfig.from_pretrained(target), seed=77).save_pretrained(other)
+    fingerprints = model_fingerprint(target), model_fingerprint(other)
+    assert fingerprints[0] != fingerprints[1]
+    original_args = list(running.verifier_args)
+
+    def serve(model: Path) -> None:
+        running.kill("verifier")
+        running.verifier_args[original_args.index("--model") + 1] = str(model)
+        running.restart("verifier")
+
+    try:
+        with Client(running.draft, timeout=120) as client:
+            stream = client.stream(prompt_token_ids=PROMPT, **GREEDY)
+            next(stream)
+            serve(other)
+            with pytest.raises(FailedPreconditionError) as err:
+                for _ in stream:
+                    pass
+            assert all(fp[:16] in err.value.message for fp in fingerprints), err.value.message
+            fresh = client.generate(prompt_token_ids=PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True)
+            assert fresh.token_ids == greedy_continuation(other, PROMPT, 6)
+    finally:
+        serve(target)
+        running.verifier_args[:] = original_args
+    running.wait_for_metric("specwire_kv_blocks_used", 0)

@@ -29,6 +29,7 @@ class Sequence:
     last_active: float = 0.0  # time.monotonic() of its open, last proposal or last verdict
     deadline: float | None = None  # time.monotonic() of the client's deadline
     last_scheduled_step: int = 0  # the scheduler's step count when it last ran (fair turns)
+    cache_salt: str | None = None  # its prefix-cache chain: shared only with sequences of the same salt
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype", "features")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype", "features", "model_fingerprint", "quantization")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,8 @@ class VerifierInfo(_message.Message):
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -37,7 +39,9 @@ class VerifierInfo(_message.Message):
     platform: str
     dtype: str
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    model_fingerprint: str
+    quantization: str
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., model_fingerprint: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
     __slots__ = ("hello", "open", "propose", "close")
@@ -64,20 +68,22 @@ class Hello(_message.Message):
     def __init__(self, draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., protocol_version: _Optional[str] = ...) -> None: ...
 
 class OpenSequence(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_output_tokens", "timeout_ms", "coupled")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_output_tokens", "timeout_ms", "coupled", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     COUPLED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     num_output_tokens: int
     timeout_ms: int
     coupled: bool
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., coupled: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., coupled: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

@@ -14,7 +14,10 @@ from specwire.v1 import common_pb2, verifier_pb2
 PROTOCOL_VERSION = "1"
 # Optional features a verifier lists in VerifierInfo.features; a draft asks for one only if it is listed.
 FEATURE_COUPLED = "coupled"  # OpenSequence.coupled
-VERIFIER_FEATURES = (FEATURE_COUPLED,)
+FEATURE_CACHE_SALT = "cache_salt"  # OpenSequence.cache_salt
+VERIFIER_FEATURES = (FEATURE_COUPLED, FEATURE_CACHE_SALT)
+# vLLM's limit is none; ours bounds what one open message makes the verifier hash and log.
+MAX_CACHE_SALT_CHARS = 256
 
 # NOTE: one Proposal carries at most max_draft_tokens sparse distributions of q_max_support entries: 16 x 64
 # entries are about 10 KB. 64 MiB leaves room for long prompts (a 1M-token prompt is 5 MB of varints).
@@ -116,6 +119,21 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         ignore_eos=msg.ignore_eos,
     )
+
+
+# -- prefix-cache salt -----------------------------------------------------------------------------------------
+
+def check_cache_salt(salt: str | None) -> str | None:
+    """The salt as given, or INVALID_ARGUMENT: it must be 1 to MAX_CACHE_SALT_CHARS characters (an empty salt
+    is refused, as vLLM does, rather than read as "no salt": a tenant that meant to isolate itself would not)."""
+    if salt is not None and not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise invalid_argument(f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    return salt
+
+
+def cache_salt_from_proto(msg) -> str | None:
+    """A GenerateRequest's or OpenSequence's cache_salt (None when unset), checked."""
+    return check_cache_salt(msg.cache_salt if msg.HasField("cache_salt") else None)
 
 
 # -- draft distributions ---------------------------------------------------------------------------------------
