@@ -6,22 +6,25 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 
 import grpc
 import pytest
 
+from specwire.launch import free_port, scrape_metric
 from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
-INVALID, NOT_FOUND, ABORTED = (grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.NOT_FOUND.value[0],
-                               grpc.StatusCode.ABORTED.value[0])
+INVALID, NOT_FOUND, ABORTED, EXHAUSTED = (
+    grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.ABORTED.value[0],
+    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
 BAD, GOOD = 1, 2  # seq ids: the case's sequence and the well-formed one beside it
 
 
-def _open(seq_id=BAD, prompt=(5, 6, 7), num_output_tokens=0, coupled=False, **sampling):
+def _open(seq_id=BAD, prompt=(5, 6, 7), num_output_tokens=0, coupled=False, cache_salt=None, **sampling):
     sampling = {"temperature": 0.8, "seed": 3, "max_tokens": 3, **sampling}
     return verifier_pb2.DraftMessage(open=verifier_pb2.OpenSequence(
         seq_id=seq_id, prompt_token_ids=list(prompt), sampling=common_pb2.SamplingParams(**sampling),
-        num_output_tokens=num_output_tokens, coupled=coupled))
+        num_output_tokens=num_output_tokens, coupled=coupled, cache_salt=cache_salt))
 
 
 def _propose(seq_id=BAD, start=3, drafts=(9,), q=(((9,), (1.0,)),), assumed=()):
@@ -72,14 +75,24 @@ CASES = [
     ("more assumed tokens than positions", [_open(), _propose(start=2, assumed=(5, 6, 7), q=None)], INVALID,
      "assumed tokens"),
     ("q on a coupled sequence", [_open(coupled=True), _propose()], INVALID, "token ids only"),
+    ("cache_salt too long", [_open(cache_salt="s" * 257)], INVALID, "cache_salt must be 1 to 256 characters"),
+    ("cache_salt empty", [_open(cache_salt="")], INVALID, "cache_salt must be 1 to 256 characters"),
     ("a message without a kind", [verifier_pb2.DraftMessage()], INVALID, "unexpected empty message"),
     ("a second hello", [HELLO], INVALID, "unexpected hello"),
+    ("q support above --max-q-support", [_open(), _propose(q=((tuple(range(9, 9 + 257)), (1 / 257,) * 257),))],
+     EXHAUSTED, "--max-q-support"),
 ]
 
 
-def _run_case(address: str, messages: list) -> list:
-    """Send hello, the case's messages, then a well-formed sequence; return the replies up to the good
-    sequence's verdict."""
+def _hello(stub) -> verifier_pb2.DraftMessage:
+    info = stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=10)
+    return verifier_pb2.DraftMessage(hello=verifier_pb2.Hello(
+        draft_model_id="bad-input", vocab_size=info.vocab_size, tokenizer_fingerprint=info.tokenizer_fingerprint))
+
+
+def _run_case(address: str, messages: list, until: frozenset[int] = frozenset({GOOD})) -> list:
+    """Send hello, the case's messages, then a well-formed sequence; return the replies up to the verdicts of
+    the sequences in `until` (the good one)."""
     with grpc.insecure_channel(address) as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         info = stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=10)
@@ -99,11 +112,13 @@ def _run_case(address: str, messages: list) -> list:
                     continue
 
         replies = stub.Verify(requests(), timeout=60)
-        got = []
+        got, waiting_for = [], set(until)
         for reply in replies:
             got.append(reply)
-            if reply.WhichOneof("kind") == "verdict" and reply.verdict.seq_id == GOOD:
-                break
+            if reply.WhichOneof("kind") == "verdict":
+                waiting_for.discard(reply.verdict.seq_id)
+                if not waiting_for:
+                    break
         done.set()
         replies.cancel()
         return got
@@ -148,3 +163,180 @@ def test_a_message_before_hello_ends_the_stream_with_failed_precondition(text_st
             list(stub.Verify(iter([_open()]), timeout=30))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "must be hello" in err.value.details()
     text_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+def test_a_duplicate_open_does_not_end_the_live_sequence(text_stack):
+    """The ABORTED error names no sequence (seq id 0): under the live sequence's id the draft would take it for
+    that sequence's end. The live one goes on and is served."""
+    replies = _run_case(text_stack.verifier, [_open(), _open(), _propose(BAD, drafts=(), q=None)],
+                        until=frozenset({BAD, GOOD}))
+    errors = [r.error for r in replies if r.WhichOneof("kind") == "error"]
+    assert [(e.seq_id, e.code) for e in errors] == [(0, ABORTED)] and "already open" in errors[0].message
+    assert [r.verdict.seq_id for r in replies if r.WhichOneof("kind") == "verdict"].count(BAD) == 1
+    text_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+class _Stream:
+    """A Verify stream driven by hand: send() queues a message, replies is the call's iterator."""
+
+    def __init__(self, address: str, *, hello: bool = True, timeout: float = 60) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = verifier_pb2_grpc.VerifierStub(self.channel)
+        self._outbox: queue.Queue = queue.Queue()
+        self._done = threading.Event()
+        if hello:
+            self.send(_hello(self.stub))
+        self.replies = self.stub.Verify(self._requests(), timeout=timeout)
+
+    def _requests(self):
+        while not self._done.is_set():
+            try:
+                yield self._outbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+
+    def send(self, *messages) -> None:
+        for m in messages:
+            self._outbox.put(m)
+
+    def next(self, kind: str | None = None):
+        """The next reply (of `kind`, skipping others)."""
+        for reply in self.replies:
+            if kind is None or reply.WhichOneof("kind") == kind:
+                return reply
+        raise AssertionError("the stream ended")
+
+    def status(self) -> grpc.RpcError:
+        """Read to the end; the error the stream ended with."""
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in self.replies:
+                pass
+        return err.value
+
+    def close(self) -> None:
+        self._done.set()
+        self.replies.cancel()
+        self.channel.close()
+
+
+def test_a_stream_sending_only_protocol_errors_is_ended(text_stack):
+    """64 (--max-protocol-errors) malformed messages in a row are answered; the next ends the stream, whose
+    sequences are freed."""
+    s = _Stream(text_stack.verifier)
+    try:
+        assert s.next().WhichOneof("kind") == "welcome"
+        s.send(_open(BAD, max_tokens=50), _propose(BAD, drafts=(), q=None))
+        assert s.next("verdict").verdict.seq_id == BAD  # it holds KV blocks now
+        s.send(*[verifier_pb2.DraftMessage()] * 65)
+        err = s.status()
+    finally:
+        s.close()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-protocol-errors" in err.details()
+    text_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+# -- the global limits, on a verifier of its own with small ones ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def limited(text_stack, tmp_path_factory):
+    """A verifier with small limits: 3 streams, 4 sequences, 40 waiting tokens, a 1 s handshake, 16 replies of
+    backlog, 8 KV blocks of 4 tokens."""
+    from specwire.launch import Stack
+
+    with Stack() as stack:
+        metrics_port = free_port()
+        verifier = stack.start("limited-verifier", [
+            "verifier", "--model", str(text_stack.target_dir), "--dtype", "float64", "--num-blocks", "8",
+            "--block-size", "4", "--max-draft-tokens", "4", "--max-streams", "3", "--max-sequences", "4",
+            "--max-waiting-tokens", "40", "--handshake-timeout", "1", "--max-stream-backlog", "16",
+            "--metrics-port", str(metrics_port)], log_dir=tmp_path_factory.mktemp("limited"), timeout_s=120)
+        yield verifier.address, f"http://127.0.0.1:{metrics_port}/metrics"
+
+
+def _wait_for(url: str, name: str, check, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check(scrape_metric(url, name)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert check(scrape_metric(url, name)), f"{name} is {scrape_metric(url, name)}"
+
+
+def _all_blocks_free(limited) -> None:
+    _wait_for(limited[1], "specwire_kv_blocks_used", lambda v: v == 0)
+
+
+def test_streams_past_max_streams_are_refused(limited):
+    streams = [_Stream(limited[0]) for _ in range(3)]
+    try:
+        for s in streams:
+            assert s.next().WhichOneof("kind") == "welcome"
+        extra = _Stream(limited[0])
+        err = extra.status()
+        extra.close()
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-streams" in err.details()
+        streams.pop().close()
+        _wait_for(limited[1], "specwire_verify_streams", lambda v: v == 2)
+        streams.append(_Stream(limited[0]))  # room again
+        assert streams[-1].next().WhichOneof("kind") == "welcome"
+    finally:
+        for s in streams:
+            s.close()
+    _all_blocks_free(limited)
+
+
+def test_sequences_past_max_sequences_are_refused_on_any_stream(limited):
+    a, b = _Stream(limited[0]), _Stream(limited[0])
+    try:
+        for seq_id in (1, 2, 3):
+            a.send(_open(seq_id, max_tokens=50), _propose(seq_id, drafts=(), q=None))
+        assert sorted(a.next("verdict").verdict.seq_id for _ in range(3)) == [1, 2, 3]
+        b.send(_open(1, max_tokens=50), _open(2, max_tokens=50), _propose(1, drafts=(), q=None))
+        error = b.next("error").error
+        assert (error.seq_id, error.code) == (2, EXHAUSTED) and "--max-sequences" in error.message
+        assert b.next("verdict").verdict.seq_id == 1  # the one within the limit is served
+    finally:
+        a.close()
+        b.close()
+    _all_blocks_free(limited)
+
+
+def test_opens_past_max_waiting_tokens_are_refused(limited):
+    s = _Stream(limited[0])
+    try:
+        s.send(_open(1, prompt=(5,) * 20, max_tokens=50), _propose(1, start=20, drafts=(), q=None))
+        assert s.next("verdict").verdict.seq_id == 1  # running: it holds 6 of the 8 blocks
+        s.send(_open(2, prompt=(6,) * 20, max_tokens=50))  # waits for blocks: 20 tokens waiting
+        s.send(_open(3, prompt=(7,) * 21, max_tokens=50))  # 41 > 40
+        error = s.next("error").error
+        assert (error.seq_id, error.code) == (3, EXHAUSTED) and "--max-waiting-tokens" in error.message
+    finally:
+        s.close()
+    _all_blocks_free(limited)
+
+
+def test_a_stream_without_hello_is_ended_by_the_handshake_timeout(limited):
+    s = _Stream(limited[0], hello=False)
+    try:
+        err = s.status()
+    finally:
+        s.close()
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "--handshake-timeout" in err.details()
+
+
+def test_a_stream_that_does_not_read_its_replies_is_ended(limited):
+    """Proposals at a wrong position are each answered (dropped); a draft that sends them and never reads fills
+    its backlog (16 past what gRPC's flow control buffers) and the stream ends, freeing its sequence's blocks."""
+    s = _Stream(limited[0])
+    try:
+        s.send(_open(1, max_tokens=50))
+        _wait_for(limited[1], "specwire_kv_blocks_used", lambda v: v > 0)  # prefilled
+        stale = _propose(1, start=1, drafts=(), q=None)
+        for _ in range(100):  # until the verifier stops reading (then these wait in the client's queue)
+            s.send(*[stale] * 2000)
+            if scrape_metric(limited[1], "specwire_kv_blocks_used") == 0:
+                break
+            time.sleep(0.05)
+        _all_blocks_free(limited)  # the failed stream's sequence was freed while its RPC still waits
+        err = s.status()
+    finally:
+        s.close()
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-stream-backlog" in err.details()

@@ -53,3 +53,35 @@ def test_validation_runs_on_parsed_flags():
         _parse(VerifierConfig, [])
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         _parse(VerifierConfig, ["--model", "m", "--max-draft-tokens", "64", "--max-num-batched-tokens", "32"])
+
+
+def test_draft_prefill_budget_and_prompt_size_flags(monkeypatch):
+    config = _parse(DraftConfig, ["--model", "m", "--max-num-batched-tokens", "512"], monkeypatch,
+                    {"SPECWIRE_MAX_PROMPT_BYTES": "1MiB"})
+    assert (config.max_num_batched_tokens, config.max_prompt_bytes) == (512, 1 << 20)
+    assert DraftConfig(model="m").max_num_batched_tokens == 2048
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        DraftConfig(model="m", max_num_batched_tokens=0)
+    with pytest.raises(ValueError, match="max_prompt_bytes"):
+        DraftConfig(model="m", max_prompt_bytes=0)
+
+
+@pytest.mark.parametrize("flag,value,fragment", [
+    ("--max-streams", "0", "max_streams"),
+    ("--max-sequences", "0", "max_sequences"),
+    ("--max-waiting-tokens", "-1", "max_waiting_tokens"),
+    ("--max-q-support", "0", "max_q_support"),
+    ("--max-pending-commands", "0", "max_pending_commands"),
+    ("--max-stream-backlog", "0", "max_stream_backlog"),
+    ("--max-protocol-errors", "0", "max_protocol_errors"),
+    ("--handshake-timeout", "0", "handshake_timeout_s"),
+    ("--handshake-timeout", "nan", "handshake_timeout_s"),
+])
+def test_verifier_limits_are_validated(flag, value, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        _parse(VerifierConfig, ["--model", "m", flag, value])
+
+
+def test_the_verifier_accepts_what_the_draft_sends_by_default():
+    """A draft's q has at most --q-max-support tokens per position: the verifier's default takes it."""
+    assert VerifierConfig(model="m").max_q_support >= DraftConfig(model="m").q_max_support

@@ -45,6 +45,25 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
     max_sequences_per_stream: int = option(4096, "open sequences one Verify stream (one draft process) may hold; "
                                            "more are refused with RESOURCE_EXHAUSTED, so no draft can grow the "
                                            "verifier's memory without bound")
+    # Global limits: what all drafts together may hold, so that no client grows the verifier without bound.
+    max_streams: int = option(256, "Verify streams (draft processes) served at once; a hello past it is refused "
+                              "with RESOURCE_EXHAUSTED")
+    max_sequences: int = option(16384, "open sequences over all streams; an open past it is refused with "
+                                "RESOURCE_EXHAUSTED")
+    max_waiting_tokens: int = option(1 << 20, "tokens of the sequences waiting for KV blocks (opened or preempted), "
+                                     "over all streams; an open that would pass it is refused with "
+                                     "RESOURCE_EXHAUSTED")
+    max_q_support: int = option(256, "tokens one draft distribution (a sparse-q position) may list; more is refused "
+                                "with RESOURCE_EXHAUSTED before it reaches the engine (the draft sends at most its "
+                                "--q-max-support, 64 by default)")
+    max_pending_commands: int = option(4096, "messages of one stream read but not yet applied by the engine; past "
+                                       "it the stream is not read until the engine catches up (backpressure)")
+    max_stream_backlog: int = option(65536, "replies waiting to be sent on one stream (its draft not reading); past "
+                                     "it the stream is ended with RESOURCE_EXHAUSTED")
+    max_protocol_errors: int = option(64, "protocol errors in a row (malformed, unknown or duplicate messages, with "
+                                      "no verdict between) after which a stream is ended with RESOURCE_EXHAUSTED")
+    handshake_timeout_s: float = option(10.0, "end a Verify stream (DEADLINE_EXCEEDED) whose hello has not arrived "
+                                        "within this many seconds", flag="--handshake-timeout")
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 
@@ -68,6 +87,12 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_sequences_per_stream < 1:
             raise ValueError(f"max_sequences_per_stream must be >= 1, got {self.max_sequences_per_stream}")
+        for name in ("max_streams", "max_sequences", "max_waiting_tokens", "max_q_support", "max_pending_commands",
+                     "max_stream_backlog", "max_protocol_errors"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.handshake_timeout_s > 0:
+            raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if self.sequence_idle_timeout_s < 0:
             raise ValueError(f"sequence_idle_timeout_s must be >= 0, got {self.sequence_idle_timeout_s}")
         if self.max_num_batched_tokens < self.max_draft_tokens + 1:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import Counter
 
 import structlog
 
@@ -19,7 +20,7 @@ from common.paged_model import PagedCausalLM
 from common.static_forward import StaticForward
 from verifier_service.model_runner import VerifierRunner
 from verifier_service.scheduler import Scheduler, SchedulerOutput
-from verifier_service.sequence import Sequence
+from verifier_service.sequence import Sequence, SequenceStatus
 from verifier_service.types import (
     CloseCmd,
     CloseStreamCmd,
@@ -28,11 +29,13 @@ from verifier_service.types import (
     OpenCmd,
     Outcome,
     ProposeCmd,
+    RefusedCmd,
+    SeqKey,
     StepResult,
     StepStats,
     VerdictOut,
 )
-from verifier_service.validation import Limits, check_open, check_proposal
+from verifier_service.validation import Limits, check_open, check_proposal_on
 
 log = structlog.get_logger(__name__)
 
@@ -46,18 +49,23 @@ class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
                  max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
                  sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096,
+                 max_sequences: int = 16384, max_waiting_tokens: int = 1 << 20, max_q_support: int = 256,
                  static: StaticForward | None = None) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
         self.blocks = blocks
-        self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens)
+        self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, max_q_support)
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
                                    eos_token_ids=frozenset(loaded.eos_token_ids))
         self.runner = VerifierRunner(model, blocks, static)
         self.sequence_idle_timeout_s = sequence_idle_timeout_s
         self.max_sequences_per_stream = max_sequences_per_stream
+        self.max_sequences = max_sequences
+        self.max_waiting_tokens = max_waiting_tokens
+        self._waiting_tokens: int | None = None  # while commands are applied: tokens of the waiting sequences
+        self._applied: Counter[int] = Counter()  # stream id -> commands applied since take_applied()
         self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
 
@@ -68,6 +76,12 @@ class VerifierEngine:
 
     def has_pending_commands(self) -> bool:
         return not self._commands.empty()
+
+    def take_applied(self) -> Counter[int]:
+        """Commands applied per stream since the last call; the caller's backpressure credit. Call it only while
+        no step runs."""
+        applied, self._applied = self._applied, Counter()
+        return applied
 
     # -- called from the engine thread ------------------------------------------------------------------------
 
@@ -159,16 +173,41 @@ class VerifierEngine:
     def _apply_commands(self) -> list[Outcome]:
         """Commands in arrival order; a refused one becomes an ErrorOut and frees its sequence."""
         errors: list[Outcome] = []
+        self._waiting_tokens = None  # counted at the first open, then kept up to date until the batch ends
         while not self._commands.empty():
             cmd = self._commands.get_nowait()
+            self._applied[cmd.stream_id if isinstance(cmd, CloseStreamCmd) else cmd.key.stream_id] += 1
             try:
                 errors.extend(self._apply(cmd))
             except ServiceError as err:
-                # ABORTED: a duplicate open; the sequence already open under that id is left alone
-                if err.code is not ErrorCode.ABORTED:
-                    self.scheduler.release(cmd.key)
+                if err.code is ErrorCode.ABORTED:
+                    # A duplicate open: the sequence already open under that id goes on, so the error names no
+                    # sequence (seq id 0); under the live sequence's id the draft would end that one.
+                    errors.append(ErrorOut(SeqKey(cmd.key.stream_id, 0), err.code, err.message))
+                    continue
+                self._release(cmd.key)
                 errors.append(ErrorOut(cmd.key, err.code, err.message))
         return errors
+
+    def _release(self, key: SeqKey) -> None:
+        seq = self.scheduler.sequences.get(key)
+        if seq is not None and seq.status is SequenceStatus.WAITING and self._waiting_tokens is not None:
+            self._waiting_tokens -= seq.num_tokens
+        self.scheduler.release(key)
+
+    def _check_global_limits(self, cmd: OpenCmd) -> None:
+        """What all streams together may hold: a new sequence past either limit is refused (RESOURCE_EXHAUSTED);
+        the ones already open are never touched."""
+        if len(self.scheduler.sequences) >= self.max_sequences:
+            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"the verifier already holds {self.max_sequences} "
+                               "open sequences over all streams (--max-sequences): retry later")
+        if self._waiting_tokens is None:  # once per batch of commands: the scan walks every waiting sequence
+            self._waiting_tokens = sum(seq.num_tokens for seq in self.scheduler.waiting)
+        num_tokens = len(cmd.prompt_token_ids)
+        if self._waiting_tokens + num_tokens > self.max_waiting_tokens:
+            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"a prompt of {num_tokens} tokens would bring the "
+                               f"tokens waiting for KV blocks to {self._waiting_tokens + num_tokens}, above "
+                               f"{self.max_waiting_tokens} (--max-waiting-tokens): retry later")
 
     def _apply(self, cmd: Command) -> list[Outcome]:
         """Apply one command; returns the proposals it made stale (dropped)."""
@@ -182,15 +221,19 @@ class VerifierEngine:
                     raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"this stream already has "
                                        f"{self.max_sequences_per_stream} open sequences "
                                        "(--max-sequences-per-stream): finish or close some first")
+                self._check_global_limits(cmd)
                 prompt = list(cmd.prompt_token_ids)
+                self._waiting_tokens += len(prompt)
                 self.scheduler.add(Sequence(cmd.key, prompt, len(prompt) - cmd.num_output_tokens, cmd.sampling,
-                                            last_active=time.monotonic(), deadline=cmd.deadline))
+                                            last_active=time.monotonic(), deadline=cmd.deadline,
+                                            cache_salt=cmd.cache_salt))
             case ProposeCmd():
                 seq = self.scheduler.sequences.get(cmd.key)
                 if seq is None:
                     raise ServiceError(ErrorCode.NOT_FOUND, f"unknown sequence {cmd.key.seq_id}: open it first "
                                        "(or it has already finished)")
-                check_proposal(cmd, self.limits, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
+                # the rest of validation.check_proposal ran on the stream's side (servicer), off this thread
+                check_proposal_on(cmd, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
                 dropped = self.scheduler.drop_dead_proposals(seq)
                 if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
                     raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "
@@ -200,8 +243,10 @@ class VerifierEngine:
                 seq.last_active = time.monotonic()
                 return dropped
             case CloseCmd():
-                self.scheduler.release(cmd.key)
+                self._release(cmd.key)
             case CloseStreamCmd():
                 for key in [k for k in self.scheduler.sequences if k.stream_id == cmd.stream_id]:
-                    self.scheduler.release(key)
+                    self._release(key)
+            case RefusedCmd():
+                raise ServiceError(cmd.code, cmd.message)
         return []

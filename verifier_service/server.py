@@ -18,7 +18,7 @@ from common.model_loading import LoadedModel, load_model
 from common.paged_model import PagedCausalLM, kv_cache_spec, profile_peak_memory
 from common.static_forward import build_static_forward
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
-from verifier_service.async_engine import AsyncEngine
+from verifier_service.async_engine import AsyncEngine, StreamLimits
 from verifier_service.config import CPU_KV_CACHE_MEMORY, VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
@@ -52,7 +52,9 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
                           sequence_idle_timeout_s=config.sequence_idle_timeout_s,
-                          max_sequences_per_stream=config.max_sequences_per_stream)
+                          max_sequences_per_stream=config.max_sequences_per_stream,
+                          max_sequences=config.max_sequences, max_waiting_tokens=config.max_waiting_tokens,
+                          max_q_support=config.max_q_support)
 
 
 def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:
@@ -74,14 +76,21 @@ def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb
         model_id=loaded.model_id, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         max_draft_tokens=config.max_draft_tokens, block_size=config.block_size, max_model_len=loaded.max_model_len,
         protocol_version=wire.PROTOCOL_VERSION, device=info.device, device_name=info.name, platform=info.platform,
-        dtype=engine.dtype, features=wire.VERIFIER_FEATURES)
+        dtype=engine.dtype, features=wire.VERIFIER_FEATURES, model_fingerprint=loaded.model_fingerprint,
+        quantization=weights_label(config.quantization, loaded.gguf_path is not None))
+
+
+def weights_label(quantization: str, from_gguf: bool) -> str:
+    """VerifierInfo.quantization: int4 from a GGUF file uses its Q4 blocks as they are (PagedCausalLM), which
+    computes other logits than requantizing the same floats, so the two are told apart."""
+    return "int4-gguf" if quantization == "int4" and from_gguf else quantization
 
 
 async def serve(config: VerifierConfig) -> None:
     executor = compute_thread("verifier-engine")  # the model loads on the thread that steps it
     engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
-    async_engine = AsyncEngine(engine, metrics, executor)
+    async_engine = AsyncEngine(engine, metrics, executor, limits=StreamLimits.from_config(config))
     servicer = VerifierServicer(async_engine, verifier_info(engine, config))
     server = build_grpc_server(
         config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,

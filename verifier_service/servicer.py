@@ -12,8 +12,19 @@ import structlog
 
 from common.errors import ErrorCode, ServiceError
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
-from verifier_service.async_engine import AsyncEngine
-from verifier_service.types import CloseCmd, DroppedOut, ErrorOut, OpenCmd, Outcome, ProposeCmd, SeqKey, VerdictOut
+from verifier_service.async_engine import AsyncEngine, StreamOutbox
+from verifier_service.types import (
+    CloseCmd,
+    DroppedOut,
+    ErrorOut,
+    OpenCmd,
+    Outcome,
+    ProposeCmd,
+    RefusedCmd,
+    SeqKey,
+    VerdictOut,
+)
+from verifier_service.validation import check_prompt_length, check_proposal, check_proposal_size
 
 log = structlog.get_logger(__name__)
 
@@ -42,12 +53,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request_iterator: AsyncIterator[verifier_pb2.DraftMessage],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[verifier_pb2.VerifierMessage]:
+        timeout_s = self._engine.limits.handshake_timeout_s
         try:
-            first = await anext(aiter(request_iterator))
+            first = await asyncio.wait_for(anext(aiter(request_iterator)), timeout_s)
         except StopAsyncIteration:
             return
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no hello within {timeout_s:g}s of the stream's "
+                                "start (--handshake-timeout): the first message of a Verify stream must be hello")
         await self._check_hello(first, context)
-        stream_id, outbox = self._engine.open_stream()
+        try:
+            stream_id, outbox = self._engine.open_stream()
+        except ServiceError as err:
+            await context.abort(grpc.StatusCode[err.code.name], err.message)
         log.info("verify_stream_open", stream_id=stream_id, peer=context.peer(), draft_model=first.hello.draft_model_id)
         live: set[int] = set()  # sequences opened on this stream and not yet ended
         reader = asyncio.create_task(self._read(request_iterator, stream_id, outbox, live))
@@ -55,7 +73,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         try:
             yield verifier_pb2.VerifierMessage(welcome=verifier_pb2.Welcome(info=self._info))
             while not (draining and not live and outbox.empty()):
-                outcome = await outbox.get()
+                try:
+                    outcome = await outbox.get()
+                except ServiceError as err:  # the stream failed (StreamOutbox): its sequences are freed already
+                    await context.abort(grpc.StatusCode[err.code.name], err.message)
                 if outcome is None:  # the draft closed its side: answer what is open, then end
                     draining = True
                     continue
@@ -75,36 +96,61 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if mismatch is not None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
 
-    async def _read(self, request_iterator, stream_id: int, outbox: asyncio.Queue, live: set[int]) -> None:
+    async def _read(self, request_iterator, stream_id: int, outbox: StreamOutbox, live: set[int]) -> None:
+        limits = self._engine.engine.limits
         try:
             async for msg in request_iterator:
+                if outbox.failure is not None:
+                    break
                 kind = msg.WhichOneof("kind")
                 if kind == "open":
                     key = SeqKey(stream_id, msg.open.seq_id)
                     try:
+                        check_prompt_length(len(msg.open.prompt_token_ids), limits)  # before they are converted
                         sampling = wire.sampling_from_proto(msg.open.sampling).with_seed()
                         if msg.open.coupled:
                             sampling = dataclasses.replace(sampling, coupled=True)
+                        cache_salt = wire.cache_salt_from_proto(msg.open)
                     except ServiceError as err:
-                        outbox.put_nowait(ErrorOut(key, err.code, err.message))
+                        outbox.put(ErrorOut(key, err.code, err.message))
                         continue
                     live.add(key.seq_id)
                     o = msg.open
                     deadline = time.monotonic() + o.timeout_ms / 1000 if o.HasField("timeout_ms") else None
                     self._engine.submit(OpenCmd(key, tuple(o.prompt_token_ids), sampling,
-                                                num_output_tokens=o.num_output_tokens, deadline=deadline))
+                                                num_output_tokens=o.num_output_tokens, deadline=deadline,
+                                                cache_salt=cache_salt))
                 elif kind == "propose":
-                    p = msg.propose
-                    self._engine.submit(ProposeCmd(SeqKey(stream_id, p.seq_id), p.start_position,
-                                                   tuple(p.draft_token_ids), wire.draft_probs_from_proto(p.draft_probs),
-                                                   tuple(p.assumed_token_ids)))
+                    self._engine.submit(self._proposal(msg.propose, stream_id, outbox, limits))
                 elif kind == "close":
                     live.discard(msg.close.seq_id)
                     self._engine.submit(CloseCmd(SeqKey(stream_id, msg.close.seq_id)))
                 else:
-                    outbox.put_nowait(ErrorOut(SeqKey(stream_id, 0), ErrorCode.INVALID_ARGUMENT,
-                                               f"unexpected {kind or 'empty'} message after the handshake"))
+                    outbox.protocol_error()
+                    outbox.put(ErrorOut(SeqKey(stream_id, 0), ErrorCode.INVALID_ARGUMENT,
+                                        f"unexpected {kind or 'empty'} message after the handshake"))
+                # backpressure: the next message is read once the engine has room for it
+                await outbox.wait_for_credit()
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             pass
         finally:
-            outbox.put_nowait(None)
+            outbox.put(None)
+
+    @staticmethod
+    def _proposal(p: verifier_pb2.Proposal, stream_id: int, outbox: StreamOutbox, limits) -> ProposeCmd | RefusedCmd:
+        """The proposal checked here, on the stream's side, so that the engine thread's work per proposal stays
+        bounded (at most max_draft_tokens x --max-q-support entries to pack) whatever a draft sends; a refused
+        one still goes through the engine, which ends its sequence in arrival order."""
+        key = SeqKey(stream_id, p.seq_id)
+        try:
+            # from the counts alone, before anything is converted: a refusal costs O(max_draft_tokens)
+            check_proposal_size(len(p.draft_token_ids), len(p.assumed_token_ids),
+                                [max(len(d.token_ids), len(d.probs))
+                                 for d in p.draft_probs[:limits.max_draft_tokens + 1]], limits)
+            cmd = ProposeCmd(key, p.start_position, tuple(p.draft_token_ids),
+                             wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids))
+            check_proposal(cmd, limits)  # whether the sequence is coupled is the engine's to check
+            return cmd
+        except ServiceError as err:
+            outbox.protocol_error()
+            return RefusedCmd(key, err.code, err.message)

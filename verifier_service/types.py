@@ -21,6 +21,7 @@ class OpenCmd:
     sampling: SamplingParams
     num_output_tokens: int = 0  # a resume: the tail of prompt_token_ids is earlier output
     deadline: float | None = None  # time.monotonic() past which the client no longer waits
+    cache_salt: str | None = None  # prefix-cache isolation: blocks are shared only within one salt
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,17 @@ class CloseStreamCmd:
     stream_id: int
 
 
-Command = OpenCmd | ProposeCmd | CloseCmd | CloseStreamCmd
+@dataclass(frozen=True)
+class RefusedCmd:
+    """A message the stream's side refused (it checks proposals, so that the engine thread never validates a
+    large one): the engine ends the sequence with this error in arrival order, as if it had refused it."""
+
+    key: SeqKey
+    code: ErrorCode
+    message: str
+
+
+Command = OpenCmd | ProposeCmd | CloseCmd | CloseStreamCmd | RefusedCmd
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,19 @@ class Limits:
     vocab_size: int
     max_model_len: int
     max_draft_tokens: int
+    max_q_support: int = 256  # entries of one draft distribution (--max-q-support)
+
+
+def check_prompt_length(num_tokens: int, limits: Limits) -> None:
+    """First, and on the wire message's count: a prompt past the context costs nothing to refuse."""
+    if num_tokens >= limits.max_model_len:
+        raise invalid_argument(f"prompt has {num_tokens} tokens; the target's context length is "
+                               f"{limits.max_model_len} and one token must remain to generate")
 
 
 def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
     prompt = list(cmd.prompt_token_ids)
+    check_prompt_length(len(prompt), limits)
     validate_token_ids(prompt, limits.vocab_size)
     if not 0 <= cmd.num_output_tokens < len(prompt):
         raise invalid_argument(f"num_output_tokens {cmd.num_output_tokens} must be below the {len(prompt)} tokens "
@@ -31,9 +40,6 @@ def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
     if cmd.num_output_tokens >= cmd.sampling.max_tokens:
         raise invalid_argument(f"the resumed sequence already has {cmd.num_output_tokens} output tokens, "
                                f"max_tokens is {cmd.sampling.max_tokens}: it has finished")
-    if len(prompt) >= limits.max_model_len:
-        raise invalid_argument(f"prompt has {len(prompt)} tokens; the target's context length is "
-                               f"{limits.max_model_len} and one token must remain to generate")
     needed = blocks.blocks_for(len(prompt) + limits.max_draft_tokens + 1)
     if needed > blocks.num_blocks:
         raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt of {len(prompt)} tokens plus a draft block "
@@ -41,25 +47,50 @@ def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
                            "--kv-cache-memory or --num-blocks)")
 
 
+def check_proposal_size(num_draft_tokens: int, num_assumed: int, q_sizes: list[int], limits: Limits) -> None:
+    """What a proposal costs to check and pack, from its counts alone: run on the wire message before it is
+    converted, so that a proposal listing the whole vocabulary at every position costs nothing to refuse."""
+    if num_draft_tokens > limits.max_draft_tokens:
+        raise invalid_argument(f"proposal has {num_draft_tokens} draft tokens; this verifier accepts at most "
+                               f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
+    if num_assumed > limits.max_draft_tokens + 1:
+        raise invalid_argument(f"{num_assumed} assumed tokens: at most the verdict in flight's "
+                               f"{limits.max_draft_tokens + 1}")
+    if len(q_sizes) > num_draft_tokens:
+        raise invalid_argument(f"proposal has {num_draft_tokens} draft tokens but {len(q_sizes)} draft "
+                               "distributions")
+    largest = max(q_sizes, default=0)
+    if largest > limits.max_q_support:
+        raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"a draft distribution lists {largest} tokens; this "
+                           f"verifier accepts at most {limits.max_q_support} per position (--max-q-support): "
+                           "truncate q to its most probable tokens (the draft's --q-max-support) and renormalise")
+
+
+def check_proposal_on(cmd: ProposeCmd, *, coupled: bool) -> None:
+    """The part of the checks that needs the sequence: `coupled`, it is sampled and verified by coupling, so its
+    proposals carry token ids only. O(1): this runs on the engine thread."""
+    if coupled and cmd.draft_probs is not None:
+        raise invalid_argument("the sequence was opened coupled: its proposals carry token ids only, no "
+                               "draft_probs (the verifier decides every token from its own noise)")
+
+
 def check_proposal(cmd: ProposeCmd, limits: Limits, *, coupled: bool = False) -> None:
-    """`coupled`: the sequence is sampled and verified by coupling, so its proposals carry token ids only."""
+    """Everything but the sequence's state, unless `coupled` is given (see check_proposal_on). Its cost is
+    bounded by check_proposal_size, which it runs first."""
     k = cmd.num_draft_tokens
+    check_proposal_size(k, len(cmd.assumed_token_ids),
+                        [max(len(q.token_ids), len(q.probs)) for q in cmd.draft_probs or ()], limits)
+    check_proposal_on(cmd, coupled=coupled)
     if cmd.assumed_token_ids:
         if len(cmd.assumed_token_ids) > min(cmd.start_position, limits.max_draft_tokens + 1):
             raise invalid_argument(f"{len(cmd.assumed_token_ids)} assumed tokens: at most the verdict in flight's "
                                    f"{limits.max_draft_tokens + 1}, and no more than start_position "
                                    f"{cmd.start_position}")
         validate_token_ids(list(cmd.assumed_token_ids), limits.vocab_size, what="assumed")
-    if k > limits.max_draft_tokens:
-        raise invalid_argument(f"proposal has {k} draft tokens; this verifier accepts at most "
-                               f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
     if k:
         validate_token_ids(list(cmd.draft_token_ids), limits.vocab_size, what="draft")
     if cmd.draft_probs is None:
         return
-    if coupled:
-        raise invalid_argument("the sequence was opened coupled: its proposals carry token ids only, no "
-                               "draft_probs (the verifier decides every token from its own noise)")
     if len(cmd.draft_probs) != k:
         raise invalid_argument(f"proposal has {k} draft tokens but {len(cmd.draft_probs)} draft distributions")
     for j, (x, q) in enumerate(zip(cmd.draft_token_ids, cmd.draft_probs, strict=True)):
