@@ -53,6 +53,11 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig):
     q_max_support: int = option(64, "tokens of q kept: sent in sparse mode, the candidates of a coupled draft")
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: int = option(512 << 20, "bytes for the draft's KV pool", parse=parse_bytes, show=format_bytes)
+    max_num_batched_tokens: int = option(2048, "most tokens in one draft forward: a longer prompt is fed to the "
+                                         "draft in chunks of this size before its first drafting step")
+    max_prompt_bytes: int = option(16 << 20, "largest prompt text accepted, in UTF-8 bytes (INVALID_ARGUMENT "
+                                   "above it); bounds how long one prompt's tokenization takes", parse=parse_bytes,
+                                   show=format_bytes)
     connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
     verifier_retry_deadline_s: float = option(30.0, "when the verifier connection breaks, how long a sequence "
                                               "waits for it to come back and resume before it ends with "
@@ -91,6 +96,10 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig):
             raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
         if not 0.0 <= self.draft_confidence_threshold < 1.0:
             raise ValueError(f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prompt_bytes < 1:
+            raise ValueError(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
         if self.q_max_support < 1:
             raise ValueError(f"q_max_support must be >= 1, got {self.q_max_support}")
         if ":" not in self.verifier:

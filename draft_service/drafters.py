@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from draft_service.ngram import propose_ngram
-from draft_service.proposer import Proposer
+from draft_service.proposer import DraftJob, Proposer
 from draft_service.sequence import DraftSequence
 from draft_service.types import EMPTY_BLOCK, DraftBlock
 
@@ -15,6 +15,12 @@ class Drafter(Protocol):
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         """Up to k draft tokens that continue seq's context: its verified tokens, then any assumed ones (its cache
         already rolled back)."""
+        ...
+
+    async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
+        """Pipelining's full-acceptance branch: a guess of the token that follows seq's context (the verifier's
+        bonus token), appended to seq's assumed tokens, then the block draft(seq, k) gives after it: exactly
+        the block an unpipelined round drafts once the verifier has confirmed the guess. None: no guess."""
         ...
 
     async def release(self, *seqs: DraftSequence) -> None:
@@ -37,7 +43,15 @@ class ModelDrafter:
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         if k == 0:
             return EMPTY_BLOCK
-        return await self.proposer.draft(seq, k, self.min_confidence)
+        return (await self.proposer.draft(DraftJob(seq, k, self.min_confidence))).block
+
+    async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
+        # one batch job: the guess is sampled from the logits the block's drafting starts from anyway
+        drafted = await self.proposer.draft(DraftJob(seq, k, self.min_confidence, guess_first=True))
+        if drafted.guess is None:
+            return None
+        seq.assumed_token_ids.append(drafted.guess)
+        return drafted.guess, drafted.block
 
     async def release(self, *seqs: DraftSequence) -> None:
         await self.proposer.release(*seqs)
@@ -51,6 +65,15 @@ class NgramDrafter:
 
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         return DraftBlock(tuple(propose_ngram(seq.context_ids, k)), None)
+
+    async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
+        # the block is looked up again on the context that ends with the guess: the longest suffix that
+        # includes it may match another earlier occurrence than the one the guess came from
+        guess = propose_ngram(seq.context_ids, 1)
+        if not guess:
+            return None
+        seq.assumed_token_ids.append(guess[0])
+        return guess[0], await self.draft(seq, k)
 
     async def release(self, *seqs: DraftSequence) -> None:
         return None

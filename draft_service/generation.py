@@ -15,7 +15,7 @@ import structlog
 
 from common.errors import ErrorCode, ServiceError, invalid_argument
 from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
-from common.tokenizer import IncrementalDetokenizer
+from common.tokenizer import IncrementalDetokenizer, PromptEncoder
 from draft_service.adaptive import AdaptiveDraftLength, PipelineWidth
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
@@ -38,6 +38,12 @@ from draft_service.verifier_link import LinkDown, VerifierLink
 from specwire.v1 import wire
 
 log = structlog.get_logger(__name__)
+
+
+class VerifierFailed(ServiceError):
+    """An error the verifier sent for a sequence: it has freed the sequence already. Any other failure, this
+    service's own (a proposal it dropped unexpectedly, a resume that failed), still owes the verifier a
+    CloseSequence."""
 
 
 @dataclass
@@ -92,6 +98,14 @@ class TextOutput:
         return token_ids, text, False
 
 
+def check_prompt_length(num_prompt_tokens: int, identity: VerifierIdentity) -> None:
+    """The target's context must hold the prompt and at least one generated token."""
+    if num_prompt_tokens >= identity.max_model_len:
+        raise invalid_argument(f"prompt has {num_prompt_tokens} tokens; the target's context length "
+                               f"(max_model_len) is {identity.max_model_len}, and at least one token must remain "
+                               "to generate")
+
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 1024
 
@@ -117,6 +131,7 @@ class Generator:
         self.link = link
         self.drafter = drafter
         self.metrics = metrics or DraftMetrics()
+        self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         # n-gram drafts cost nothing to make: there is no draft time for adaptive k to weigh
         self.adaptive_k = config.adaptive_k and config.proposer == "model"
         # one-hot and coupled wire modes send ids only: the verifier then takes q = delta(x) (lossless for any q),
@@ -148,8 +163,9 @@ class Generator:
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         t0 = time.perf_counter()
         check_stop_strings(req.stop)
-        prompt = self._prompt_ids(req)
+        prompt = await self._prompt_ids(req)
         identity = await self.link.ensure_connected(self._retry_s(req.deadline))
+        check_prompt_length(len(prompt), identity)  # before the draft prefills it
         k = self._num_speculative_tokens(req, identity)
         mode = req.wire_mode or self.wire_mode
         seq = DraftSequence(self._sampling(req.sampling.with_seed(), mode, identity), list(prompt), wire_mode=mode)
@@ -157,7 +173,7 @@ class Generator:
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
-                                      deadline=req.deadline)
+                                      deadline=req.deadline, cache_salt=req.cache_salt)
         structlog.contextvars.bind_contextvars(seq_id=seq_id)
         finished = False
         flight = _Flight()
@@ -177,7 +193,7 @@ class Generator:
                 t_sent = time.perf_counter()
                 try:
                     verdict = await self._verify(seq_id, seq, len(prompt), block, req.deadline, flight)
-                except ServiceError:
+                except VerifierFailed:
                     finished = True  # the verifier has already freed the sequence
                     raise
                 t_verdict = time.perf_counter()
@@ -236,11 +252,13 @@ class Generator:
                                "wire_mode sparse or one-hot)")
         return dataclasses.replace(sampling, coupled=True)
 
-    def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+    async def _prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """The prompt's token ids; a long text prompt is tokenized on a thread, not on the event loop that
+        serves every stream and health check."""
         if req.prompt_token_ids is not None:
             ids = list(req.prompt_token_ids)
         elif req.prompt_text:
-            ids = self.tokenizer.encode(req.prompt_text, add_special_tokens=False)
+            ids = await self.prompts.encode(req.prompt_text)
         else:
             raise invalid_argument("prompt is empty: give prompt text or prompt token ids")
         validate_token_ids(ids, self.vocab_size)
@@ -292,24 +310,35 @@ class Generator:
         for j, alternative in guesses[:max(0, width - 1)]:
             plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))
         try:
-            drafted = await asyncio.gather(*(self.drafter.draft(branch, k + 1 if guess is None else k)
-                                             for _, guess, branch in plans))
-        except ServiceError as err:  # e.g. the draft's KV pool is short: this round goes without pipelining
-            log.warning("pipelined_drafting_failed", code=err.code.name, message=err.message)
-            await self.drafter.release(*(branch for _, _, branch in plans))
-            return []
-        aheads = []
-        for (j, guess, branch), d in zip(plans, drafted, strict=True):
-            if guess is None:  # the full-acceptance branch: its first drafted token is the guessed bonus token
-                if not d.token_ids:  # non-finite draft logits: no guess
-                    await self.drafter.release(branch)
+            # the full-acceptance branch drafts its guess of the bonus token, then the block after it as the
+            # next unpipelined round would: a pipelined proposal is always the one that round would send
+            drafted = await asyncio.gather(*(self.drafter.draft_after_guess(branch, k) if guess is None
+                                             else self.drafter.draft(branch, k) for _, guess, branch in plans),
+                                           return_exceptions=True)
+            aheads, unused, short = [], [], []
+            for (j, guess, branch), d in zip(plans, drafted, strict=True):
+                if isinstance(d, ServiceError):  # e.g. the draft's KV pool cannot hold this branch
+                    short.append(d)
+                    unused.append(branch)
                     continue
-                guess = d.token_ids[0]
-                branch.assumed_token_ids.append(guess)
-                d = DraftBlock(d.token_ids[1:], d.draft_probs[1:] if d.draft_probs is not None else None,
-                               d.alternatives[1:] if d.alternatives is not None else None)
-            sent = self._try_propose(seq_id, seq, seq.num_tokens + j + 1, d, flight, tuple(branch.assumed_token_ids))
-            aheads.append(_Ahead(j, guess, branch, d, sent))
+                if isinstance(d, BaseException):
+                    raise d
+                if guess is None:
+                    if d is None:  # non-finite draft logits: no guess
+                        unused.append(branch)
+                        continue
+                    guess, d = d
+                sent = self._try_propose(seq_id, seq, seq.num_tokens + j + 1, d, flight,
+                                         tuple(branch.assumed_token_ids))
+                aheads.append(_Ahead(j, guess, branch, d, sent))
+            if short:  # fewer branches this round; none at all only when not even one fit
+                log.warning("pipelined_drafting_short", code=short[0].code.name, message=short[0].message,
+                            branches_dropped=len(short), branches_kept=len(aheads))
+            await self.drafter.release(*unused)
+        except BaseException:
+            # cancelled (the client went away) or failed while the branches draft: none of them may keep a block
+            await self.drafter.release(*(branch for _, _, branch in plans))
+            raise
         return aheads
 
     async def _settle_branches(self, seq: DraftSequence, block: DraftBlock, verdict: VerdictEvent,
@@ -353,7 +382,7 @@ class Generator:
                 flight.proposed, flight.stale, flight.resumed = False, 0, True
                 continue
             if isinstance(event, ErrorEvent):
-                raise ServiceError(event.code, event.message)
+                raise VerifierFailed(event.code, event.message)
             if isinstance(event, DroppedEvent):
                 self.metrics.dropped_proposals.inc()
                 if flight.stale > 0:  # a pipelined proposal whose guess missed: normal flow

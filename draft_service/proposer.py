@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -35,17 +36,45 @@ from kernels.sampling_probs import compute_probs
 ALTERNATIVES = 2  # guesses kept per drafted position for pipelined branches (draft_service.generation)
 
 
+@dataclass(frozen=True)
+class DraftJob:
+    """One sequence's part of a drafting batch. A sequence stops drafting early when the draft's own probability
+    of its next token (the max of its q) falls below min_confidence; a block's first token is always drafted."""
+
+    seq: DraftSequence
+    k: int
+    min_confidence: float = 0.0
+    # pipelining's full-acceptance branch: first a guess of the verifier's bonus token, then k tokens drafted
+    # after it exactly as an unpipelined round drafts them once that token is verified (the block's own step
+    # count for the confidence rule, the same positions for the random numbers)
+    guess_first: bool = False
+
+
+@dataclass(frozen=True)
+class Drafted:
+    block: DraftBlock
+    guess: int | None = None  # a guess_first job's guess; None: none (non-finite draft logits)
+
+
+def _kv_full() -> ServiceError:
+    return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full (raise its "
+                        "--kv-cache-memory)")
+
+
 class DraftModel:
     """Synchronous; runs in the proposer's worker thread."""
 
     def __init__(self, runner: PagedCausalLM, blocks: BlockManager, q_max_support: int,
-                 static: StaticForward | None = None, on_static_step: Callable[[], None] | None = None) -> None:
-        """static: one-token-per-sequence steps run through its static device buffers (and graphs)."""
+                 static: StaticForward | None = None, on_static_step: Callable[[], None] | None = None,
+                 max_num_batched_tokens: int | None = None) -> None:
+        """static: one-token-per-sequence steps run through its static device buffers (and graphs).
+        max_num_batched_tokens: the most tokens one forward feeds (a long prompt is fed in chunks); None: any."""
         self.runner = runner
         self.blocks = blocks
         self.q_max_support = q_max_support
         self.static = static
         self._on_static_step = on_static_step
+        self.max_num_batched_tokens = max_num_batched_tokens
 
     def release(self, *seqs: DraftSequence) -> None:
         for seq in seqs:
@@ -60,10 +89,11 @@ class DraftModel:
         seq.adopt(branch)
 
     @torch.inference_mode()
-    def draft(self, jobs: list[tuple[DraftSequence, int, float]]) -> list[DraftBlock]:
-        """jobs: (sequence, k, min_confidence). A sequence stops drafting early when the draft's own probability
-        of its next token (the max of its q) falls below min_confidence; the first token is always drafted."""
-        for seq, _, _ in jobs:
+    def draft(self, jobs: list[DraftJob]) -> list[Drafted | ServiceError]:
+        """Each job's block, or its own RESOURCE_EXHAUSTED when the pool cannot hold it: the other sequences of
+        the batch draft on."""
+        for job in jobs:
+            seq = job.seq
             if seq.num_cached >= seq.num_context:
                 raise ValueError("draft a sequence only after rolling it back to its context")
             # NOTE: the blocks of rolled-back positions are returned here, not in roll_back: the block manager
@@ -71,30 +101,100 @@ class DraftModel:
             if seq.fork_from is not None and not self.blocks.has(seq) and self.blocks.has(seq.fork_from):
                 self.blocks.fork(seq.fork_from, seq)
             self.blocks.truncate(seq, seq.num_cached)
-        pending: list[list[int]] = [seq.context_ids[seq.num_cached:] for seq, _, _ in jobs]
+        lead = [int(job.guess_first) for job in jobs]  # steps before a job's block starts: its guess
+        num_steps = [job.k + lead[i] for i, job in enumerate(jobs)]
+        failed = self._reserve(jobs, num_steps)
+        pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
         alternatives: list[list[tuple[int, ...]]] = [[] for _ in jobs]
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
-        stopped = [k == 0 for _, k, _ in jobs]
-        for step in range(max(k for _, k, _ in jobs)):
-            active = [i for i, (_, k, _) in enumerate(jobs) if step < k and not stopped[i]]
+        guesses: list[int | None] = [None for _ in jobs]
+        stopped = [n == 0 or i in failed for i, n in enumerate(num_steps)]
+        pending = self._prefill([job.seq for job in jobs], pending, stopped)
+        for step in range(max(num_steps)):
+            active = [i for i, n in enumerate(num_steps) if step < n and not stopped[i]]
             if not active:
                 break
-            logits = self._forward([(jobs[i][0], pending[i]) for i in active])
-            samples = self._sample(logits, [jobs[i][0] for i in active],
-                                   [jobs[i][0].num_context + step for i in active],
-                                   need_confidence=any(jobs[i][2] > 0 for i in active))
+            logits = self._forward([(jobs[i].seq, pending[i]) for i in active])
+            # a guess_first job's block starts one position later: its positions are those an unpipelined
+            # round uses after the guess is verified
+            samples = self._sample(logits, [jobs[i].seq for i in active],
+                                   [jobs[i].seq.num_context + step for i in active],
+                                   need_confidence=any(jobs[i].min_confidence > 0 for i in active))
             for i, (token, q, confidence, alternative) in zip(active, samples, strict=True):
-                if token is None or (step > 0 and confidence < jobs[i][2]):  # None: non-finite draft logits
+                block_step = step - lead[i]
+                # None: non-finite draft logits
+                if token is None or (block_step > 0 and confidence < jobs[i].min_confidence):
                     stopped[i] = True
+                    continue
+                pending[i] = [token]
+                if block_step < 0:
+                    guesses[i] = token
                     continue
                 drafted[i].append(token)
                 alternatives[i].append(alternative)
                 if q is not None:
                     qs[i].append(q)
-                pending[i] = [token]
-        return [DraftBlock(tuple(d), None if seq.sampling.is_greedy else tuple(q), tuple(alt))
-                for (seq, _, _), d, q, alt in zip(jobs, drafted, qs, alternatives, strict=True)]
+        return [failed[i] if i in failed else
+                Drafted(DraftBlock(tuple(d), None if job.seq.sampling.is_greedy else tuple(q), tuple(alt)), guess)
+                for i, (job, d, q, alt, guess) in enumerate(zip(jobs, drafted, qs, alternatives, guesses,
+                                                                strict=True))]
+
+    def _reserve(self, jobs: list[DraftJob], num_steps: list[int]) -> dict[int, ServiceError]:
+        """Give each job, before its first step, the blocks of every position it may write (what it feeds now
+        and its drafts but the last). A job the pool cannot hold fails alone, and nothing of it is written.
+        Plain sequences are served first, then pipelined branches by their rank within their sequence (every
+        sequence's first branch before anyone's second), so a short pool costs pipelining its least likely
+        branches first and plain drafting last. A block an early stop leaves unused is returned at the
+        sequence's next draft (its truncate)."""
+        ranks: dict[int, int] = {}
+        order = []
+        for i, job in enumerate(jobs):
+            parent = job.seq.fork_from
+            rank = -1 if parent is None else ranks.get(id(parent), 0)
+            if parent is not None:
+                ranks[id(parent)] = rank + 1
+            order.append((rank, i))
+        failed: dict[int, ServiceError] = {}
+        for _, i in sorted(order):
+            seq = jobs[i].seq
+            if num_steps[i] == 0:
+                continue
+            copies = self.blocks.reserve(seq, seq.num_cached, seq.num_context + num_steps[i] - 1)
+            if copies is None:
+                failed[i] = _kv_full()
+            elif copies:
+                self.runner.kv_cache.copy_blocks(copies)
+        return failed
+
+    def _prefill(self, seqs: list[DraftSequence], pending: list[list[int]], skip: list[bool]) -> list[list[int]]:
+        """Feed the leading tokens of the sequences' pending tokens (a prompt) in forwards of at most
+        max_num_batched_tokens tokens, until what is left fits in one forward, the first drafting step: it
+        keeps at least the last token of each (whose logits are sampled), so the drafts are the same as from
+        one long forward. Returns the tokens left to feed. A drafting step of more sequences than the budget
+        still feeds one token each."""
+        budget = self.max_num_batched_tokens
+        live = [i for i, s in enumerate(skip) if not s]
+        left = sum(len(pending[i]) for i in live)
+        if budget is None or left <= budget:
+            return pending
+        fed = [0] * len(pending)
+        while left > budget:
+            chunk: list[tuple[DraftSequence, list[int]]] = []
+            room = budget
+            for i in live:
+                n = min(len(pending[i]) - fed[i] - 1, room)
+                if n > 0:
+                    chunk.append((seqs[i], pending[i][fed[i]:fed[i] + n]))
+                    fed[i] += n
+                    room -= n
+                if room == 0:
+                    break
+            if not chunk:
+                break
+            self._forward(chunk)  # only its K/V is wanted
+            left -= budget - room
+        return [p[n:] if n else p for p, n in zip(pending, fed, strict=True)]
 
     def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
         input_ids: list[int] = []
@@ -213,7 +313,7 @@ class Proposer:
     def __init__(self, model: DraftModel, executor: ThreadPoolExecutor | None = None) -> None:
         """executor: the one thread the model runs on; pass the one that loaded it (see common.compute_thread)."""
         self.model = model
-        self._pending: list[tuple[DraftSequence, int, float, asyncio.Future]] = []
+        self._pending: list[tuple[DraftJob, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._executor = executor or compute_thread("draft-model")
         self._task: asyncio.Task | None = None
@@ -228,19 +328,23 @@ class Proposer:
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
-    async def draft(self, seq: DraftSequence, k: int, min_confidence: float = 0.0) -> DraftBlock:
+    async def draft(self, job: DraftJob) -> Drafted:
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((seq, k, min_confidence, future))
+        self._pending.append((job, future))
         self._wakeup.set()
         return await future
 
     async def release(self, *seqs: DraftSequence) -> None:
-        """One hop to the model's thread for all of them (a round's pipelined branches)."""
+        """One hop to the model's thread for all of them (a round's pipelined branches). It happens even when
+        the caller is cancelled meanwhile (a client gone while its branches draft): the model's one thread runs
+        it after any batch still drafting them, so nothing they hold is left behind."""
         if seqs:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.model.release, *seqs)
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._executor, self.model.release,
+                                                                            *seqs))
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._executor, self.model.adopt, seq, branch)
+        await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._executor, self.model.adopt, seq,
+                                                                        branch))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -252,19 +356,23 @@ class Proposer:
             # last batch's time, at most 2 ms: nothing for tiny models, nothing against a 100 ms draft step.
             await coalesce(min(0.002, 0.02 * self._last_batch_s))
             self._wakeup.clear()
-            jobs = [job for job in self._pending if not job[3].cancelled()]
+            jobs = [job for job in self._pending if not job[1].cancelled()]
             self._pending = []
             if not jobs:
                 continue
             t0 = time.perf_counter()
             try:
-                blocks = await loop.run_in_executor(self._executor, self.model.draft, [j[:3] for j in jobs])
+                results = await loop.run_in_executor(self._executor, self.model.draft, [j for j, _ in jobs])
                 self._last_batch_s = time.perf_counter() - t0
             except Exception as err:  # noqa: BLE001 - every waiting request learns of it
-                for *_, f in jobs:
+                for _, f in jobs:
                     if not f.done():
                         f.set_exception(err)
                 continue
-            for (*_, f), block in zip(jobs, blocks, strict=True):
-                if not f.done():
-                    f.set_result(block)
+            for (_, f), result in zip(jobs, results, strict=True):
+                if f.done():
+                    continue
+                if isinstance(result, ServiceError):  # that sequence's own failure (its KV did not fit)
+                    f.set_exception(result)
+                else:
+                    f.set_result(result)

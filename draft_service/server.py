@@ -82,7 +82,8 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
     static = build_static_forward(runner, max_tokens=config.cuda_graph_max_tokens, max_model_len=loaded.max_model_len,
                                   block_size=config.block_size, graphs=config.cuda_graphs)
     model = DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support, static,
-                       on_static_step=metrics.static_steps.inc if metrics else None)
+                       on_static_step=metrics.static_steps.inc if metrics else None,
+                       max_num_batched_tokens=config.max_num_batched_tokens)
     return loaded, model
 
 
@@ -127,6 +128,7 @@ async def serve(config: DraftConfig) -> None:
 
     async def stop_draft() -> None:
         watcher.cancel()
+        generator.prompts.close()
         if proposer is not None:
             await proposer.stop()
         await link.close()

@@ -1,0 +1,397 @@
+"""Pipelined drafting in process: a real draft model and Proposer, the draft service's Generator, and an in-process
+stand-in for the verifier's side of the Verify stream. Checked here, for every proposer and option: a pipelined
+proposal is the block an unpipelined round drafts after the same verified tokens (so seeded outputs do not depend
+on --pipeline), a cancel at any point leaves no draft KV block behind, a sequence the draft's pool cannot hold
+fails alone, and a failure of the draft's own still closes the sequence on the verifier."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from common.block_manager import BlockManager
+from common.errors import ErrorCode, ServiceError
+from common.kv_cache import KVCache
+from common.paged_model import PagedCausalLM, kv_cache_spec
+from common.sampling import FinishReason, SamplingParams, WireMode
+from draft_service.config import DraftConfig
+from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.generation import Generator, _Flight
+from draft_service.metrics import DraftMetrics
+from draft_service.ngram import propose_ngram
+from draft_service.proposer import Drafted, DraftJob, DraftModel, Proposer
+from draft_service.sequence import DraftSequence
+from draft_service.types import (
+    DroppedEvent,
+    ErrorEvent,
+    GenerationRequest,
+    TextChunk,
+    VerdictEvent,
+    VerifierIdentity,
+)
+
+from tiny_models import build_model, model_config, word_tokenizer
+
+VOCAB = 61
+BLOCK = 4
+NUM_BLOCKS = 512
+
+
+def _tiny_model():
+    # init 1.0: peaked distributions, so confidence thresholds stop blocks at some positions and not others
+    return build_model(model_config("qwen2", VOCAB, eos_token_id=None, hidden=32, init=1.0), seed=7,
+                       dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def reference_model():
+    """The same weights as the draft's, run whole: the fake verifier's target."""
+    return _tiny_model()
+
+
+def _draft_model(num_blocks: int = NUM_BLOCKS) -> DraftModel:
+    model = _tiny_model()
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), num_blocks, BLOCK), pack_weights=False)
+    return DraftModel(runner, BlockManager(num_blocks, BLOCK), q_max_support=8)
+
+
+@dataclass
+class _Seq:
+    tokens: list[int]
+    num_prompt: int
+    max_tokens: int
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    proposals: deque = field(default_factory=deque)
+    task: asyncio.Task | None = None
+    finished: bool = False
+
+
+class FakeVerifier:
+    """The VerifierLink surface Generator uses, answering as the verifier's scheduler does: a proposal that starts
+    at the sequence's end and assumed what was verified is verified after `delay_s` against `target` (drafts are
+    accepted while they equal target's next token, which then follows them); one that can no longer follow is
+    dropped. `verified` records every verified proposal: with the same proposals at the same positions, a real
+    verifier's seeded rejection sampling gives the same output."""
+
+    def __init__(self, target, delay_s: float = 0.002, *, drop_first: bool = False, error_first: bool = False):
+        self.identity = VerifierIdentity("fake", VOCAB, "f" * 64, 8, 4096, features=("coupled",))
+        self.target = target
+        self.delay_s = delay_s
+        self.drop_first, self.error_first = drop_first, error_first
+        self.seqs: dict[int, _Seq] = {}
+        self.verified: dict[int, list[tuple]] = {}
+        self.released: dict[int, bool] = {}  # seq id -> whether a CloseSequence was sent
+        self._ids = itertools.count(1)
+
+    async def ensure_connected(self, retry_s: float) -> VerifierIdentity:
+        return self.identity
+
+    async def open(self, prompt_token_ids, sampling, *, retry_s, deadline=None, **_) -> int:
+        seq_id = next(self._ids)
+        self.seqs[seq_id] = _Seq(list(prompt_token_ids), len(prompt_token_ids), sampling.max_tokens)
+        self.verified[seq_id] = []
+        return seq_id
+
+    def propose(self, seq_id, start_position, block, *, send_draft_probs, assumed_token_ids=()) -> int:
+        s = self.seqs[seq_id]
+        s.proposals.append((start_position, block, tuple(assumed_token_ids)))
+        if s.task is None or s.task.done():
+            s.task = asyncio.get_running_loop().create_task(self._serve(seq_id, s))
+        return 1
+
+    async def next_event(self, seq_id):
+        return await self.seqs[seq_id].inbox.get()
+
+    def release(self, seq_id: int, *, cancel: bool) -> None:
+        s = self.seqs[seq_id]
+        self.released[seq_id] = cancel
+        s.finished = True
+        if s.task is not None:
+            s.task.cancel()
+
+    async def _serve(self, seq_id: int, s: _Seq) -> None:
+        while s.proposals and not s.finished:
+            start, block, assumed = s.proposals[0]
+            n = len(s.tokens)
+            first = start - len(assumed)
+            if start == n and tuple(s.tokens[first:]) == assumed:
+                s.proposals.popleft()
+                await asyncio.sleep(self.delay_s)
+                if self.drop_first or self.error_first:
+                    s.inbox.put_nowait(DroppedEvent(start, n) if self.drop_first
+                                       else ErrorEvent(ErrorCode.RESOURCE_EXHAUSTED, "the verifier is full"))
+                    s.finished = self.error_first  # an error frees the sequence on the verifier
+                    return
+                self.verified[seq_id].append((start, block.token_ids, block.draft_probs))
+                emitted = []
+                for token in block.token_ids:
+                    if token != self.target(s.tokens + emitted):
+                        break
+                    emitted.append(token)
+                num_accepted = len(emitted)
+                emitted.append(self.target(s.tokens + emitted))
+                room = s.max_tokens - (n - s.num_prompt)
+                emitted = emitted[:room]
+                s.tokens.extend(emitted)
+                finish = FinishReason.LENGTH if len(emitted) == room else None
+                s.inbox.put_nowait(VerdictEvent(start, min(num_accepted, len(emitted)), tuple(emitted), finish, 1,
+                                                received_at=time.perf_counter()))
+                if finish is not None:
+                    s.finished = True
+                    return
+            elif start < n or any(s.tokens[i] != t for i, t in enumerate(assumed[:max(0, n - first)], first)):
+                s.proposals.popleft()
+                s.inbox.put_nowait(DroppedEvent(start, n))
+            else:
+                return
+
+
+def _model_target(model):
+    """The draft model's argmax, except at every third position where it takes the runner-up: the verifier
+    agrees with the draft often, and not always."""
+    cache: dict[tuple[int, ...], int] = {}
+
+    def target(tokens: list[int]) -> int:
+        key = tuple(tokens)
+        if key not in cache:
+            with torch.inference_mode():
+                logits = model(torch.tensor([tokens])).logits[0, -1]
+            top = logits.topk(2).indices.tolist()
+            cache[key] = top[1] if len(tokens) % 3 == 0 else top[0]
+        return cache[key]
+    return target
+
+
+def _ngram_target(tokens: list[int]) -> int:
+    """What prompt lookup proposes, except at every fifth position."""
+    follow = propose_ngram(tokens, 1)
+    token = follow[0] if follow else (7 * tokens[-1] + 3) % VOCAB
+    return (token + 1) % VOCAB if len(tokens) % 5 == 0 else token
+
+
+@dataclass
+class _Service:
+    generator: Generator
+    link: FakeVerifier
+    model: DraftModel | None
+    proposer: Proposer | None
+
+    async def stop(self) -> None:
+        if self.proposer is not None:
+            await self.proposer.stop()
+
+
+def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: int = 4, threshold: float = 0.0,
+             width: int = 3, model: DraftModel | None = None) -> _Service:
+    config = DraftConfig(model="m", proposer=proposer, pipeline=pipeline, pipeline_width=width if pipeline else 0,
+                         num_speculative_tokens=k, draft_confidence_threshold=threshold)
+    prop = None
+    if proposer == "ngram":
+        drafter = NgramDrafter()
+    else:
+        model = model or _draft_model()
+        prop = Proposer(model, ThreadPoolExecutor(1, thread_name_prefix="test-draft"))
+        prop.start()
+        drafter = ModelDrafter(prop, threshold)
+    return _Service(Generator(config, word_tokenizer(VOCAB), VOCAB, link, drafter, DraftMetrics()), link, model,
+                    prop)
+
+
+def _request(prompt: list[int], sampling: SamplingParams, mode: WireMode | None = None) -> GenerationRequest:
+    return GenerationRequest(None, tuple(prompt), sampling, wire_mode=mode)
+
+
+async def _tokens(gen: Generator, req: GenerationRequest) -> list[int]:
+    out = []
+    async for event in gen.generate(req):
+        if isinstance(event, TextChunk):
+            out.extend(event.token_ids)
+    return out
+
+
+def _prompts(proposer: str) -> list[list[int]]:
+    rng = random.Random(3)
+    if proposer == "ngram":  # repetitive: prompt lookup finds earlier occurrences, often more than one
+        return [[rng.randrange(6) for _ in range(24)] for _ in range(4)]
+    return [[rng.randrange(VOCAB) for _ in range(n)] for n in (5, 9, 6, 11)]
+
+
+SAMPLINGS = {
+    "greedy": (SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True), None),
+    "seeded": (SamplingParams(temperature=1.0, top_p=0.95, seed=17, max_tokens=28, ignore_eos=True), None),
+    "coupled": (SamplingParams(temperature=0.9, seed=5, max_tokens=28, ignore_eos=True), WireMode.COUPLED),
+}
+
+
+@pytest.mark.parametrize("proposer,threshold", [("model", 0.0), ("model", 0.5), ("model", 0.9), ("ngram", 0.0)])
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_pipelined_proposals_are_the_unpipelined_rounds_proposals(reference_model, proposer, threshold, sampling):
+    """Every verified proposal, and so every seeded output, is the same with and without pipelining; and
+    pipelined proposals were verified along the way."""
+    target = _ngram_target if proposer == "ngram" else _model_target(reference_model)
+    params, mode = SAMPLINGS[sampling]
+
+    async def run(pipeline: bool):
+        link = FakeVerifier(target)
+        service = _service(link, proposer=proposer, pipeline=pipeline, threshold=threshold)
+        try:
+            outputs = [await _tokens(service.generator, _request(p, params, mode)) for p in _prompts(proposer)]
+        finally:
+            await service.stop()
+        used = service.generator.metrics.registry.get_sample_value("specwire_draft_pipelined_proposals_total",
+                                                                   {"outcome": "used"})
+        return outputs, list(link.verified.values()), used
+
+    plain, plain_verified, _ = asyncio.run(run(False))
+    pipelined, pipelined_verified, used = asyncio.run(run(True))
+    assert used > 0  # the pipelined path did run
+    for one, two in zip(plain_verified, pipelined_verified, strict=True):
+        assert one == two
+    assert pipelined == plain
+
+
+def test_a_pipelined_block_is_the_unpipelined_block_on_every_branch(reference_model):
+    """Each branch's proposal, right as drafting ahead makes it, against a fresh unpipelined draft from the
+    verified tokens that branch assumed, with the confidence early stop on."""
+    async def run():
+        link = FakeVerifier(_model_target(reference_model))
+        service = _service(link, pipeline=True, threshold=0.5, width=8)
+        plain = _service(link, pipeline=False, threshold=0.5)
+        gen = service.generator
+        sent = []
+        link.propose = lambda seq_id, start, block, *, send_draft_probs, assumed_token_ids=(): (
+            sent.append((start, block, assumed_token_ids)) or 1)
+        try:
+            for prompt in _prompts("model"):
+                for params, _ in SAMPLINGS.values():
+                    seq = DraftSequence(params, list(prompt))
+                    block = await gen.drafter.draft(seq, 4)
+                    sent.clear()
+                    aheads = await gen._draft_ahead(1, seq, block, 4, 8, _Flight())
+                    assert len(aheads) == len(sent) >= 2
+                    for start, ahead_block, assumed in sent:
+                        assert start == len(prompt) + len(assumed)
+                        ref = DraftSequence(params, [*prompt, *assumed])
+                        assert ahead_block == await plain.generator.drafter.draft(ref, 4)
+                        await plain.generator.drafter.release(ref)
+                    await gen.drafter.release(*(a.branch for a in aheads), seq)
+            assert service.model.blocks.num_free_blocks == NUM_BLOCKS
+        finally:
+            await service.stop()
+            await plain.stop()
+
+    asyncio.run(run())
+
+
+def test_cancelling_at_random_points_leaks_no_draft_block(reference_model):
+    """Generations with pipelining, cancelled at random points (several at once, so their drafts batch
+    together): once they are gone the draft's pool is whole again, and the verifier was told of each."""
+    rng = random.Random(11)
+    prompts = _prompts("model")
+
+    async def run():
+        link = FakeVerifier(_model_target(reference_model), delay_s=0.001)
+        service = _service(link, pipeline=True, width=4)
+        try:
+            for round_ in range(40):
+                tasks = []
+                for i in range(3):
+                    params, mode = list(SAMPLINGS.values())[(round_ + i) % 3]
+                    params = SamplingParams(temperature=params.temperature, seed=round_, max_tokens=40,
+                                            ignore_eos=True)
+                    tasks.append(asyncio.create_task(_tokens(service.generator,
+                                                             _request(prompts[(round_ + i) % 4], params, mode))))
+                for task in tasks:  # anywhere in a generation: its first round or any later one
+                    asyncio.get_running_loop().call_later(rng.uniform(0, 0.2), task.cancel)
+                await asyncio.gather(*tasks, return_exceptions=True)
+                # whatever the model's thread still runs for them comes first
+                await asyncio.get_running_loop().run_in_executor(service.proposer._executor, lambda: None)
+                blocks = service.model.blocks
+                assert blocks.num_free_blocks == NUM_BLOCKS, (round_, blocks.sequences())
+            cancelled = [seq_id for seq_id, s in link.seqs.items() if len(s.tokens) - s.num_prompt < 40]
+            assert cancelled and all(link.released[seq_id] for seq_id in cancelled)
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
+
+
+def test_a_sequence_the_draft_pool_cannot_hold_fails_alone():
+    model = _draft_model(num_blocks=6)
+    small = DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5])
+    large = DraftSequence(SamplingParams(temperature=0.8, seed=2), list(range(40)))  # 40 tokens: 10 blocks
+    out = model.draft([DraftJob(small, 4), DraftJob(large, 4)])
+    assert isinstance(out[0], Drafted) and out[0].block.num_draft_tokens == 4
+    assert isinstance(out[1], ServiceError) and out[1].code is ErrorCode.RESOURCE_EXHAUSTED
+    assert not model.blocks.has(large) or not model.blocks.table(large)  # nothing of it was written
+    alone = _draft_model(num_blocks=6)
+    assert alone.draft([DraftJob(DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5]), 4)])[0] == out[0]
+
+    async def through_the_proposer():
+        proposer = Proposer(_draft_model(num_blocks=6), ThreadPoolExecutor(1))
+        proposer.start()
+        try:
+            one, two = await asyncio.gather(
+                proposer.draft(DraftJob(DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5]), 4)),
+                proposer.draft(DraftJob(DraftSequence(SamplingParams(temperature=0.0), list(range(40))), 4)),
+                return_exceptions=True)
+        finally:
+            await proposer.stop()
+        assert one == out[0]
+        assert isinstance(two, ServiceError) and two.code is ErrorCode.RESOURCE_EXHAUSTED
+
+    asyncio.run(through_the_proposer())
+
+
+def test_a_short_draft_pool_drafts_fewer_branches_not_none():
+    """Blocks for the full-acceptance branch only: that one is drafted and proposed, the others are dropped."""
+    async def run():
+        link = FakeVerifier(lambda tokens: 0)
+        service = _service(link, pipeline=True, width=3)
+        gen, model, k = service.generator, service.model, 4
+        try:
+            seq_id = await link.open([5, 6, 7, 8, 9], SamplingParams(temperature=0.0), retry_s=1)
+            seq = DraftSequence(SamplingParams(temperature=0.0), [5, 6, 7, 8, 9])
+            block = await gen.drafter.draft(seq, k)
+            blocks = model.blocks
+            # the full-acceptance branch writes from the sequence's cached end to context + its guess + k - 1
+            start, end = seq.num_cached, seq.num_context + k + k
+            need = blocks.blocks_for(end) - len(blocks.table(seq)) + (1 if start % BLOCK else 0)
+            assert blocks.allocate("hog", (blocks.num_free_blocks - need) * BLOCK)
+            aheads = await gen._draft_ahead(seq_id, seq, block, k, 3, _Flight())
+            assert [a.num_accepted for a in aheads] == [block.num_draft_tokens]
+            assert [len(p[1].token_ids) for p in link.seqs[seq_id].proposals] == [k]
+            await gen.drafter.release(*(a.branch for a in aheads), seq)
+            blocks.free("hog")
+            assert blocks.num_free_blocks == NUM_BLOCKS
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("event,closes", [("dropped", True), ("error", False)])
+def test_the_draft_closes_a_sequence_it_fails_itself(reference_model, event, closes):
+    """An unexpected ProposalDropped fails the generation here (INTERNAL) while the verifier still holds the
+    sequence: it is told to free it. An error the verifier sent means it freed the sequence already."""
+    async def run():
+        link = FakeVerifier(_model_target(reference_model), drop_first=event == "dropped",
+                            error_first=event == "error")
+        service = _service(link, pipeline=False)
+        try:
+            with pytest.raises(ServiceError) as err:
+                await _tokens(service.generator, _request([1, 2, 3], SamplingParams(temperature=0.0)))
+        finally:
+            await service.stop()
+        assert err.value.code is (ErrorCode.INTERNAL if event == "dropped" else ErrorCode.RESOURCE_EXHAUSTED)
+        assert link.released == {1: closes}
+
+    asyncio.run(run())
