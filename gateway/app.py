@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -62,7 +62,7 @@ def connect(config: GatewayConfig) -> AsyncClient:
 
 
 class GatewayMetrics:
-    """Prometheus metrics of the gateway, served at /metrics."""
+    """Prometheus metrics of the gateway, served at /metrics (behind the API tokens when the gateway has them)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -98,7 +98,10 @@ class CountRequests:
         await self.app(scope, receive, counted)
 
 
-def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> FastAPI:
+def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None,
+               connect_client: Callable[[GatewayConfig], AsyncClient] = connect) -> FastAPI:
+    """The app; `connect_client` makes the draft service's client when the app starts serving (tests give a
+    fake)."""
     name = model_name(config)
     chat = chat if chat is not None else ChatTemplate.load(config.tokenizer)
     tokens = TokenFile(config.auth_token_file) if config.auth_token_file else None
@@ -107,7 +110,7 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
-        state["client"] = connect(config)  # grpc.aio channels belong to the serving loop
+        state["client"] = connect_client(config)  # grpc.aio channels belong to the serving loop
         log.info("gateway_ready", server=config.server, model=name, chat_template=chat.tokenizer is not None,
                  tokens_required=tokens is not None)
         yield
@@ -119,10 +122,6 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
     # bodies, and a client's disconnect then no longer cancels its generation (tests/test_gateway.py caught it).
     app.add_middleware(CountRequests, metrics=metrics)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, err: ApiError) -> JSONResponse:
         return JSONResponse(err.body(), status_code=err.status)
@@ -132,10 +131,18 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
         first = err.errors()[0] if err.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
+        if first.get("type") == "json_invalid":  # its loc is a position in the text, not a field
+            message, where = "the request body is not valid JSON", ""
         body = ApiError(400, f"{where}: {message}" if where else message, param=where or None).body()
         return JSONResponse(body, status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        # NOTE: the last resort, in OpenAI's shape: a bug, not the caller's fault (never its input's, which the
+        # request models and `check` refuse with 400s)
+        log.error("gateway_internal_error", path=request.url.path, error=repr(err)[:500])
+        return JSONResponse(ApiError(500, "internal error in the gateway", type="server_error").body(),
+                            status_code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, err: StarletteHTTPException) -> JSONResponse:
@@ -174,6 +181,13 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
                 "verifier": "CONNECTED" if verifier == "SERVING" else "DISCONNECTED"}
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    # NOTE: behind the API tokens, not on a port of its own: the gateway is the public face, its metrics tell who
+    # sends how much, and one port keeps one TLS and token setup (Prometheus sends the token from
+    # `authorization: {credentials_file: ...}`). Without --auth-token-file every route is open, this one too.
+    @app.get("/metrics", dependencies=[Depends(authorize)])
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
         return {"object": "list", "data": [model_card()]}
@@ -186,7 +200,7 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        body.check_unsupported()
+        body.check()
         prompt = body.prompt_kwargs()
         kwargs = {**prompt, **body.generate_kwargs(body.max_new_tokens())}
         return await _respond(request, body, kwargs, "cmpl", "text_completion", _completion_choice)
@@ -194,7 +208,7 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None) -> Fa
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        body.check_unsupported()
+        body.check()
         kwargs = {"prompt_token_ids": chat.render(body.template_messages()),
                   **body.generate_kwargs(body.max_new_tokens())}
         return await _respond(request, body, kwargs, "chatcmpl", "chat.completion", _chat_choice)

@@ -17,7 +17,8 @@ class GatewayConfig:
     tokenizer: str | None = option(None, "HF model directory (or .gguf) whose tokenizer and chat template render "
                                    "chat requests; without it /v1/chat/completions answers 400", parse=str)
     auth_token_file: str | None = option(None, "file of accepted bearer tokens, one per line, re-read when it "
-                                         "changes; requests without one get 401 (/health stays open)", parse=str)
+                                         "changes; requests without one get 401, /metrics too (/health stays open)",
+                                         parse=str)
     tls_cert: str | None = option(None, "PEM certificate chain: serve HTTPS (with --tls-key)", parse=str)
     tls_key: str | None = option(None, "PEM private key of --tls-cert", parse=str)
     server_token_file: str | None = option(None, "file whose first token is sent to the draft service", parse=str)

@@ -3,20 +3,28 @@ error JSON and the mapping from gRPC status codes to HTTP statuses. No I/O here.
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import asdict
 from typing import Any, Literal
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
+from common.sampling import MAX_SEED
 from specwire.client import Result, Stats
+from specwire.v1.wire import MAX_CACHE_SALT_CHARS
 
 # An unset max_tokens on chat: generate until the end-of-sequence token or the target's context length (the
 # verifier ends the sequence there with finish reason "length").
 UNBOUNDED_MAX_TOKENS = 1 << 30
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# The wire's integer types (protos/specwire/v1): max_tokens, top_k, num_speculative_tokens and token ids are
+# int32, the seed uint64 (of which the services accept [0, 2^63 - 1]); temperature and top_p are float32.
+INT32_MAX = (1 << 31) - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class ApiError(Exception):
@@ -24,6 +32,10 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None) -> None:
+        # NOTE: a message may quote the caller's input; a lone surrogate in it would fail the UTF-8 encoding of
+        # the JSON answer (a 500), so it is written as its escape.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param else param
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -64,9 +76,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether any string in a parsed JSON value (keys included) is not valid Unicode. Iterative: a deeply
+    nested body must not exhaust the stack."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, list):
+            todo.extend(item)
+    return False
+
+
+def _check_int(value: int | None, name: str, low: int, high: int, bounds: str) -> None:
+    if value is not None and not low <= value <= high:
+        raise invalid(f"{name} must be an integer in {bounds}, got {value}", name)
+
+
+def _check_float32(value: float | None, name: str) -> None:
+    """Only what the wire's float32 cannot carry; the services judge the value itself (NaN, negative, ...)."""
+    if value is not None and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+        raise invalid(f"{name} {value:g} is beyond the range of a 32-bit float", name)
+
+
 class _Request(BaseModel):
-    """Fields both endpoints share. Unknown fields are accepted and ignored (clients send many); fields whose
-    non-default value specwire cannot honour are refused in `check_unsupported`."""
+    """Fields both endpoints share. Unknown fields are accepted and ignored (clients send many); `check` refuses
+    out-of-range numbers (400, never the wire's own exception: a 500) and the fields whose non-default value
+    specwire cannot honour."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -88,6 +131,33 @@ class _Request(BaseModel):
     num_speculative_tokens: int | None = None
     wire_mode: Literal["sparse", "one-hot", "coupled"] | None = None
     specwire_stats: bool = Field(False, description="add the speculative statistics to the response")
+    # vLLM's per-request prefix-cache salt: requests share cached KV only with requests of the same salt
+    cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        # NOTE: JSON's \ud800 escapes parse into lone surrogates, which no UTF-8 encoder (protobuf's, the
+        # tokenizer's, the JSON answer's) takes: refused here, before any field is read.
+        if _has_lone_surrogate(data):
+            raise PydanticCustomError("invalid_unicode", "the body holds a string that is not valid Unicode (a "
+                                      "lone surrogate escape such as \\ud800)")
+        return data
+
+    def check(self) -> None:
+        """400 for what the services could not be sent or cannot honour."""
+        self.check_ranges()
+        self.check_unsupported()
+
+    def check_ranges(self) -> None:
+        _check_int(self.seed, "seed", 0, MAX_SEED, "[0, 2^63 - 1]")
+        _check_int(self.top_k, "top_k", 0, INT32_MAX, "[0, 2^31 - 1] (0 disables it)")
+        _check_int(self.num_speculative_tokens, "num_speculative_tokens", 0, INT32_MAX, "[0, 2^31 - 1]")
+        _check_float32(self.temperature, "temperature")
+        _check_float32(self.top_p, "top_p")
+        if self.cache_salt is not None and not 1 <= len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise invalid(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, "
+                          f"got {len(self.cache_salt)}", "cache_salt")
 
     def check_unsupported(self) -> None:
         if self.n != 1:
@@ -112,6 +182,8 @@ class _Request(BaseModel):
                                       num_speculative_tokens=self.num_speculative_tokens, wire_mode=self.wire_mode)
         kwargs["temperature"] = 1.0 if self.temperature is None else self.temperature
         kwargs["top_p"] = 1.0 if self.top_p is None else self.top_p
+        if self.cache_salt is not None:
+            kwargs["cache_salt"] = self.cache_salt
         return kwargs
 
     @property
@@ -126,6 +198,16 @@ class CompletionRequest(_Request):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    def check_ranges(self) -> None:
+        super().check_ranges()
+        prompts = self.prompt if isinstance(self.prompt, list) else []
+        ids = (t for p in prompts for t in (p if isinstance(p, list) else [p]) if isinstance(t, int))
+        bad = next((t for t in ids if not 0 <= t <= INT32_MAX), None)
+        if bad is not None:  # the wire's int32; the draft service judges the vocabulary
+            raise invalid(f"prompt token ids must be integers in [0, 2^31 - 1], got {bad}", "prompt")
+        if self.max_tokens is not None:
+            _positive(self.max_tokens, "max_tokens")
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
@@ -178,6 +260,12 @@ class ChatCompletionRequest(_Request):
     tools: list[dict] | None = None
     response_format: dict | None = None
 
+    def check_ranges(self) -> None:
+        super().check_ranges()
+        for name in ("max_tokens", "max_completion_tokens"):
+            if getattr(self, name) is not None:
+                _positive(getattr(self, name), name)
+
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.logprobs or self.top_logprobs:
@@ -199,8 +287,10 @@ class ChatCompletionRequest(_Request):
 
 
 def _positive(value: int, name: str) -> int:
+    """A token count: at least 1 and within the wire's int32."""
     if value < 1:
         raise invalid(f"{name} must be at least 1, got {value}", name)
+    _check_int(value, name, 1, INT32_MAX, "[1, 2^31 - 1]")
     return value
 
 

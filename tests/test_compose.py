@@ -97,3 +97,36 @@ def test_compose_flags_exist_on_the_services():
     for name, cls in (("verifier", VerifierConfig), ("draft-a", DraftConfig), ("draft-b", DraftConfig)):
         unknown = {k for k in services[name]["environment"] if k.startswith("SPECWIRE_")} - env_names(cls)
         assert not unknown, f"{name}: {unknown}"
+
+
+def test_metrics_ports_are_published_on_loopback_only():
+    """Metrics pages and Prometheus carry no token: each port mapping that reaches one (a service's
+    --metrics-port, Prometheus's 9090) binds the host's 127.0.0.1, in the file and as compose renders it."""
+    import re
+
+    import yaml
+
+    services = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]
+
+    def metrics_ports(name: str, service: dict) -> set[str]:
+        command = service.get("command") or []
+        ports = {command[i + 1] for i, a in enumerate(command[:-1]) if a == "--metrics-port"}
+        return ports | ({"9090"} if name == "prometheus" else set())
+
+    checked = 0
+    for name, service in services.items():
+        wanted = metrics_ports(name, service)
+        for mapping in service.get("ports", []):
+            parts = re.sub(r"\$\{[^}]*\}", "PORT", str(mapping)).split(":")  # ${VAR:-default} holds a colon
+            if parts[-1] in wanted:
+                assert len(parts) == 3 and parts[0] == "127.0.0.1", f"{name} publishes {mapping} on every interface"
+                checked += 1
+    assert checked == 2  # the verifier's metrics and Prometheus (the drafts' metrics are not published)
+
+    out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config",
+                          "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=True)
+    rendered = json.loads(out.stdout)["services"]
+    for name, target in (("verifier", 9400), ("prometheus", 9090)):
+        (port,) = [p for p in rendered[name]["ports"] if p["target"] == target]
+        assert port["host_ip"] == "127.0.0.1", (name, port)
+    assert all(p.get("host_ip", "") in ("", "0.0.0.0") for p in rendered["verifier"]["ports"] if p["target"] == 50051)

@@ -133,6 +133,21 @@ def test_speculative_statistics_only_when_asked(client):
     (dict(logprobs=2), openai.BadRequestError, 400, "logprobs"),
     (dict(extra_body={"wire_mode": "dense"}), openai.BadRequestError, 400, "wire_mode"),
     (dict(prompt=["a", "b"]), openai.BadRequestError, 400, "batched prompts"),
+    # integers the wire cannot carry (int32, uint64) or the services refuse: 400s, never the wire's own 500
+    (dict(seed=-1), openai.BadRequestError, 400, "seed"),
+    (dict(seed=2**63), openai.BadRequestError, 400, "seed"),
+    (dict(seed=2**64), openai.BadRequestError, 400, "seed"),
+    (dict(max_tokens=2**31), openai.BadRequestError, 400, "max_tokens"),
+    (dict(extra_body={"top_k": 2**31}), openai.BadRequestError, 400, "top_k"),
+    (dict(extra_body={"top_k": -(2**31) - 1}), openai.BadRequestError, 400, "top_k"),
+    (dict(extra_body={"num_speculative_tokens": 2**31}), openai.BadRequestError, 400, "num_speculative_tokens"),
+    (dict(extra_body={"num_speculative_tokens": -1}), openai.BadRequestError, 400, "num_speculative_tokens"),
+    (dict(prompt=[5, 2**31]), openai.BadRequestError, 400, "prompt token ids"),
+    (dict(prompt=[[5, -1]]), openai.BadRequestError, 400, "prompt token ids"),
+    (dict(temperature=1e39), openai.BadRequestError, 400, "temperature"),
+    (dict(extra_body={"cache_salt": "s" * 257}), openai.BadRequestError, 400, "cache_salt"),
+    (dict(extra_body={"cache_salt": ""}), openai.BadRequestError, 400, "cache_salt"),
+    (dict(extra_body={"cache_salt": 7}), openai.BadRequestError, 400, "cache_salt"),
 ])
 def test_bad_completion_requests_get_openai_errors(client, kwargs, error, status, fragment):
     args = dict(model=_model(client), prompt=PROMPT, max_tokens=4) | kwargs
@@ -140,7 +155,38 @@ def test_bad_completion_requests_get_openai_errors(client, kwargs, error, status
         client.completions.create(**args)
     assert err.value.status_code == status
     assert fragment in err.value.message, err.value.message
-    assert set(err.value.body) >= {"message", "type"}
+    assert set(err.value.body) == {"message", "type", "param", "code"}  # OpenAI's error object
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "seed"])
+def test_out_of_range_chat_integers_are_400s(gateway, client, field):
+    _, url = gateway
+    value = -1 if field == "seed" else 2**31
+    status, body = _raw(url, "/v1/chat/completions", json.dumps({"model": _model(client), "messages": MESSAGES,
+                                                                 field: value}).encode())
+    assert status == 400, body
+    assert body["error"]["param"] == field and body["error"]["type"] == "invalid_request_error", body
+
+
+def test_a_string_that_is_not_unicode_is_a_400(gateway, client):
+    """JSON's \\ud800 escape is a lone surrogate, which no UTF-8 encoder takes: refused before the wire."""
+    _, url = gateway
+    for path, body in (("/v1/completions", b'{"model": "m", "prompt": "a\\ud800"}'),
+                       ("/v1/completions", b'{"model": "m", "prompt": "a", "stop": ["\\udfff"]}'),
+                       ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}]}')):
+        status, reply = _raw(url, path, body.replace(b'"m"', json.dumps(_model(client)).encode()))
+        assert status == 400 and "not valid Unicode" in reply["error"]["message"], reply
+
+
+def test_cache_salt_is_accepted_and_keeps_the_output(client):
+    model = _model(client)
+    kwargs = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0.0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kwargs).choices[0].text
+    salted = client.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "cache_salt": "tenant-a"}})
+    assert salted.choices[0].text == plain
+    chat = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3,
+                                          extra_body={"cache_salt": "tenant-b"})
+    assert chat.usage.completion_tokens >= 1
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -204,6 +250,12 @@ def test_bearer_tokens(gateway, tmp_path):
         assert good.completions.create(model=model, prompt="x", max_tokens=2).usage.completion_tokens >= 1
     with urllib.request.urlopen(url + "/health") as reply:  # health stays open
         assert reply.status == 200
+    with pytest.raises(urllib.error.HTTPError) as err:  # metrics need a token: they tell who sends how much
+        urllib.request.urlopen(url + "/metrics")
+    assert err.value.code == 401 and json.load(err.value)["error"]["code"] == "invalid_api_key"
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": "Bearer second-token"})
+    with urllib.request.urlopen(request) as reply:
+        assert b"specwire_gateway_requests_total" in reply.read()
 
 
 def test_a_client_that_disconnects_mid_stream_frees_the_sequence_on_both_services(gateway, client):
@@ -261,7 +313,7 @@ def test_prometheus_metrics_count_requests_by_endpoint_and_status(gateway, clien
     client.completions.create(model=model, prompt=PROMPT, max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
-    with urllib.request.urlopen(url + "/metrics") as reply:  # open, as /health
+    with urllib.request.urlopen(url + "/metrics") as reply:  # open: this gateway has no --auth-token-file
         text = reply.read().decode()
     assert 'specwire_gateway_requests_total{endpoint="/v1/completions",status="200"}' in text
     assert 'specwire_gateway_requests_total{endpoint="/v1/completions",status="404"}' in text
