@@ -1,0 +1,127 @@
+"""The verifier's goodput controller (verifier_service.goodput) with synthetic step-time models."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verifier_service.goodput import AcceptanceTracker, Candidate, StepTimeModel, choose_draft_lengths
+
+
+def model_of(fn, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> StepTimeModel:
+    """A step-time model that has seen steps of every size in `sizes` taking fn(n) seconds."""
+    m = StepTimeModel()
+    for n in sizes:
+        for _ in range(20):
+            m.observe(n, fn(n))
+    return m
+
+
+def memory_then_compute(n: int) -> float:
+    """A GPU-like step: flat (weights-bound) up to 64 tokens, then 0.2 ms per token."""
+    return 0.010 + 0.0002 * max(0, n - 64)
+
+
+def compute_bound(n: int) -> float:
+    """A CPU-like step: 1 ms per token on top of 2 ms."""
+    return 0.002 + 0.001 * n
+
+
+def expected_tokens(rates, k):
+    return 1 + sum(itertools.accumulate(rates[:k], lambda a, b: a * b))
+
+
+def test_an_idle_verifier_gets_the_full_k_and_a_loaded_one_plain_decoding():
+    step = model_of(memory_then_compute)
+    one = [Candidate("a", 4, (0.8,) * 4)]
+    assert choose_draft_lengths(one, step).draft_lengths == {"a": 4}
+    # 64 sequences: one token each already fills the flat part; every drafted token costs more than it brings
+    many = [Candidate(i, 4, (0.8,) * 4) for i in range(64)]
+    chosen = choose_draft_lengths(many, step)
+    assert set(chosen.draft_lengths.values()) == {0}
+    # in between, the batch shares the flat part: 16 sequences x 4 drafts = 64 tokens + 16
+    mid = choose_draft_lengths([Candidate(i, 4, (0.8,) * 4) for i in range(16)], step)
+    assert 0 < sum(mid.draft_lengths.values()) < 64
+
+
+def test_the_batch_term_decides_not_each_sequence_alone():
+    """Each sequence alone would draft its whole cap (1 + 4 tokens sit in the flat part); 32 of them together
+    are past it, so drafting costs the batch goodput. A rule that prices each sequence's draft by its own step
+    (dropping the batch term) chooses k = 4 here, and this test fails."""
+    step = model_of(memory_then_compute)
+    batch = [Candidate(i, 4, (0.7,) * 4) for i in range(32)]
+    lengths = choose_draft_lengths(batch, step).draft_lengths
+    assert sum(lengths.values()) < 32 * 4
+    # what it chose is at least as good as every uniform k for the whole batch
+    best_uniform = max(32 * expected_tokens((0.7,) * 4, k) / step.predict(32 * (1 + k)) for k in range(5))
+    assert choose_draft_lengths(batch, step).goodput >= best_uniform * (1 - 1e-9)
+
+
+def test_low_acceptance_lowers_k_at_any_load():
+    step = model_of(compute_bound)
+    # alone on a compute-bound verifier: a draft accepted 5 % of the time is never worth a token
+    assert choose_draft_lengths([Candidate("x", 8, (0.05,) * 8)], step).draft_lengths == {"x": 0}
+    # a draft that always agrees is worth its tokens when the step has a fixed part to share
+    step_flat = model_of(memory_then_compute)
+    assert choose_draft_lengths([Candidate("x", 8, (1.0,) * 8)], step_flat).draft_lengths == {"x": 8}
+
+
+def test_better_sequences_get_the_tokens_first():
+    step = model_of(memory_then_compute)
+    good = [Candidate(("good", i), 8, (0.95,) * 8) for i in range(12)]
+    bad = [Candidate(("bad", i), 8, (0.2,) * 8) for i in range(12)]
+    lengths = choose_draft_lengths(good + bad, step).draft_lengths
+    assert min(lengths[c.key] for c in good) > max(lengths[c.key] for c in bad)
+
+
+def test_caps_are_kept_and_no_model_yet_means_the_caps():
+    step = StepTimeModel()
+    cands = [Candidate("a", 3, (0.9,) * 3), Candidate("b", 0, ())]
+    assert choose_draft_lengths(cands, step).draft_lengths == {"a": 3, "b": 0}
+    step = model_of(lambda n: 0.01)
+    assert choose_draft_lengths(cands, step).draft_lengths == {"a": 3, "b": 0}
+
+
+@settings(max_examples=60, deadline=None)
+@given(rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=3), min_size=1, max_size=3),
+       fixed=st.floats(0.0, 0.02), per_token=st.floats(0.0, 0.002), other=st.integers(0, 8))
+def test_the_choice_is_the_best_of_every_allocation(rates, fixed, per_token, other):
+    """Against brute force over every combination of lengths (up to 3 sequences, k <= 3)."""
+    step = model_of(lambda n: fixed + per_token * n + 1e-4)
+    cands = [Candidate(i, len(r), tuple(r)) for i, r in enumerate(rates)]
+    chosen = choose_draft_lengths(cands, step, other_tokens=other)
+    best = 0.0
+    for ks in itertools.product(*(range(c.max_k + 1) for c in cands)):
+        tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, ks, strict=True))
+        best = max(best, tokens / step.predict(len(cands) + other + sum(ks)))
+    assert chosen.goodput == pytest.approx(best, rel=1e-9)
+
+
+def test_step_time_model_interpolates_and_guesses_proportionally_outside():
+    m = StepTimeModel()
+    assert not m.ready
+    m.observe(8, 0.010)
+    m.observe(32, 0.020)
+    assert m.predict(8) == pytest.approx(0.010)
+    assert m.predict(20) == pytest.approx(0.015)
+    assert m.predict(4) == pytest.approx(0.005)  # untried smaller steps: in proportion (look cheap)
+    assert m.predict(64) == pytest.approx(0.040)  # untried larger steps: in proportion (look dear)
+    m.observe(16, 0.005)  # noise below a smaller step's time: the curve stays non-decreasing
+    assert m.predict(16) >= m.predict(8)
+
+
+def test_acceptance_tracker_conditions_on_earlier_positions_and_drifts_back():
+    t = AcceptanceTracker(max_positions=4)
+    for _ in range(30):
+        t.observe("s", num_drafted=4, num_accepted=1)  # first accepted, second rejected, the rest unjudged
+    rates = t.rates("s", 4)
+    assert rates[0] > 0.9 and rates[1] < 0.15
+    assert rates[2] == pytest.approx(t.shared_rate(2))  # never judged: the shared rate
+    for _ in range(60):  # plain decoding: nothing judged, the sequence's own counts fade
+        t.observe("s", num_drafted=0, num_accepted=0)
+    assert t.rates("s", 2)[1] == pytest.approx(t.shared_rate(1), abs=0.02)
+    t.forget("s")
+    assert t.rates("s", 1) == [t.shared_rate(0)]

@@ -1,0 +1,219 @@
+"""Goodput-driven draft length: the verifier decides how many tokens each sequence drafts next.
+
+Only the verifier sees the whole batch. A longer draft for one sequence makes the step slower for every other
+sequence in it, so the draft length that is best for one sequence alone (draft_service.adaptive) is not best for
+the batch. Here the verifier keeps
+
+- a model of its own step time as a function of the tokens in the step (StepTimeModel), learned online from
+  the steps it runs, and
+- each sequence's acceptance per draft position (AcceptanceTracker), conditional on the positions before it
+  having been accepted, shrunk towards the rates of all sequences,
+
+and after every step chooses the draft lengths k_i of the sequences that got a verdict so as to maximise the
+expected verified tokens per second of the next step (goodput, as in SmartSpec, Liu et al. 2024):
+
+    goodput(k) = sum_i E_i(k_i) / t(sum_i (1 + k_i))      E_i(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_{i,m}
+
+For a fixed number of drafted tokens M the numerator is largest when it takes the M largest marginal gains
+prod_{m<=j} alpha_{i,m} over all sequences (each sequence's gains fall with j), so the search runs over M only:
+the best prefix of the merged, sorted marginal gains. Under heavy load t grows with every token and the choice
+falls to k = 0 (plain decoding through the same path); when the verifier is idle t hardly grows and the choice
+rises to each sequence's cap. Low acceptance lowers k at any load.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Token counts of the step-time model's buckets: dense where decode batches live, then geometric.
+_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                             1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+def _bucket(num_tokens: int) -> int:
+    return min(bisect.bisect_left(_BUCKETS, num_tokens), len(_BUCKETS) - 1)
+
+
+@dataclass
+class StepTimeModel:
+    """t(n): the verifier's step time for a step of n tokens, from the steps it ran.
+
+    Each bucket of token counts keeps an exponential moving average of the (tokens, seconds) of its steps.
+    Between observed buckets t is interpolated linearly; outside them it is scaled in proportion to the tokens
+    (t(n) = t(n0) * n / n0), the compute-bound guess: it makes untried smaller steps look cheap and untried
+    larger ones dear, so the controller tries plain decoding under load and learns what it really costs, and
+    never bets on a long draft being free before it has seen one. The curve is made non-decreasing."""
+
+    decay: float = 0.8  # weight of a bucket's past in its average
+    _tokens: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
+    _seconds: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or not seconds > 0:
+            return
+        b = _bucket(num_tokens)
+        if self._tokens[b] is None:
+            self._tokens[b], self._seconds[b] = float(num_tokens), seconds
+        else:
+            d = self.decay
+            self._tokens[b] = d * self._tokens[b] + (1 - d) * num_tokens
+            self._seconds[b] = d * self._seconds[b] + (1 - d) * seconds
+
+    @property
+    def ready(self) -> bool:
+        return any(t is not None for t in self._tokens)
+
+    def points(self) -> list[tuple[float, float]]:
+        """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds."""
+        pts = sorted((n, s) for n, s in zip(self._tokens, self._seconds, strict=True) if n is not None)
+        out: list[tuple[float, float]] = []
+        for n, s in pts:
+            if out and s < out[-1][1]:
+                s = out[-1][1]
+            out.append((n, s))
+        return out
+
+    def predict(self, num_tokens: int) -> float:
+        pts = self.points()
+        if not pts:
+            raise ValueError("no step observed yet")
+        n = float(num_tokens)
+        if n <= pts[0][0]:
+            return pts[0][1] * n / pts[0][0]
+        if n >= pts[-1][0]:
+            return pts[-1][1] * n / pts[-1][0]
+        i = bisect.bisect_left([p[0] for p in pts], n)
+        (n0, s0), (n1, s1) = pts[i - 1], pts[i]
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+
+
+@dataclass
+class AcceptanceTracker:
+    """Acceptance per draft position, alpha_j = P(draft j accepted | drafts 1..j-1 accepted), per sequence and
+    over all sequences. Counts decay at every verdict, drafted or not, so a sequence whose drafts stopped (k = 0
+    for low acceptance) drifts back to the shared rates and is tried again later."""
+
+    max_positions: int
+    decay: float = 0.9  # per verdict, for a sequence's own counts
+    global_decay: float = 0.995  # per verdict, for the shared counts
+    prior_strength: float = 2.0  # pseudo-counts of the shared rates in a sequence's estimate
+    default_rate: float = 0.7  # the shared rate before anything is observed
+    _global_tried: list[float] = field(default_factory=list)
+    _global_accepted: list[float] = field(default_factory=list)
+    _tried: dict[object, list[float]] = field(default_factory=dict)
+    _accepted: dict[object, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._global_tried = [0.0] * self.max_positions
+        self._global_accepted = [0.0] * self.max_positions
+
+    def observe(self, key: object, num_drafted: int, num_accepted: int) -> None:
+        """One verdict: drafts 1..num_accepted were accepted and, if fewer than drafted, the next was rejected;
+        later positions were never judged."""
+        tried = self._tried.setdefault(key, [0.0] * self.max_positions)
+        accepted = self._accepted.setdefault(key, [0.0] * self.max_positions)
+        for j in range(self.max_positions):
+            tried[j] *= self.decay
+            accepted[j] *= self.decay
+        judged = min(num_drafted, num_accepted + 1, self.max_positions)
+        if judged:
+            g = self.global_decay
+            self._global_tried[:] = [t * g for t in self._global_tried]
+            self._global_accepted[:] = [a * g for a in self._global_accepted]
+        for j in range(judged):
+            hit = 1.0 if j < num_accepted else 0.0
+            tried[j] += 1.0
+            accepted[j] += hit
+            self._global_tried[j] += 1.0
+            self._global_accepted[j] += hit
+
+    def forget(self, key: object) -> None:
+        self._tried.pop(key, None)
+        self._accepted.pop(key, None)
+
+    def shared_rate(self, j: int) -> float:
+        tried = self._global_tried[j]
+        return (self._global_accepted[j] + self.default_rate) / (tried + 1.0)
+
+    def rates(self, key: object, k: int) -> list[float]:
+        """alpha_1..alpha_k for `key`."""
+        tried = self._tried.get(key)
+        accepted = self._accepted.get(key)
+        m = self.prior_strength
+        out = []
+        for j in range(min(k, self.max_positions)):
+            prior = self.shared_rate(j)
+            if tried is None:
+                out.append(prior)
+            else:
+                out.append((accepted[j] + m * prior) / (tried[j] + m))
+        return out
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A sequence that will propose again: its key, its cap on k and its acceptance per position."""
+
+    key: object
+    max_k: int
+    rates: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Allocation:
+    draft_lengths: dict[object, int]
+    expected_tokens: float  # sum over the batch of expected verified tokens per sequence
+    step_tokens: int  # tokens of the step that verifies them, the other work included
+    predicted_step_s: float
+
+    @property
+    def goodput(self) -> float:
+        """Expected verified tokens per second of that step."""
+        return self.expected_tokens / self.predicted_step_s if self.predicted_step_s > 0 else 0.0
+
+
+def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel,
+                         other_tokens: int = 0) -> Allocation:
+    """The draft length per candidate that maximises expected verified tokens per second of a step that
+    verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks).
+    Without a step observed yet every candidate gets its cap."""
+    cands = list(candidates)
+    base = len(cands)
+    if not step_time.ready:
+        lengths = {c.key: c.max_k for c in cands}
+        return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
+    # every candidate's marginal gains, merged largest first: gain j of c is prod_{m<=j} alpha_{c,m}
+    heap: list[tuple[float, int, int, float]] = []  # (-gain, candidate index, j, running product)
+    for i, c in enumerate(cands):
+        if c.max_k > 0 and c.rates:
+            heapq.heappush(heap, (-c.rates[0], i, 0, c.rates[0]))
+    counts = [0] * base
+    best_m, best_goodput = 0, 0.0
+    expected = float(base)
+    taken: list[int] = []
+    expected_at = [expected]
+    m = 0
+    while True:
+        n = base + other_tokens + m
+        goodput = expected / step_time.predict(n) if n else 0.0
+        if goodput > best_goodput * (1 + 1e-9):
+            best_m, best_goodput = m, goodput
+        if not heap:
+            break
+        neg_gain, i, j, prod = heapq.heappop(heap)
+        expected -= neg_gain
+        taken.append(i)
+        expected_at.append(expected)
+        m += 1
+        c = cands[i]
+        if j + 1 < min(c.max_k, len(c.rates)):
+            nxt = prod * c.rates[j + 1]
+            heapq.heappush(heap, (-nxt, i, j + 1, nxt))
+    for i in taken[:best_m]:
+        counts[i] += 1
+    lengths = {c.key: counts[i] for i, c in enumerate(cands)}
+    n = base + other_tokens + best_m
+    return Allocation(lengths, expected_at[best_m], n, step_time.predict(n) if n else 0.0)
