@@ -69,6 +69,9 @@ class VerifierIdentity:
     model_fingerprint: str = ""
     dtype: str = ""
     quantization: str = ""
+    # VerifierInfo.max_q_support: entries one draft distribution may list; 0 from an older verifier (unknown,
+    # taken as unlimited)
+    max_q_support: int = 0
 
     def target_change(self, now: VerifierIdentity) -> str | None:
         """Why a sequence started on this verifier's target cannot continue on `now`'s, or None. Compared: the

@@ -54,6 +54,7 @@ CASES = [
     ("max_tokens negative", [_open(max_tokens=-4)], INVALID, "max_tokens"),
     ("seed out of range", [_open(seed=2**64 - 1)], INVALID, "seed"),
     ("duplicate sequence id", [_open(), _open()], ABORTED, "already open"),
+    ("sequence id 0", [_open(seq_id=0)], INVALID, "seq_id 0 is reserved"),
     ("proposal for an unknown sequence", [_propose()], NOT_FOUND, "unknown sequence"),
     ("too many drafts", [_open(), _propose(drafts=(9,) * 9, q=None)], INVALID, "at most 8"),
     ("out-of-vocabulary draft", [_open(), _propose(drafts=(10_000,), q=None)], INVALID, "outside the vocabulary"),

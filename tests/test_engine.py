@@ -355,3 +355,92 @@ def test_a_stream_may_hold_only_so_many_open_sequences(pair):
     engine.submit(CloseCmd(SeqKey(1, 0)))
     engine.submit(OpenCmd(SeqKey(1, 4), (3, 4, 5), greedy))  # room again once one is closed
     assert not [o for o in engine.step().outcomes if isinstance(o, ErrorOut)]
+
+
+# -- --max-waiting-tokens counts what still waits once admission was tried ---------------------------------------
+
+def _errors(result) -> list[ErrorOut]:
+    return [o for o in result.outcomes if isinstance(o, ErrorOut)]
+
+
+def _prompt(i: int, n: int) -> tuple[int, ...]:
+    """Prompt i: n tokens shared with no other prompt here, so the prefix cache admits none early."""
+    return tuple(range(30 + 20 * i, 30 + 20 * i + n))
+
+
+def _fill_most_of_the_pool(engine) -> None:
+    """One running sequence of 20 tokens: its prefill holds 5 of 8 blocks, so a 10-token prompt (4 blocks with
+    a draft block) waits."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=50).with_seed()
+    engine.submit(OpenCmd(SeqKey(1, 0), tuple(range(3, 23)), sampling))
+    assert not _errors(engine.step())
+    assert engine.blocks.num_free_blocks == 3
+
+
+def test_a_burst_of_opens_the_pool_takes_at_once_is_not_refused_by_max_waiting_tokens(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=64, max_waiting_tokens=20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=5).with_seed()
+    for i in range(4):  # 40 tokens in one batch of commands, each admitted as it opens
+        engine.submit(OpenCmd(SeqKey(1, i), _prompt(i, 10), greedy))
+    assert not _errors(engine.step())
+    assert len(engine.scheduler.running) == 4 and not engine.scheduler.waiting
+
+
+def test_a_burst_of_resumes_is_never_refused_by_max_waiting_tokens(pair):
+    """After a verifier restart the drafts reopen what they had: those sequences fitted before, so they wait
+    for blocks rather than be refused. They do count as waiting: a new prompt behind them is refused."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=8, max_waiting_tokens=20)
+    _fill_most_of_the_pool(engine)
+    sampling = SamplingParams(temperature=0.0, max_tokens=50).with_seed()
+    for i in range(1, 6):  # 50 tokens waiting, each with 2 tokens of earlier output
+        engine.submit(OpenCmd(SeqKey(1, i), _prompt(i, 10), sampling, num_output_tokens=2))
+    engine.submit(OpenCmd(SeqKey(1, 9), _prompt(9, 10), sampling))
+    errors = _errors(engine.step())
+    assert [(e.key, e.code) for e in errors] == [(SeqKey(1, 9), ErrorCode.RESOURCE_EXHAUSTED)]
+    assert "--max-waiting-tokens" in errors[0].message
+    assert len(engine.scheduler.waiting) == 5 and engine.scheduler.num_waiting_tokens == 50
+
+
+def test_opens_that_would_wait_past_max_waiting_tokens_are_refused(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=8, max_waiting_tokens=20)
+    _fill_most_of_the_pool(engine)
+    sampling = SamplingParams(temperature=0.0, max_tokens=50).with_seed()
+    engine.submit(OpenCmd(SeqKey(1, 1), _prompt(1, 12), sampling))  # waits: 12 tokens
+    engine.submit(OpenCmd(SeqKey(1, 2), _prompt(2, 10), sampling))  # 22 > 20
+    engine.submit(OpenCmd(SeqKey(1, 3), _prompt(3, 8), sampling))  # 20: within
+    errors = _errors(engine.step())
+    assert [(e.key, e.code) for e in errors] == [(SeqKey(1, 2), ErrorCode.RESOURCE_EXHAUSTED)]
+    assert "--max-waiting-tokens" in errors[0].message and "22" in errors[0].message
+    assert engine.scheduler.num_waiting_tokens == sum(s.num_tokens for s in engine.scheduler.waiting) == 20
+    engine.submit(CloseCmd(SeqKey(1, 0)))  # blocks free: both are admitted, nothing counts as waiting
+    assert not _errors(engine.step())
+    assert not engine.scheduler.waiting and engine.scheduler.num_waiting_tokens == 0
+    engine.submit(CloseStreamCmd(1))
+    engine.step()
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_an_open_past_a_limit_is_refused_before_its_prompt_is_checked(pair, monkeypatch):
+    """The O(1) limits come first: an open past one costs nothing to refuse however long its prompt is (its
+    out-of-vocabulary token is never looked at)."""
+    from verifier_service import validation
+
+    target, _ = pair
+    engine = _engine(target, num_blocks=8, max_sequences_per_stream=1, max_waiting_tokens=20)
+    _fill_most_of_the_pool(engine)
+    sampling = SamplingParams(temperature=0.0, max_tokens=50).with_seed()
+    checked = []
+    monkeypatch.setattr(validation, "validate_token_ids", lambda ids, *a, **kw: checked.append(len(ids)))
+    engine.submit(OpenCmd(SeqKey(1, 1), (3, 10_000, 5), sampling))  # past --max-sequences-per-stream
+    other = _engine(target, num_blocks=8, max_waiting_tokens=20)
+    _fill_most_of_the_pool(other)
+    other.submit(OpenCmd(SeqKey(1, 1), _prompt(1, 12), sampling))  # waits: 12 tokens
+    checked.clear()
+    other.submit(OpenCmd(SeqKey(1, 2), (3, 10_000) * 5, sampling))  # would wait past --max-waiting-tokens
+    errors = _errors(engine.step()) + _errors(other.step())
+    assert [e.code for e in errors] == [ErrorCode.RESOURCE_EXHAUSTED] * 2
+    assert "--max-sequences-per-stream" in errors[0].message and "--max-waiting-tokens" in errors[1].message
+    assert checked == [12]  # only the one that was opened

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -16,7 +18,17 @@ from common.compute_thread import compute_thread
 from common.errors import ErrorCode, ServiceError
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
-from verifier_service.types import CloseStreamCmd, Command, DroppedOut, ErrorOut, Outcome, StepResult, VerdictOut
+from verifier_service.types import (
+    CloseStreamCmd,
+    Command,
+    DroppedOut,
+    ErrorOut,
+    OpenCmd,
+    Outcome,
+    ProposeCmd,
+    StepResult,
+    VerdictOut,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -30,21 +42,37 @@ class StreamLimits:
     max_stream_backlog: int = 65536
     max_protocol_errors: int = 64
     handshake_timeout_s: float = 10.0
+    max_pending_tokens: int = 1 << 20
 
     @classmethod
     def from_config(cls, config) -> StreamLimits:
         return cls(config.max_streams, config.max_pending_commands, config.max_stream_backlog,
-                   config.max_protocol_errors, config.handshake_timeout_s)
+                   config.max_protocol_errors, config.handshake_timeout_s, config.max_pending_tokens)
 
 
 _FAILED = object()  # the outbox's last item once its stream has failed
+# Refusals that only a malformed message gets. The others (RESOURCE_EXHAUSTED, NOT_FOUND, DEADLINE_EXCEEDED,
+# FAILED_PRECONDITION) come from load or from a sequence's state, which a correct draft meets too.
+PROTOCOL_ERROR_CODES = frozenset({ErrorCode.INVALID_ARGUMENT})
+
+
+def pending_size(command: Command) -> int:
+    """What a command holds while it waits for the engine, in token ids (and draft-distribution entries): a
+    prompt's tokens, a proposal's drafts, assumed tokens and q entries."""
+    if isinstance(command, OpenCmd):
+        return len(command.prompt_token_ids)
+    if isinstance(command, ProposeCmd):
+        return (command.num_draft_tokens + len(command.assumed_token_ids)
+                + sum(len(q.token_ids) for q in command.draft_probs or ()))
+    return 0
 
 
 class StreamOutbox:
     """One Verify stream's side of the engine: the replies waiting to be sent, bounded, and the commands read
-    but not yet applied, bounded by backpressure. A stream past its backlog (its draft does not read) or past
-    its protocol errors in a row fails: its replies are dropped, its sequences freed at once, and get() raises
-    the failure, which the servicer turns into the RPC's status."""
+    but not yet applied, bounded by backpressure (in number and in tokens). A stream past its backlog (its
+    draft does not read) or past its protocol errors in a row fails: its replies are dropped, its sequences and
+    its --max-streams slot freed at once, and get() raises the failure, which the servicer turns into the RPC's
+    status; if the servicer is blocked sending a reply to a peer that does not read, `end_rpc` ends the RPC."""
 
     def __init__(self, limits: StreamLimits, on_fail) -> None:
         self._limits = limits
@@ -53,8 +81,14 @@ class StreamOutbox:
         self._errors_in_a_row = 0
         self.failure: ServiceError | None = None
         self.num_pending = 0  # commands submitted and not yet applied by the engine
+        self.num_pending_tokens = 0  # what they hold (pending_size)
+        self._pending_sizes: deque[int] = deque()  # per pending command, in order: the engine applies in order
         self._credit = asyncio.Event()
         self._credit.set()
+        # Set by the servicer: True while it waits for the peer to take a reply (gRPC flow control), and how to
+        # end the RPC then, since it would not see the failure in get() until the peer reads.
+        self.writing = False
+        self.end_rpc: Callable[[ServiceError], None] | None = None
 
     def put(self, outcome: Outcome | None) -> None:
         """A reply, or None: the draft closed its side. Never blocks."""
@@ -72,6 +106,12 @@ class StreamOutbox:
                                    "not read its stream, so it was ended"))
             return
         self._queue.put_nowait(outcome)
+
+    def refused(self, code: ErrorCode) -> None:
+        """A message the stream's side refused with `code`: a protocol error if only a malformed message gets
+        that code (PROTOCOL_ERROR_CODES)."""
+        if code in PROTOCOL_ERROR_CODES:
+            self.protocol_error()
 
     def protocol_error(self) -> None:
         """A message no correct draft sends (malformed, a duplicate open, an invalid proposal): too many in a row,
@@ -92,6 +132,8 @@ class StreamOutbox:
         self._queue.put_nowait(_FAILED)
         self._credit.set()  # a reader waiting for credit sees the failure
         self._on_fail()
+        if self.writing and self.end_rpc is not None:
+            self.end_rpc(error)
 
     async def get(self) -> Outcome | None:
         item = await self._queue.get()
@@ -104,19 +146,35 @@ class StreamOutbox:
 
     # -- backpressure on the commands -------------------------------------------------------------------------
 
-    def submitted(self) -> None:
+    def submitted(self, size: int = 0) -> None:
+        """A command of `size` (pending_size) went to the engine."""
         self.num_pending += 1
-        if self.num_pending >= self._limits.max_pending_commands:
+        self.num_pending_tokens += size
+        self._pending_sizes.append(size)
+        if not self._has_room():
             self._credit.clear()
 
     def applied(self, n: int) -> None:
+        """The engine applied this stream's next `n` commands."""
+        for _ in range(min(n, len(self._pending_sizes))):
+            self.num_pending_tokens -= self._pending_sizes.popleft()
         self.num_pending = max(0, self.num_pending - n)
-        if self.num_pending < self._limits.max_pending_commands:
+        if self._has_room() or self.failure is not None:
             self._credit.set()
+
+    @property
+    def has_credit(self) -> bool:
+        """Whether the stream's next message may be read now."""
+        return self._credit.is_set()
+
+    def _has_room(self) -> bool:
+        return (self.num_pending < self._limits.max_pending_commands
+                and self.num_pending_tokens < self._limits.max_pending_tokens)
 
     async def wait_for_credit(self) -> None:
         """Until the engine has applied enough of this stream's commands to take another (or it failed): the
-        stream is not read meanwhile, so gRPC's flow control holds the draft back."""
+        stream is not read meanwhile, so gRPC's flow control holds the draft back. One message is always read
+        when nothing is pending, so a prompt larger than --max-pending-tokens still gets in (and is judged)."""
         await self._credit.wait()
 
 
@@ -133,6 +191,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._executor = executor or compute_thread("verifier-engine")
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._last_step_s = 0.0
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)
 
@@ -140,34 +199,47 @@ class AsyncEngine:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="verifier-engine-loop")
 
     async def stop(self) -> None:
+        # NOTE: the loop checks this too. Python 3.11's asyncio.wait_for swallows a cancel that arrives as the
+        # event it waits for is set (a stream closing as the server stops), and the loop would run on.
+        self._stopping = True
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
     def open_stream(self) -> tuple[int, StreamOutbox]:
-        """Raises ServiceError RESOURCE_EXHAUSTED at --max-streams. A failed stream counts until its RPC ends."""
+        """Raises ServiceError RESOURCE_EXHAUSTED at --max-streams. A failed stream frees its slot at once."""
         if len(self._streams) >= self.limits.max_streams:
             raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"the verifier already serves "
                                f"{self.limits.max_streams} Verify streams (--max-streams): retry later")
         stream_id = next(self._stream_ids)
-        out = StreamOutbox(self.limits, on_fail=lambda: self.submit(CloseStreamCmd(stream_id)))
+        out = StreamOutbox(self.limits, on_fail=lambda: self.close_stream(stream_id))
         self._streams[stream_id] = out
         self.metrics.streams.set(len(self._streams))
         self.metrics.open_stream(stream_id)
         return stream_id, out
 
     def close_stream(self, stream_id: int) -> None:
-        """Frees every sequence of the stream (a disconnected draft leaks no KV blocks)."""
-        self._streams.pop(stream_id, None)
+        """Frees every sequence of the stream (a disconnected draft leaks no KV blocks) and its slot. Called when
+        its RPC ends, and as soon as it fails; the second call does nothing."""
+        if self._streams.pop(stream_id, None) is None:
+            return
         self.metrics.streams.set(len(self._streams))
         self.metrics.forget_stream(stream_id)
-        self.submit(CloseStreamCmd(stream_id))
+        self.engine.submit(CloseStreamCmd(stream_id))
+        self._wakeup.set()
 
     def submit(self, command: Command) -> None:
-        """Never blocks; a stream's reader awaits StreamOutbox.wait_for_credit() before it reads the next message."""
-        if not isinstance(command, CloseStreamCmd) and (out := self._streams.get(command.key.stream_id)):
-            out.submitted()
+        """Never blocks; a stream's reader awaits StreamOutbox.wait_for_credit() before it reads the next message.
+        A command of a stream that is closed (or failed) is dropped: that stream's CloseStreamCmd went before
+        it, so what it opened would never be freed."""
+        if isinstance(command, CloseStreamCmd):
+            self.close_stream(command.stream_id)
+            return
+        out = self._streams.get(command.key.stream_id)
+        if out is None:
+            return
+        out.submitted(pending_size(command))
         self.engine.submit(command)
         self._wakeup.set()
 
@@ -197,7 +269,7 @@ class AsyncEngine:
             pass
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             await self._wait_for_work()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
             await coalesce(min(0.002, 0.02 * self._last_step_s))

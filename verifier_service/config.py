@@ -51,13 +51,16 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
     max_sequences: int = option(16384, "open sequences over all streams; an open past it is refused with "
                                 "RESOURCE_EXHAUSTED")
     max_waiting_tokens: int = option(1 << 20, "tokens of the sequences waiting for KV blocks (opened or preempted), "
-                                     "over all streams; an open that would pass it is refused with "
-                                     "RESOURCE_EXHAUSTED")
+                                     "over all streams; a new sequence that would wait past it is refused with "
+                                     "RESOURCE_EXHAUSTED (one admitted at once, or a resume, never is)")
     max_q_support: int = option(256, "tokens one draft distribution (a sparse-q position) may list; more is refused "
-                                "with RESOURCE_EXHAUSTED before it reaches the engine (the draft sends at most its "
-                                "--q-max-support, 64 by default)")
+                                "with RESOURCE_EXHAUSTED before it reaches the engine. Advertised in GetInfo "
+                                "(VerifierInfo.max_q_support): a draft samples from at most this many")
     max_pending_commands: int = option(4096, "messages of one stream read but not yet applied by the engine; past "
                                        "it the stream is not read until the engine catches up (backpressure)")
+    max_pending_tokens: int = option(1 << 20, "token ids those messages of one stream hold (prompt tokens, draft and "
+                                     "assumed tokens, draft-distribution entries); past it the stream is not read "
+                                     "until the engine catches up (backpressure)")
     max_stream_backlog: int = option(65536, "replies waiting to be sent on one stream (its draft not reading); past "
                                      "it the stream is ended with RESOURCE_EXHAUSTED")
     max_protocol_errors: int = option(64, "protocol errors in a row (malformed, unknown or duplicate messages, with "
@@ -88,7 +91,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
         if self.max_sequences_per_stream < 1:
             raise ValueError(f"max_sequences_per_stream must be >= 1, got {self.max_sequences_per_stream}")
         for name in ("max_streams", "max_sequences", "max_waiting_tokens", "max_q_support", "max_pending_commands",
-                     "max_stream_backlog", "max_protocol_errors"):
+                     "max_pending_tokens", "max_stream_backlog", "max_protocol_errors"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.handshake_timeout_s > 0:

@@ -64,7 +64,6 @@ class VerifierEngine:
         self.max_sequences_per_stream = max_sequences_per_stream
         self.max_sequences = max_sequences
         self.max_waiting_tokens = max_waiting_tokens
-        self._waiting_tokens: int | None = None  # while commands are applied: tokens of the waiting sequences
         self._applied: Counter[int] = Counter()  # stream id -> commands applied since take_applied()
         self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -173,7 +172,6 @@ class VerifierEngine:
     def _apply_commands(self) -> list[Outcome]:
         """Commands in arrival order; a refused one becomes an ErrorOut and frees its sequence."""
         errors: list[Outcome] = []
-        self._waiting_tokens = None  # counted at the first open, then kept up to date until the batch ends
         while not self._commands.empty():
             cmd = self._commands.get_nowait()
             self._applied[cmd.stream_id if isinstance(cmd, CloseStreamCmd) else cmd.key.stream_id] += 1
@@ -185,48 +183,51 @@ class VerifierEngine:
                     # sequence (seq id 0); under the live sequence's id the draft would end that one.
                     errors.append(ErrorOut(SeqKey(cmd.key.stream_id, 0), err.code, err.message))
                     continue
-                self._release(cmd.key)
+                self.scheduler.release(cmd.key)
                 errors.append(ErrorOut(cmd.key, err.code, err.message))
         return errors
 
-    def _release(self, key: SeqKey) -> None:
-        seq = self.scheduler.sequences.get(key)
-        if seq is not None and seq.status is SequenceStatus.WAITING and self._waiting_tokens is not None:
-            self._waiting_tokens -= seq.num_tokens
-        self.scheduler.release(key)
-
-    def _check_global_limits(self, cmd: OpenCmd) -> None:
-        """What all streams together may hold: a new sequence past either limit is refused (RESOURCE_EXHAUSTED);
-        the ones already open are never touched."""
+    def _check_limits(self, cmd: OpenCmd) -> None:
+        """What one stream and all streams together may hold, O(1) so that it runs before the prompt is checked:
+        a new sequence past a limit is refused (RESOURCE_EXHAUSTED); the ones already open are never touched."""
+        if self.scheduler.sequences_on(cmd.key.stream_id) >= self.max_sequences_per_stream:
+            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"this stream already has "
+                               f"{self.max_sequences_per_stream} open sequences "
+                               "(--max-sequences-per-stream): finish or close some first")
         if len(self.scheduler.sequences) >= self.max_sequences:
             raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"the verifier already holds {self.max_sequences} "
                                "open sequences over all streams (--max-sequences): retry later")
-        if self._waiting_tokens is None:  # once per batch of commands: the scan walks every waiting sequence
-            self._waiting_tokens = sum(seq.num_tokens for seq in self.scheduler.waiting)
-        num_tokens = len(cmd.prompt_token_ids)
-        if self._waiting_tokens + num_tokens > self.max_waiting_tokens:
-            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"a prompt of {num_tokens} tokens would bring the "
-                               f"tokens waiting for KV blocks to {self._waiting_tokens + num_tokens}, above "
-                               f"{self.max_waiting_tokens} (--max-waiting-tokens): retry later")
+        if self.scheduler.waiting:  # admission is first come, first served: this one would wait behind them
+            self._check_waiting_tokens(cmd, self.scheduler.num_waiting_tokens + len(cmd.prompt_token_ids))
+
+    def _check_waiting_tokens(self, cmd: OpenCmd, num_waiting_tokens: int) -> None:
+        """--max-waiting-tokens: counted over the sequences still waiting once admission was tried, so a burst
+        of opens that the pool takes at once is never refused by it. A resume (output already verified) is
+        never refused by it either: after a verifier restart its draft reopens every sequence it had, which
+        all fitted before."""
+        if cmd.num_output_tokens == 0 and num_waiting_tokens > self.max_waiting_tokens:
+            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"a prompt of {len(cmd.prompt_token_ids)} tokens "
+                               f"would wait for KV blocks, bringing the tokens waiting to {num_waiting_tokens}, "
+                               f"above {self.max_waiting_tokens} (--max-waiting-tokens): retry later")
 
     def _apply(self, cmd: Command) -> list[Outcome]:
-        """Apply one command; returns the proposals it made stale (dropped)."""
+        """Apply one command; returns what it answers at once (proposals it made stale, a refused open's error),
+        or raises the ServiceError that ends its sequence."""
         match cmd:
             case OpenCmd():
                 if cmd.key in self.scheduler.sequences:
                     raise ServiceError(ErrorCode.ABORTED, f"sequence {cmd.key.seq_id} is already open on this "
                                        "stream")
+                self._check_limits(cmd)  # O(1): before the prompt's O(n) checks
                 check_open(cmd, self.limits, self.blocks)
-                if self.scheduler.sequences_on(cmd.key.stream_id) >= self.max_sequences_per_stream:
-                    raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"this stream already has "
-                                       f"{self.max_sequences_per_stream} open sequences "
-                                       "(--max-sequences-per-stream): finish or close some first")
-                self._check_global_limits(cmd)
                 prompt = list(cmd.prompt_token_ids)
-                self._waiting_tokens += len(prompt)
-                self.scheduler.add(Sequence(cmd.key, prompt, len(prompt) - cmd.num_output_tokens, cmd.sampling,
-                                            last_active=time.monotonic(), deadline=cmd.deadline,
-                                            cache_salt=cmd.cache_salt))
+                seq = Sequence(cmd.key, prompt, len(prompt) - cmd.num_output_tokens, cmd.sampling,
+                               last_active=time.monotonic(), deadline=cmd.deadline, cache_salt=cmd.cache_salt)
+                self.scheduler.add(seq)
+                if len(self.scheduler.waiting) == 1:  # nothing waits before it: admitted now if the pool has room
+                    self.scheduler.admit()
+                if seq.status is SequenceStatus.WAITING:
+                    self._check_waiting_tokens(cmd, self.scheduler.num_waiting_tokens)  # refused: released
             case ProposeCmd():
                 seq = self.scheduler.sequences.get(cmd.key)
                 if seq is None:
@@ -243,10 +244,16 @@ class VerifierEngine:
                 seq.last_active = time.monotonic()
                 return dropped
             case CloseCmd():
-                self._release(cmd.key)
+                self.scheduler.release(cmd.key)
             case CloseStreamCmd():
                 for key in [k for k in self.scheduler.sequences if k.stream_id == cmd.stream_id]:
-                    self._release(key)
+                    self.scheduler.release(key)
             case RefusedCmd():
+                if cmd.opening and cmd.key in self.scheduler.sequences:
+                    # an open refused under the id of a live sequence, which goes on: an error under its id
+                    # would make the draft end it, so this one names no sequence (seq id 0)
+                    return [ErrorOut(SeqKey(cmd.key.stream_id, 0), cmd.code, f"the open of sequence "
+                                     f"{cmd.key.seq_id} was refused ({cmd.message}); sequence {cmd.key.seq_id} "
+                                     "is already open on this stream and goes on")]
                 raise ServiceError(cmd.code, cmd.message)
         return []

@@ -88,6 +88,8 @@ class Scheduler:
         self._per_stream: Counter[int] = Counter()  # open sequences per Verify stream
         self.running: dict[SeqKey, Sequence] = {}  # admitted, in admission order
         self.waiting: deque[Sequence] = deque()  # not admitted (new or preempted), first come first served
+        self.num_waiting_tokens = 0  # tokens of the sequences in `waiting` (their count does not change there)
+        self._num_prefix_hit_tokens = 0  # taken from the prefix cache by admissions since the last schedule()
         self.num_preemptions = 0
         self._num_steps = 0
         self._stream_last_served: dict[int, int] = {}  # stream id -> the step it last had a sequence scheduled
@@ -101,6 +103,7 @@ class Scheduler:
         self.sequences[seq.key] = seq
         self._per_stream[seq.key.stream_id] += 1
         self.waiting.append(seq)
+        self.num_waiting_tokens += seq.num_tokens
 
     def release(self, key: SeqKey) -> None:
         """Forget the sequence and return its blocks to the pool (verified blocks stay in the prefix cache)."""
@@ -112,6 +115,7 @@ class Scheduler:
             del self._per_stream[key.stream_id]
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.num_waiting_tokens -= seq.num_tokens
         else:
             del self.running[key]
         self.blocks.free(key)
@@ -123,7 +127,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        out.num_prefix_hit_tokens = self._admit()
+        self.admit()
+        out.num_prefix_hit_tokens, self._num_prefix_hit_tokens = self._num_prefix_hit_tokens, 0
         preemptions_before = self.num_preemptions
         budget = self.max_num_batched_tokens
         self._num_steps += 1
@@ -182,23 +187,23 @@ class Scheduler:
 
     # -- admission --------------------------------------------------------------------------------------------
 
-    def _admit(self) -> int:
+    def admit(self) -> None:
         """Admit waiting sequences in order while the pool has room for their tokens and one full draft block.
-        Their longest cached prefix comes from the prefix cache instead of being recomputed. Returns the number
-        of tokens taken from it."""
-        hit_tokens = 0
+        Their longest cached prefix comes from the prefix cache instead of being recomputed (those tokens are
+        counted in the next schedule()'s output). schedule() calls it first; the engine also calls it when it
+        opens a sequence, so that what --max-waiting-tokens counts is what still waits once admission was tried."""
         while self.waiting:
             seq = self.waiting[0]
             if not self.blocks.can_admit(seq.token_ids, seq.num_tokens - 1, seq.num_tokens + self.max_draft_tokens,
                                          cache_salt=seq.cache_salt):
                 break
             self.waiting.popleft()
+            self.num_waiting_tokens -= seq.num_tokens
             seq.num_cached = self.blocks.match_prefix(seq.key, seq.token_ids, seq.num_tokens - 1,
                                                       cache_salt=seq.cache_salt)
             seq.status = SequenceStatus.RUNNING
             self.running[seq.key] = seq
-            hit_tokens += seq.num_cached
-        return hit_tokens
+            self._num_prefix_hit_tokens += seq.num_cached
 
     # -- what a sequence runs ---------------------------------------------------------------------------------
 
@@ -291,6 +296,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_cached = 0
         self.waiting.appendleft(seq)
+        self.num_waiting_tokens += seq.num_tokens
         self.num_preemptions += 1
         log.info("preempted", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id, tokens=seq.num_tokens)
 

@@ -77,7 +77,8 @@ def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb
         max_draft_tokens=config.max_draft_tokens, block_size=config.block_size, max_model_len=loaded.max_model_len,
         protocol_version=wire.PROTOCOL_VERSION, device=info.device, device_name=info.name, platform=info.platform,
         dtype=engine.dtype, features=wire.VERIFIER_FEATURES, model_fingerprint=loaded.model_fingerprint,
-        quantization=weights_label(config.quantization, loaded.gguf_path is not None))
+        quantization=weights_label(config.quantization, loaded.gguf_path is not None),
+        max_q_support=config.max_q_support)
 
 
 def weights_label(quantization: str, from_gguf: bool) -> str:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import AsyncIterator
 
@@ -47,6 +49,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine: AsyncEngine, info: verifier_pb2.VerifierInfo) -> None:
         self._engine = engine
         self._info = info
+        self._aborts: set[asyncio.Task] = set()  # statuses of failed streams, sent once their peer reads
 
     async def GetInfo(self, request, context) -> verifier_pb2.VerifierInfo:
         return self._info
@@ -67,11 +70,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except ServiceError as err:
             await context.abort(grpc.StatusCode[err.code.name], err.message)
         log.info("verify_stream_open", stream_id=stream_id, peer=context.peer(), draft_model=first.hello.draft_model_id)
+        outbox.end_rpc = functools.partial(self._end_rpc, asyncio.current_task(), context)
         live: set[int] = set()  # sequences opened on this stream and not yet ended
         reader = asyncio.create_task(self._read(request_iterator, stream_id, outbox, live))
         draining = False
         try:
+            outbox.writing = True  # until the peer takes it: a failure meanwhile ends the RPC (_end_rpc)
             yield verifier_pb2.VerifierMessage(welcome=verifier_pb2.Welcome(info=self._info))
+            outbox.writing = False
             while not (draining and not live and outbox.empty()):
                 try:
                     outcome = await outbox.get()
@@ -82,11 +88,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     continue
                 if isinstance(outcome, ErrorOut) or (isinstance(outcome, VerdictOut) and outcome.finish_reason):
                     live.discard(outcome.key.seq_id)
+                outbox.writing = True
                 yield outcome_to_proto(outcome)
+                outbox.writing = False
         finally:
             reader.cancel()
             self._engine.close_stream(stream_id)
             log.info("verify_stream_closed", stream_id=stream_id)
+
+    def _end_rpc(self, task: asyncio.Task, context: grpc.aio.ServicerContext, error: ServiceError) -> None:
+        """A stream failed while its handler waits for the peer to take a reply, which a peer that does not read
+        never does: the handler is cancelled, so it ends now (and its reader with it), and the failure is sent
+        as the RPC's status, which the peer gets once it reads."""
+        task.cancel()
+
+        async def abort() -> None:
+            with contextlib.suppress(Exception):  # AbortError once sent, or the RPC went meanwhile
+                await context.abort(grpc.StatusCode[error.code.name], error.message)
+
+        aborting = asyncio.get_running_loop().create_task(abort())
+        self._aborts.add(aborting)
+        aborting.add_done_callback(self._aborts.discard)
 
     async def _check_hello(self, msg: verifier_pb2.DraftMessage, context: grpc.aio.ServicerContext) -> None:
         if msg.WhichOneof("kind") != "hello":
@@ -104,22 +126,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     break
                 kind = msg.WhichOneof("kind")
                 if kind == "open":
-                    key = SeqKey(stream_id, msg.open.seq_id)
-                    try:
-                        check_prompt_length(len(msg.open.prompt_token_ids), limits)  # before they are converted
-                        sampling = wire.sampling_from_proto(msg.open.sampling).with_seed()
-                        if msg.open.coupled:
-                            sampling = dataclasses.replace(sampling, coupled=True)
-                        cache_salt = wire.cache_salt_from_proto(msg.open)
-                    except ServiceError as err:
-                        outbox.put(ErrorOut(key, err.code, err.message))
-                        continue
-                    live.add(key.seq_id)
-                    o = msg.open
-                    deadline = time.monotonic() + o.timeout_ms / 1000 if o.HasField("timeout_ms") else None
-                    self._engine.submit(OpenCmd(key, tuple(o.prompt_token_ids), sampling,
-                                                num_output_tokens=o.num_output_tokens, deadline=deadline,
-                                                cache_salt=cache_salt))
+                    cmd = self._open(msg.open, stream_id, outbox, limits)
+                    if isinstance(cmd, OpenCmd):
+                        live.add(cmd.key.seq_id)
+                    self._engine.submit(cmd)
                 elif kind == "propose":
                     self._engine.submit(self._proposal(msg.propose, stream_id, outbox, limits))
                 elif kind == "close":
@@ -137,6 +147,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             outbox.put(None)
 
     @staticmethod
+    def _open(o: verifier_pb2.OpenSequence, stream_id: int, outbox: StreamOutbox, limits) -> OpenCmd | RefusedCmd:
+        """The open's checks that need the wire message; the engine checks the rest. A refused one goes through
+        the engine too: it knows, in arrival order, whether a sequence is open under that id, which then goes
+        on (the error names no sequence)."""
+        key = SeqKey(stream_id, o.seq_id)
+        try:
+            if o.seq_id == 0:  # errors that name no sequence carry 0
+                raise ServiceError(ErrorCode.INVALID_ARGUMENT, "seq_id 0 is reserved (an error with seq_id 0 names "
+                                   "no sequence); number sequences from 1")
+            check_prompt_length(len(o.prompt_token_ids), limits)  # before they are converted
+            sampling = wire.sampling_from_proto(o.sampling).with_seed()
+            if o.coupled:
+                sampling = dataclasses.replace(sampling, coupled=True)
+            cache_salt = wire.cache_salt_from_proto(o)
+        except ServiceError as err:
+            outbox.refused(err.code)
+            return RefusedCmd(key, err.code, err.message, opening=True)
+        deadline = time.monotonic() + o.timeout_ms / 1000 if o.HasField("timeout_ms") else None
+        return OpenCmd(key, tuple(o.prompt_token_ids), sampling, num_output_tokens=o.num_output_tokens,
+                       deadline=deadline, cache_salt=cache_salt)
+
+    @staticmethod
     def _proposal(p: verifier_pb2.Proposal, stream_id: int, outbox: StreamOutbox, limits) -> ProposeCmd | RefusedCmd:
         """The proposal checked here, on the stream's side, so that the engine thread's work per proposal stays
         bounded (at most max_draft_tokens x --max-q-support entries to pack) whatever a draft sends; a refused
@@ -152,5 +184,5 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             check_proposal(cmd, limits)  # whether the sequence is coupled is the engine's to check
             return cmd
         except ServiceError as err:
-            outbox.protocol_error()
+            outbox.refused(err.code)  # a q past --max-q-support (RESOURCE_EXHAUSTED) is not malformed
             return RefusedCmd(key, err.code, err.message)

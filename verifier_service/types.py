@@ -58,11 +58,13 @@ class CloseStreamCmd:
 @dataclass(frozen=True)
 class RefusedCmd:
     """A message the stream's side refused (it checks proposals, so that the engine thread never validates a
-    large one): the engine ends the sequence with this error in arrival order, as if it had refused it."""
+    large one): the engine ends the sequence with this error in arrival order, as if it had refused it. A
+    refused open (`opening`) ends nothing: if a sequence is open under its id, the error names no sequence."""
 
     key: SeqKey
     code: ErrorCode
     message: str
+    opening: bool = False
 
 
 Command = OpenCmd | ProposeCmd | CloseCmd | CloseStreamCmd | RefusedCmd

@@ -31,20 +31,23 @@ def check_prompt_length(num_tokens: int, limits: Limits) -> None:
 
 
 def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
-    prompt = list(cmd.prompt_token_ids)
-    check_prompt_length(len(prompt), limits)
-    validate_token_ids(prompt, limits.vocab_size)
-    if not 0 <= cmd.num_output_tokens < len(prompt):
-        raise invalid_argument(f"num_output_tokens {cmd.num_output_tokens} must be below the {len(prompt)} tokens "
+    """The checks from the counts first; the prompt's token ids, O(n), last."""
+    num_tokens = len(cmd.prompt_token_ids)
+    check_prompt_length(num_tokens, limits)
+    if not num_tokens:
+        raise invalid_argument("prompt is empty: give at least one token")
+    if not 0 <= cmd.num_output_tokens < num_tokens:
+        raise invalid_argument(f"num_output_tokens {cmd.num_output_tokens} must be below the {num_tokens} tokens "
                                "sent (a resumed sequence keeps at least one prompt token)")
     if cmd.num_output_tokens >= cmd.sampling.max_tokens:
         raise invalid_argument(f"the resumed sequence already has {cmd.num_output_tokens} output tokens, "
                                f"max_tokens is {cmd.sampling.max_tokens}: it has finished")
-    needed = blocks.blocks_for(len(prompt) + limits.max_draft_tokens + 1)
+    needed = blocks.blocks_for(num_tokens + limits.max_draft_tokens + 1)
     if needed > blocks.num_blocks:
-        raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt of {len(prompt)} tokens plus a draft block "
+        raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt of {num_tokens} tokens plus a draft block "
                            f"needs {needed} KV blocks; the verifier's pool has {blocks.num_blocks} (raise "
                            "--kv-cache-memory or --num-blocks)")
+    validate_token_ids(list(cmd.prompt_token_ids), limits.vocab_size)
 
 
 def check_proposal_size(num_draft_tokens: int, num_assumed: int, q_sizes: list[int], limits: Limits) -> None:
