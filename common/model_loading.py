@@ -117,7 +117,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
 
 # NOTE: the fingerprint reads the config, every safetensors header and FINGERPRINT_SAMPLES slices of
 # FINGERPRINT_SAMPLE_BYTES from each tensor (its start, middle and end), at most FINGERPRINT_MAX_TENSORS
-# tensors: a few hundred KB of reads for any model size, where hashing every byte would read a 140 GB
+# tensors across all the files (spread evenly over them): a few hundred KB of reads for any model size and shard
+# count, where hashing every byte would read a 140 GB
 # checkpoint at each start. Headers alone would not do: two fine-tunes of one base (or two random inits) have
 # identical headers. Training or re-initialising changes practically every element of a tensor, so its sampled
 # bytes change too; an edit of a few weights away from the samples would go unseen. -- specwire
@@ -147,25 +148,51 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
                 config.pop(key, None)
             h.update(f"{name}\0{json.dumps(config, sort_keys=True)}\0".encode())
     weights = sorted(d.glob("*.safetensors"))
-    for path in weights:
-        _fingerprint_safetensors(h, path)
+    headers = [_safetensors_header(path) for path in weights]
+    quotas = _spread(FINGERPRINT_MAX_TENSORS, [len(tensors) for _, _, tensors in headers])
+    for path, header, quota in zip(weights, headers, quotas, strict=True):
+        _fingerprint_safetensors(h, path, header, quota)
     if not weights:
         for path in sorted(p for pattern in _OTHER_WEIGHTS for p in d.glob(pattern)):
             _fingerprint_plain(h, path)
     return h.hexdigest()
 
 
-def _fingerprint_safetensors(h: Any, path: Path) -> None:
-    size = path.stat().st_size
+def _safetensors_header(path: Path) -> tuple[int, bytes, list[tuple[str, list[int]]]]:
+    """(header length, header bytes, its tensors' names and data offsets, by name)."""
     with path.open("rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         header = f.read(header_len)
-        h.update(f"{path.name}\0{size}\0".encode())
-        h.update(header)
-        tensors = sorted((name, meta["data_offsets"]) for name, meta in json.loads(header).items()
-                         if name != "__metadata__")
-        stride = max(1, -(-len(tensors) // FINGERPRINT_MAX_TENSORS))
-        base = 8 + header_len
+    tensors = sorted((name, meta["data_offsets"]) for name, meta in json.loads(header).items()
+                     if name != "__metadata__")
+    return header_len, header, tensors
+
+
+def _spread(total: int, counts: list[int]) -> list[int]:
+    """How many tensors of each file to sample: at most `total` in all, shared evenly (a file with fewer tensors
+    than its share gives the rest to the others; the smallest files are served first, ties in file order).
+    Depends only on the counts, so a copy or a move of the directory samples the same tensors."""
+    quotas = [0] * len(counts)
+    left, files_left = total, len(counts)
+    for i in sorted(range(len(counts)), key=lambda i: (counts[i], i)):
+        quotas[i] = min(counts[i], left // files_left)
+        left -= quotas[i]
+        files_left -= 1
+    return quotas
+
+
+def _fingerprint_safetensors(h: Any, path: Path, header: tuple[int, bytes, list[tuple[str, list[int]]]],
+                             quota: int) -> None:
+    """The file's name, size and header, then samples of `quota` of its tensors, evenly strided (every tensor
+    when the quota holds them all, as one file within the cap always is)."""
+    header_len, header_bytes, tensors = header
+    h.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+    h.update(header_bytes)
+    if quota <= 0:
+        return
+    stride = max(1, -(-len(tensors) // quota))
+    base = 8 + header_len
+    with path.open("rb") as f:
         for _, (begin, end) in tensors[::stride]:
             for offset in _sample_offsets(begin, end):
                 f.seek(base + offset)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from common.errors import invalid_argument
+
+T = TypeVar("T")
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -30,6 +33,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 # Prompts up to this many characters are encoded on the event loop: a fraction of a millisecond, less than the hop
 # to a thread, and they never queue behind a long prompt being encoded.
 INLINE_PROMPT_CHARS = 4096
+# Token-id prompts up to this many ids are converted and checked on the event loop, for the same reason.
+INLINE_PROMPT_IDS = 4096
 ENCODE_THREADS = 2
 
 
@@ -54,9 +59,15 @@ class PromptEncoder:
             raise self._too_long(f"at least {len(text)}")
         if len(text) <= INLINE_PROMPT_CHARS:
             return self._encode(text)
+        return await self.call(self._encode, text)
+
+    async def call(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
+        """fn(*args) on the encode pool (say, a long token-id prompt converted and checked); inline: here."""
+        if inline:
+            return fn(*args)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._num_threads, thread_name_prefix="specwire-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, text)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -133,6 +144,10 @@ def full_decode_delta(sent: str, full: str, *, final: bool) -> tuple[str, str]:
     return full[len(sent):], full
 
 
+# Tokens the stream may hold back without a complete chunk before full decodes take over (see _StreamDecode.feed).
+MAX_PENDING_TOKENS = 16
+
+
 class _StreamDecode:
     """The decode of the tokens given since DecodeStream's last complete chunk, and whether it now is one.
 
@@ -190,9 +205,17 @@ class _StreamDecode:
             self._pending_ids.extend(token_ids)
         if not self._pending_ids:
             return "", False
+        if len(self._pending_ids) > MAX_PENDING_TOKENS:
+            # NOTE: a long run of tokens that never completes a character (say, stray UTF-8 lead bytes) would cost
+            # a decode of all of them per token here, and in DecodeStream, which keeps them too: O(n^2). Past the
+            # cap the text comes from full decodes, which give the same text (the caller switches exactly).
+            return None
         if self._context_text is None:
-            self._context_text = self._backend.decode(self._context_ids, skip_special_tokens=True)
-        window = self._backend.decode([*self._context_ids, *self._pending_ids], skip_special_tokens=True)
+            self._context_text = self._decode(self._context_ids)
+        window = self._decode([*self._context_ids, *self._pending_ids])
         if not window.startswith(self._context_text):
             return None
         return window[len(self._context_text):], False
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=True)

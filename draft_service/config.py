@@ -54,7 +54,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig):
     block_size: int = option(16, "tokens per KV block")
     kv_cache_memory: int = option(512 << 20, "bytes for the draft's KV pool", parse=parse_bytes, show=format_bytes)
     max_num_batched_tokens: int = option(2048, "most tokens in one draft forward: a longer prompt is fed to the "
-                                         "draft in chunks of this size before its first drafting step")
+                                         "draft in chunks of this size, one chunk per drafting batch, so the other "
+                                         "sequences draft between its chunks")
     max_prompt_bytes: int = option(16 << 20, "largest prompt text accepted, in UTF-8 bytes (INVALID_ARGUMENT "
                                    "above it); bounds how long one prompt's tokenization takes", parse=parse_bytes,
                                    show=format_bytes)

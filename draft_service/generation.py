@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ import structlog
 
 from common.errors import ErrorCode, ServiceError, invalid_argument
 from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
-from common.tokenizer import IncrementalDetokenizer, PromptEncoder
+from common.tokenizer import INLINE_PROMPT_IDS, IncrementalDetokenizer, PromptEncoder
 from draft_service.adaptive import AdaptiveDraftLength, PipelineWidth
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
@@ -98,12 +98,30 @@ class TextOutput:
         return token_ids, text, False
 
 
+# The longest token-id prompt taken before any verifier stated its context length (see check_num_prompt_ids).
+MAX_PROMPT_TOKEN_IDS = 1 << 21
+
+
+def checked_prompt_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    ids = list(token_ids)
+    validate_token_ids(ids, vocab_size)
+    return ids
+
+
 def check_prompt_length(num_prompt_tokens: int, identity: VerifierIdentity) -> None:
     """The target's context must hold the prompt and at least one generated token."""
     if num_prompt_tokens >= identity.max_model_len:
         raise invalid_argument(f"prompt has {num_prompt_tokens} tokens; the target's context length "
                                f"(max_model_len) is {identity.max_model_len}, and at least one token must remain "
                                "to generate")
+
+
+def q_support_limit(mode: WireMode, identity: VerifierIdentity) -> int | None:
+    """A sequence's q support limit besides the draft's --q-max-support: the verifier's --max-q-support where q
+    is sent (sparse mode), since it refuses a longer one; None: no other limit (ids only, or a verifier older
+    than the field, which states 0)."""
+    limit = identity.max_q_support
+    return limit if mode is WireMode.SPARSE and limit > 0 else None
 
 
 MAX_STOP_STRINGS = 16
@@ -168,7 +186,8 @@ class Generator:
         check_prompt_length(len(prompt), identity)  # before the draft prefills it
         k = self._num_speculative_tokens(req, identity)
         mode = req.wire_mode or self.wire_mode
-        seq = DraftSequence(self._sampling(req.sampling.with_seed(), mode, identity), list(prompt), wire_mode=mode)
+        seq = DraftSequence(self._sampling(req.sampling.with_seed(), mode, identity), list(prompt), wire_mode=mode,
+                            q_max_support=q_support_limit(mode, identity))
         adaptive = AdaptiveDraftLength(k) if self.adapts_k(req, k, coupled=seq.sampling.coupled) else None
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
@@ -252,17 +271,28 @@ class Generator:
                                "wire_mode sparse or one-hot)")
         return dataclasses.replace(sampling, coupled=True)
 
+    def check_num_prompt_ids(self, num_ids: int) -> None:
+        """Refuse a token-id prompt by its length alone, before its ids are converted or checked (a 60 MB message
+        holds some 12M ids): against the target's context length once a verifier has stated it (the last one
+        known), else against MAX_PROMPT_TOKEN_IDS."""
+        identity = self.link.identity
+        if identity is not None:
+            check_prompt_length(num_ids, identity)
+        elif num_ids > MAX_PROMPT_TOKEN_IDS:
+            raise invalid_argument(f"prompt has {num_ids} token ids; at most {MAX_PROMPT_TOKEN_IDS} are taken before "
+                                   "the verifier has stated its context length")
+
     async def _prompt_ids(self, req: GenerationRequest) -> list[int]:
-        """The prompt's token ids; a long text prompt is tokenized on a thread, not on the event loop that
-        serves every stream and health check."""
+        """The prompt's token ids; a long text prompt is tokenized, and a long id list converted and checked, on
+        a thread, not on the event loop that serves every stream and health check."""
         if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
+            ids = req.prompt_token_ids
         elif req.prompt_text:
             ids = await self.prompts.encode(req.prompt_text)
         else:
             raise invalid_argument("prompt is empty: give prompt text or prompt token ids")
-        validate_token_ids(ids, self.vocab_size)
-        return ids
+        self.check_num_prompt_ids(len(ids))
+        return await self.prompts.call(checked_prompt_ids, ids, self.vocab_size, inline=len(ids) <= INLINE_PROMPT_IDS)
 
     def _num_speculative_tokens(self, req: GenerationRequest, identity: VerifierIdentity) -> int:
         k = self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
@@ -405,3 +435,5 @@ class Generator:
             raise ServiceError(err.code, f"{reason}, and the sequence could not be resumed within {retry_s:g}s "
                                f"(--verifier-retry-deadline): {err.message}") from err
         self.metrics.resumes.inc()
+        # the new stream's verifier may take a shorter q: the next drafts sample from q cut to its limit
+        seq.q_max_support = q_support_limit(seq.wire_mode, self.link.identity)

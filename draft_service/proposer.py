@@ -19,6 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from common.aio import coalesce
@@ -32,6 +33,8 @@ from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
 from kernels.sampling_probs import compute_probs
+
+log = structlog.get_logger(__name__)
 
 ALTERNATIVES = 2  # guesses kept per drafted position for pipelined branches (draft_service.generation)
 
@@ -56,9 +59,26 @@ class Drafted:
     guess: int | None = None  # a guess_first job's guess; None: none (non-finite draft logits)
 
 
+@dataclass(frozen=True)
+class Prefilling:
+    """A job whose context is still being fed to the draft, one chunk of --max-num-batched-tokens per batch, so a
+    long prompt never holds up the other sequences' drafting for its whole prefill: the Proposer puts it in its
+    next batch, and its future waits."""
+
+    num_left: int  # tokens still to feed, the first drafting step's included
+
+
 def _kv_full() -> ServiceError:
     return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full (raise its "
                         "--kv-cache-memory)")
+
+
+def _never_fits(num_tokens: int, capacity: int) -> ServiceError:
+    return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"a sequence of {num_tokens} tokens does not fit in the draft "
+                        f"service's whole KV pool ({capacity} tokens; raise its --kv-cache-memory)")
+
+
+KV_SHORT_LOG_INTERVAL_S = 10.0
 
 
 class DraftModel:
@@ -75,6 +95,7 @@ class DraftModel:
         self.static = static
         self._on_static_step = on_static_step
         self.max_num_batched_tokens = max_num_batched_tokens
+        self._kv_short_logged_at: float | None = None
 
     def release(self, *seqs: DraftSequence) -> None:
         for seq in seqs:
@@ -89,9 +110,11 @@ class DraftModel:
         seq.adopt(branch)
 
     @torch.inference_mode()
-    def draft(self, jobs: list[DraftJob]) -> list[Drafted | ServiceError]:
-        """Each job's block, or its own RESOURCE_EXHAUSTED when the pool cannot hold it: the other sequences of
-        the batch draft on."""
+    def draft(self, jobs: list[DraftJob]) -> list[Drafted | Prefilling | ServiceError]:
+        """Each job's block; Prefilling for a job whose context is not all fed yet (at most one prefill chunk per
+        call, see _prefill); an empty block for a sequence the pool cannot hold now (a round of k = 0: the
+        verifier decodes one token alone, and the next round drafts again); RESOURCE_EXHAUSTED for a pipelined
+        branch the pool cannot hold now, and for a sequence it can never hold. The other jobs draft on."""
         for job in jobs:
             seq = job.seq
             if seq.num_cached >= seq.num_context:
@@ -103,14 +126,16 @@ class DraftModel:
             self.blocks.truncate(seq, seq.num_cached)
         lead = [int(job.guess_first) for job in jobs]  # steps before a job's block starts: its guess
         num_steps = [job.k + lead[i] for i, job in enumerate(jobs)]
-        failed = self._reserve(jobs, num_steps)
+        failed, short = self._reserve(jobs, num_steps)
         pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
         alternatives: list[list[tuple[int, ...]]] = [[] for _ in jobs]
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
         guesses: list[int | None] = [None for _ in jobs]
-        stopped = [n == 0 or i in failed for i, n in enumerate(num_steps)]
-        pending = self._prefill([job.seq for job in jobs], pending, stopped)
+        stopped = [n == 0 or i in failed or i in short for i, n in enumerate(num_steps)]
+        prefilling = self._prefill([job.seq for job in jobs], pending, stopped)
+        for i in prefilling:
+            stopped[i] = True
         for step in range(max(num_steps)):
             active = [i for i, n in enumerate(num_steps) if step < n and not stopped[i]]
             if not active:
@@ -135,18 +160,24 @@ class DraftModel:
                 alternatives[i].append(alternative)
                 if q is not None:
                     qs[i].append(q)
-        return [failed[i] if i in failed else
+        return [failed[i] if i in failed else Prefilling(len(pending[i])) if i in prefilling else
                 Drafted(DraftBlock(tuple(d), None if job.seq.sampling.is_greedy else tuple(q), tuple(alt)), guess)
                 for i, (job, d, q, alt, guess) in enumerate(zip(jobs, drafted, qs, alternatives, guesses,
                                                                 strict=True))]
 
-    def _reserve(self, jobs: list[DraftJob], num_steps: list[int]) -> dict[int, ServiceError]:
+    def _reserve(self, jobs: list[DraftJob], num_steps: list[int]) -> tuple[dict[int, ServiceError], set[int]]:
         """Give each job, before its first step, the blocks of every position it may write (what it feeds now
-        and its drafts but the last). A job the pool cannot hold fails alone, and nothing of it is written.
-        Plain sequences are served first, then pipelined branches by their rank within their sequence (every
-        sequence's first branch before anyone's second), so a short pool costs pipelining its least likely
-        branches first and plain drafting last. A block an early stop leaves unused is returned at the
-        sequence's next draft (its truncate)."""
+        and its drafts but the last). Returns the jobs that fail (a pipelined branch the pool cannot hold now,
+        any sequence whose context alone exceeds the whole pool) and the plain sequences the pool cannot hold
+        now, which draft nothing this round (k = 0); nothing of either is written. Plain sequences are served
+        first, then pipelined branches by their rank within their sequence (every sequence's first branch
+        before anyone's second), so a short pool costs pipelining its least likely branches first and plain
+        drafting last. A block an early stop leaves unused is returned at the sequence's next draft (its
+        truncate).
+
+        NOTE: plain first holds within a batch only: the branches of other sequences drafted in earlier batches
+        keep their blocks until their verdicts, and a sequence that finds the pool short then falls back to a
+        k = 0 round instead of failing its generation; the pool frees as those verdicts arrive."""
         ranks: dict[int, int] = {}
         order = []
         for i, job in enumerate(jobs):
@@ -156,45 +187,70 @@ class DraftModel:
                 ranks[id(parent)] = rank + 1
             order.append((rank, i))
         failed: dict[int, ServiceError] = {}
+        short: set[int] = set()
         for _, i in sorted(order):
             seq = jobs[i].seq
             if num_steps[i] == 0:
                 continue
+            if self.blocks.blocks_for(seq.num_context) > self.blocks.num_blocks:
+                failed[i] = _never_fits(seq.num_context, self.blocks.capacity_tokens)
+                continue
             copies = self.blocks.reserve(seq, seq.num_cached, seq.num_context + num_steps[i] - 1)
             if copies is None:
-                failed[i] = _kv_full()
+                if seq.fork_from is None:
+                    short.add(i)
+                else:
+                    failed[i] = _kv_full()
             elif copies:
                 self.runner.kv_cache.copy_blocks(copies)
-        return failed
+        if short:
+            now = time.monotonic()
+            if self._kv_short_logged_at is None or now - self._kv_short_logged_at >= KV_SHORT_LOG_INTERVAL_S:
+                self._kv_short_logged_at = now
+                log.warning("draft_kv_short", undrafted_sequences=len(short), free_blocks=self.blocks.num_free_blocks,
+                            hint="these rounds decode with k = 0; raise --kv-cache-memory")
+        return failed, short
 
-    def _prefill(self, seqs: list[DraftSequence], pending: list[list[int]], skip: list[bool]) -> list[list[int]]:
-        """Feed the leading tokens of the sequences' pending tokens (a prompt) in forwards of at most
-        max_num_batched_tokens tokens, until what is left fits in one forward, the first drafting step: it
-        keeps at least the last token of each (whose logits are sampled), so the drafts are the same as from
-        one long forward. Returns the tokens left to feed. A drafting step of more sequences than the budget
+    def _prefill(self, seqs: list[DraftSequence], pending: list[list[int]], skip: list[bool]) -> set[int]:
+        """At most one forward of at most max_num_batched_tokens prompt tokens per call, so other sequences'
+        drafting steps run between a long prompt's chunks. When the jobs' pending tokens do not all fit in the
+        first drafting step, the jobs with one token to feed and those whose tokens fit what is left of the
+        budget draft now; the others get one chunk of their leading tokens (in job order, each keeping at least
+        its last token, whose logits are sampled) and draft now if what is left of them fits too. Returns the
+        jobs that still have a prefill to go (Prefilling); `pending` is left holding what each job still feeds.
+        The drafts are the same as from one long forward. A drafting step of more sequences than the budget
         still feeds one token each."""
         budget = self.max_num_batched_tokens
         live = [i for i, s in enumerate(skip) if not s]
-        left = sum(len(pending[i]) for i in live)
-        if budget is None or left <= budget:
-            return pending
-        fed = [0] * len(pending)
-        while left > budget:
-            chunk: list[tuple[DraftSequence, list[int]]] = []
-            room = budget
-            for i in live:
-                n = min(len(pending[i]) - fed[i] - 1, room)
-                if n > 0:
-                    chunk.append((seqs[i], pending[i][fed[i]:fed[i] + n]))
-                    fed[i] += n
-                    room -= n
-                if room == 0:
-                    break
-            if not chunk:
+        if budget is None or sum(len(pending[i]) for i in live) <= budget:
+            return set()
+        room = budget - sum(1 for i in live if len(pending[i]) == 1)  # of the first drafting step
+        longer = []
+        for i in live:
+            n = len(pending[i])
+            if n > 1 and n <= room:
+                room -= n
+            elif n > 1:
+                longer.append(i)
+        chunk: list[tuple[DraftSequence, list[int]]] = []
+        chunk_room = budget
+        for i in longer:
+            n = min(len(pending[i]) - 1, chunk_room)
+            if n > 0:
+                chunk.append((seqs[i], pending[i][:n]))
+                pending[i] = pending[i][n:]
+                chunk_room -= n
+            if chunk_room == 0:
                 break
+        if chunk:
             self._forward(chunk)  # only its K/V is wanted
-            left -= budget - room
-        return [p[n:] if n else p for p, n in zip(pending, fed, strict=True)]
+        waiting = set()
+        for i in longer:
+            if len(pending[i]) <= room:
+                room -= len(pending[i])
+            else:
+                waiting.add(i)
+        return waiting
 
     def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
         input_ids: list[int] = []
@@ -233,6 +289,11 @@ class DraftModel:
             return self.static.run(batch)[0]
         return self.runner.forward(batch)
 
+    def support(self, seq: DraftSequence) -> int:
+        """How many of the most probable tokens of q a sequence keeps: --q-max-support, or its own smaller limit."""
+        own = seq.q_max_support
+        return self.q_max_support if own is None else max(1, min(own, self.q_max_support))
+
     def _sample(self, logits: torch.Tensor, seqs: list[DraftSequence], positions: list[int], *,
                 need_confidence: bool = False) -> list[tuple[int | None, SparseProbs | None, float, tuple[int, ...]]]:
         """(token, q it was sampled from or None for greedy, the draft's confidence: max of its distribution;
@@ -262,8 +323,9 @@ class DraftModel:
             probs = compute_probs(safe, torch.tensor([p.temperature for p in params], device=device),
                                   torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
                                   torch.tensor([p.top_p for p in params], device=device))
-            support = min(self.q_max_support, probs.shape[1])
-            top_probs_t, top_ids_t = probs.topk(support, dim=1)
+            # NOTE: always the model's --q-max-support, whatever the batch: a row's kept tokens (ties at its cut
+            # included) then never depend on the other rows; a sequence with a smaller limit keeps its first ones
+            top_probs_t, top_ids_t = probs.topk(min(self.q_max_support, probs.shape[1]), dim=1)
             parts += [top_probs_t.double().flatten(), top_ids_t.double().flatten()]
         host = torch.cat(parts).cpu()
         head_h = host[:head.numel()].view(num_rows, -1)
@@ -288,12 +350,15 @@ class DraftModel:
         for row, i in enumerate(sampled):
             if not finite[i]:
                 continue
-            keep = top_probs[row] > 0
-            q_ids = top_ids[row][keep]
+            # the sequence's own limit (the verifier's for a q that is sent) cuts q before it is sampled from:
+            # the token is drawn from exactly the truncated, renormalised q that travels
+            row_probs = top_probs[row][:self.support(seqs[i])]
+            keep = row_probs > 0
+            q_ids = top_ids[row][:row_probs.numel()][keep]
             # NOTE: the wire carries float32. The draft samples from exactly the float32 values that travel: the
             # exponential race argmax q / E draws from q / sum(q) without normalising, and the verifier divides
             # the same values by their exactly rounded sum (math.fsum), so both sides hold the same q.
-            q_sent = (top_probs[row][keep] / top_probs[row][keep].sum()).to(torch.float32).to(torch.float64)
+            q_sent = (row_probs[keep] / row_probs[keep].sum()).to(torch.float32).to(torch.float64)
             coupled = seqs[i].sampling.coupled
             noise = exponential64_reference(seqs[i].sampling.seed, positions[i],
                                             Purpose.TARGET_SAMPLE if coupled else Purpose.DRAFT_SAMPLE, q_ids)
@@ -369,10 +434,17 @@ class Proposer:
                     if not f.done():
                         f.set_exception(err)
                 continue
-            for (_, f), result in zip(jobs, results, strict=True):
+            carried = []
+            for job, result in zip(jobs, results, strict=True):
+                f = job[1]
                 if f.done():
                     continue
-                if isinstance(result, ServiceError):  # that sequence's own failure (its KV did not fit)
+                if isinstance(result, Prefilling):  # its next prefill chunk goes first in the next batch
+                    carried.append(job)
+                elif isinstance(result, ServiceError):  # that sequence's own failure (its KV can never fit)
                     f.set_exception(result)
                 else:
                     f.set_result(result)
+            if carried:
+                self._pending = carried + self._pending
+                self._wakeup.set()

@@ -19,6 +19,10 @@ class DraftSequence:
     # a pipelined branch: shares `fork_from`'s cache blocks (copied on write) until it is adopted or released
     fork_from: DraftSequence | None = None
     wire_mode: WireMode = WireMode.SPARSE
+    # the most tokens of q kept for this sequence, when below the draft model's --q-max-support: the verifier's
+    # --max-q-support for a q that is sent (it refuses a longer one). Drafting samples from q truncated to it, so
+    # what is sent is what was sampled from. None: the draft model's own.
+    q_max_support: int | None = None
 
     @property
     def sends_draft_probs(self) -> bool:
@@ -28,7 +32,8 @@ class DraftSequence:
         """A branch continuing the verified tokens and then `assumed`, sharing this sequence's cache for the
         longest prefix they have in common. Its verified token list is this sequence's own (not a copy)."""
         return DraftSequence(self.sampling, self.token_ids, self.cached_token_ids[:self._reusable(assumed)],
-                             list(assumed), fork_from=self, wire_mode=self.wire_mode)
+                             list(assumed), fork_from=self, wire_mode=self.wire_mode,
+                             q_max_support=self.q_max_support)
 
     def adopt(self, branch: DraftSequence) -> None:
         """Take over a branch whose assumed tokens the verifier confirmed (the cache blocks move separately)."""

@@ -9,6 +9,7 @@ import grpc
 import structlog
 
 from common.errors import ServiceError
+from common.tokenizer import INLINE_PROMPT_IDS
 from draft_service.generation import Generator
 from draft_service.types import GenerationRequest, GenerationStats, TextChunk
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
@@ -55,7 +56,13 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             try:
                 try:
                     remaining = context.time_remaining()  # the client's deadline travels on to the verifier
-                    req = request_from_proto(request, None if remaining is None else time.monotonic() + remaining)
+                    deadline = None if remaining is None else time.monotonic() + remaining
+                    num_ids = len(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids" else 0
+                    # NOTE: an over-long id list is refused by its length, and a long one converted on a thread: a
+                    # 60 MB message holds some 12M ids, seconds of the event loop that serves every stream
+                    self._generator.check_num_prompt_ids(num_ids)
+                    req = await self._generator.prompts.call(request_from_proto, request, deadline,
+                                                             inline=num_ids <= INLINE_PROMPT_IDS)
                 except ServiceError:
                     self._generator.metrics.requests.labels(outcome="error").inc()
                     raise

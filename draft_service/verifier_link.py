@@ -48,11 +48,13 @@ class LinkDown(Exception):
 @dataclass(frozen=True)
 class LinkSecurity:
     """How the draft reaches the verifier: TLS credentials (None: plaintext), the name its certificate must
-    carry when it differs from the address's host, and the bearer token sent on every call."""
+    carry when it differs from the address's host, and the bearer token sent on every call: `token`, or the
+    first token of `token_file`, read again at every (re)connection."""
 
     credentials: grpc.ChannelCredentials | None = None
     server_name: str | None = None
     token: str | None = None
+    token_file: str | None = None
 
     @classmethod
     def from_files(cls, *, tls: bool, ca: str | None, cert: str | None, key: str | None,
@@ -63,7 +65,8 @@ class LinkSecurity:
                 root_certificates=read_file(ca, "verifier CA") if ca else None,
                 private_key=read_file(key, "client key") if key else None,
                 certificate_chain=read_file(cert, "client certificate") if cert else None)
-        return cls(credentials, server_name, read_token(token_file) if token_file else None)
+        # read now too: a bad file at start is the caller's error, and the service does not start
+        return cls(credentials, server_name, read_token(token_file) if token_file else None, token_file)
 
 
 class VerifierLink:
@@ -73,7 +76,7 @@ class VerifierLink:
         each successful reconnection (not the first connection)."""
         self._target = target
         self._security = security or LinkSecurity()
-        self._metadata = token_metadata(self._security.token)
+        self._token = self._security.token
         self._hello = verifier_pb2.Hello(draft_model_id=draft_model_id, vocab_size=vocab_size or 0,
                                          tokenizer_fingerprint=tokenizer_fingerprint,
                                          protocol_version=wire.PROTOCOL_VERSION)
@@ -162,11 +165,11 @@ class VerifierLink:
         else:
             self._channel = grpc.aio.insecure_channel(self._target, options=options)
         stub = verifier_pb2_grpc.VerifierStub(self._channel)
+        metadata = self._attempt_metadata()
         try:
-            info = await stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=ATTEMPT_TIMEOUT_S,
-                                      metadata=self._metadata)
+            info = await stub.GetInfo(verifier_pb2.GetInfoRequest(), timeout=ATTEMPT_TIMEOUT_S, metadata=metadata)
             self._check_identity(info)
-            self._call = stub.Verify(metadata=self._metadata)
+            self._call = stub.Verify(metadata=metadata)
             await self._call.write(verifier_pb2.DraftMessage(hello=self._hello))
             first = await asyncio.wait_for(self._call.read(), ATTEMPT_TIMEOUT_S)
         except grpc.aio.AioRpcError as err:
@@ -193,6 +196,19 @@ class VerifierLink:
         if self._num_connections > 1 and self._on_reconnect is not None:
             self._on_reconnect()
 
+    def _attempt_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The bearer token for one connection attempt. The token file is read again at each, so a draft whose
+        token was rotated (the new one first in its file, the old one then retired on the verifier) reconnects
+        with the new one instead of being refused for ever; a read that fails (a file caught mid-rewrite) keeps
+        the last good token and logs why."""
+        path = self._security.token_file
+        if path:
+            try:
+                self._token = read_token(path)
+            except ValueError as err:  # unreadable or no token: the message names the file, never a token
+                log.error("verifier_token_file_read_failed", path=path, reason=str(err))
+        return token_metadata(self._token)
+
     def _check_identity(self, info: verifier_pb2.VerifierInfo) -> None:
         if not self._hello.vocab_size:  # a proposer without logits takes the verifier's vocabulary
             self._hello.vocab_size = info.vocab_size
@@ -202,7 +218,7 @@ class VerifierLink:
         self.identity = VerifierIdentity(info.model_id, info.vocab_size, info.tokenizer_fingerprint,
                                          info.max_draft_tokens, info.max_model_len, tuple(info.features),
                                          model_fingerprint=info.model_fingerprint, dtype=info.dtype,
-                                         quantization=info.quantization)
+                                         quantization=info.quantization, max_q_support=max(0, info.max_q_support))
 
     async def close(self) -> None:
         self._closed = True

@@ -115,6 +115,7 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None,
                  tokens_required=tokens is not None)
         yield
         await state["client"].close()
+        chat.close()
 
     app = FastAPI(title="specwire gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     metrics = GatewayMetrics()
@@ -209,7 +210,7 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check()
-        kwargs = {"prompt_token_ids": chat.render(body.template_messages()),
+        kwargs = {"prompt_token_ids": await chat.render(body.template_messages()),
                   **body.generate_kwargs(body.max_new_tokens())}
         return await _respond(request, body, kwargs, "chatcmpl", "chat.completion", _chat_choice)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from common import tokenizer as tokenizer_module
 from common.tokenizer import IncrementalDetokenizer
 
 from tiny_models import byte_bpe_tokenizer, word_tokenizer
@@ -64,12 +67,15 @@ def run_both(tokenizer, rounds):
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(calls(BYTE_BPE))
 def test_byte_bpe_stream_gives_the_full_decodes_deltas(rounds):
-    fast = IncrementalDetokenizer(BYTE_BPE)
-    assert fast.incremental
-    for ids, final in rounds[:-1]:
-        fast.add(list(ids), final=final)
-    assert fast.incremental  # byte-level BPE never leaves the stream before the final flush
-    run_both(BYTE_BPE, rounds)
+    with mock.patch.object(tokenizer_module, "MAX_PENDING_TOKENS", 1 << 30):
+        fast = IncrementalDetokenizer(BYTE_BPE)
+        assert fast.incremental
+        for ids, final in rounds[:-1]:
+            fast.add(list(ids), final=final)
+        # byte-level BPE never leaves the stream before the final flush, but for a long unfinished run
+        assert fast.incremental
+        run_both(BYTE_BPE, rounds)
+    run_both(BYTE_BPE, rounds)  # the cap on that run on: random ids often pass it
 
 
 @settings(max_examples=200, deadline=None)
@@ -131,3 +137,18 @@ def test_slow_tokenizers_fall_back_to_full_decodes(final_every):
     rounds = [([i], bool(final_every) and n % final_every == 0) for n, i in enumerate(ids)] + [([], True)]
     detok = run_both(SlowTokenizer(), rounds)
     assert not detok.incremental
+
+
+def test_a_long_run_of_unfinished_characters_costs_bounded_stream_decodes(monkeypatch):
+    """Stray UTF-8 lead bytes never complete a character, so the stream withholds them all: it decodes at most
+    MAX_PENDING_TOKENS of them (plus its context) per call, then full decodes take over, with the same text."""
+    windows = []
+    decode = tokenizer_module._StreamDecode._decode
+    monkeypatch.setattr(tokenizer_module._StreamDecode, "_decode",
+                        lambda self, ids: windows.append(len(ids)) or decode(self, ids))
+    lead = BYTE_BPE.convert_tokens_to_ids(_BYTE_CHARS[0xE2])
+    text_ids = BYTE_BPE.encode("a b", add_special_tokens=False)
+    rounds = [(text_ids, False)] + [([lead], False)] * 200 + [(text_ids, False), ([], True)]
+    detok = run_both(BYTE_BPE, rounds)
+    assert not detok.incremental
+    assert windows and max(windows) <= tokenizer_module.MAX_PENDING_TOKENS + len(text_ids), max(windows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -17,12 +18,13 @@ from common.errors import ErrorCode, ServiceError
 from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
-from common.tokenizer import INLINE_PROMPT_CHARS
+from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
 from draft_service.config import DraftConfig
 from draft_service.drafters import NgramDrafter
 from draft_service.generation import Generator
-from draft_service.proposer import DraftJob, DraftModel
+from draft_service.proposer import DraftJob, DraftModel, Prefilling, Proposer
 from draft_service.sequence import DraftSequence
+from draft_service.servicer import DraftServicer
 from draft_service.types import GenerationRequest, GenerationStats, VerdictEvent, VerifierIdentity
 
 from stacks import start_stack
@@ -141,6 +143,78 @@ def test_prompt_text_above_max_prompt_bytes_is_refused():
     assert asyncio.run(_run(gen, prompt_text="é" * 50)).finish_reason is FinishReason.LENGTH  # exactly 100 bytes
 
 
+class _Aborted(Exception):
+    def __init__(self, code, message) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+class _Context:
+    """The grpc.aio.ServicerContext surface DraftServicer.Generate uses."""
+
+    def time_remaining(self):
+        return None
+
+    async def abort(self, code, message):
+        raise _Aborted(code, message)
+
+
+async def _serve(gen: Generator, request) -> list:
+    return [response async for response in DraftServicer(gen).Generate(request, _Context())]
+
+
+@pytest.mark.parametrize("connected", [True, False])
+def test_an_over_long_token_id_prompt_is_refused_by_its_count_before_its_ids_are_converted(monkeypatch, connected):
+    """Against the target's context length once known, else MAX_PROMPT_TOKEN_IDS; both numbers in the message,
+    and the ids never converted (request_from_proto) nor checked."""
+    import grpc
+
+    from draft_service import generation, servicer
+    from specwire.v1 import draft_pb2
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the ids were converted")
+
+    monkeypatch.setattr(servicer, "request_from_proto", must_not_run)
+    monkeypatch.setattr(generation, "validate_token_ids", must_not_run)
+    monkeypatch.setattr(generation, "MAX_PROMPT_TOKEN_IDS", 40)
+    link = OneTokenVerifier()
+    if not connected:
+        link.identity = None
+    gen = _generator(BlockingTokenizer(), link)
+    request = draft_pb2.GenerateRequest(token_ids=draft_pb2.TokenIds(ids=range(1, 101)))
+    with pytest.raises(_Aborted) as err:
+        asyncio.run(_serve(gen, request))
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    said = ("prompt has 100 tokens", f"is {MAX_MODEL_LEN}") if connected else ("prompt has 100 token ids", "at most 40")
+    assert all(s in err.value.message for s in said), err.value.message
+    assert link.opened == []
+
+
+def test_a_long_token_id_prompt_is_converted_and_checked_off_the_event_loop(monkeypatch):
+    from draft_service import generation
+    from specwire.v1 import draft_pb2
+
+    threads = []
+    validate = generation.validate_token_ids
+
+    def recording(ids, vocab_size):
+        threads.append(threading.current_thread().name)
+        return validate(ids, vocab_size)
+
+    monkeypatch.setattr(generation, "validate_token_ids", recording)
+    link = OneTokenVerifier()
+    link.identity = VerifierIdentity("fake", VOCAB, "f" * 64, 8, 1 << 20)
+    gen = _generator(BlockingTokenizer(), link)
+    ids = [i % VOCAB for i in range(INLINE_PROMPT_IDS + 1)]
+    responses = asyncio.run(_serve(gen, draft_pb2.GenerateRequest(token_ids=draft_pb2.TokenIds(ids=ids))))
+    assert responses[-1].stats.num_prompt_tokens == len(ids) and link.opened == [ids]
+    assert threads and all(name.startswith("specwire-tokenize") for name in threads), threads
+    with pytest.raises(_Aborted, match="outside the vocabulary"):  # still checked
+        asyncio.run(_serve(gen, draft_pb2.GenerateRequest(token_ids=draft_pb2.TokenIds(ids=[*ids, VOCAB]))))
+    gen.prompts.close()
+
+
 # -- chunked prefill of the draft ---------------------------------------------------------------------------------
 
 BLOCK = 4
@@ -162,6 +236,18 @@ def _draft_model(budget: int | None) -> tuple[DraftModel, list[int]]:
     return draft, sizes
 
 
+def _draft_all(draft: DraftModel, jobs: list[DraftJob]) -> list:
+    """DraftModel.draft until no job is Prefilling (what the Proposer does across its batches)."""
+    results: list = [None] * len(jobs)
+    todo = list(range(len(jobs)))
+    while todo:
+        out = draft.draft([jobs[i] for i in todo])
+        for i, result in zip(todo, out, strict=True):
+            results[i] = result
+        todo = [i for i in todo if isinstance(results[i], Prefilling)]
+    return results
+
+
 def _batch(prompt_lens: tuple[int, ...]) -> list[DraftSequence]:
     gen = torch.Generator().manual_seed(3)
     seqs = []
@@ -180,18 +266,69 @@ def test_chunked_draft_prefill_drafts_the_same_tokens_and_keeps_every_forward_wi
     for b in (None, budget):
         draft, sizes = _draft_model(b)
         decoding, *fresh = _batch((6, 45, 3, 30, 1))
-        draft.draft([DraftJob(decoding, 3)])  # a first round: its prompt is cached
+        _draft_all(draft, [DraftJob(decoding, 3)])  # a first round: its prompt is cached
         decoding.extend((5, 9))
         decoding.roll_back()
         sizes.clear()
         jobs = [DraftJob(seq, 4) for seq in (*fresh, decoding)] + [DraftJob(_batch((9,))[0], 0)]
-        blocks = draft.draft(jobs)
+        blocks = _draft_all(draft, jobs)
         results[b] = [(d.block.token_ids, d.block.draft_probs) for d in blocks]
         if b is not None:
             assert max(sizes) <= max(b, len(jobs) - 1), sizes
             assert sum(sizes) == 45 + 3 + 30 + 1 + 2 + 5 * 3  # every token fed once: the contexts, then 3 drafts each
     assert results[budget] == results[None]
     assert all(len(tokens) == 4 for tokens, _ in results[None][:-1])
+
+
+def test_a_long_prefill_takes_one_chunk_per_batch_and_other_sequences_draft_between_its_chunks():
+    """Through the Proposer: while a 45-token prompt is fed 8 tokens a batch, a short sequence drafts three rounds
+    (each waits for the one before); the long prompt's block is the unchunked one, and no batch fed it more than
+    one chunk."""
+    reference, _ = _draft_model(None)
+    long_seq = _batch((1, 45))[1]
+    expected = reference.draft([DraftJob(DraftSequence(long_seq.sampling, list(long_seq.token_ids)), 4)])[0]
+    draft, sizes = _draft_model(8)
+    order: list[str] = []
+    batches: list[list[str]] = []
+    model_draft = draft.draft
+
+    def recording(jobs):
+        out = model_draft(jobs)
+        batches.append(["prefilling" if isinstance(r, Prefilling) else "drafted" for r in out])
+        return out
+
+    draft.draft = recording
+
+    async def main():
+        proposer = Proposer(draft, ThreadPoolExecutor(1))
+        proposer.start()
+        try:
+            async def long_request():
+                drafted = await proposer.draft(DraftJob(long_seq, 4))
+                order.append("long")
+                return drafted
+
+            async def short_request():
+                seq = DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5])
+                for round_ in range(3):
+                    block = (await proposer.draft(DraftJob(seq, 2))).block
+                    order.append(f"short {round_}")
+                    seq.extend((block.token_ids[0], 7))
+                    seq.roll_back()
+                await proposer.release(seq)
+
+            task = asyncio.create_task(long_request())
+            await asyncio.sleep(0)  # the long prompt is queued first
+            drafted, _ = await asyncio.gather(task, short_request())
+        finally:
+            await proposer.stop()
+        return drafted
+
+    drafted = asyncio.run(main())
+    assert drafted == expected
+    assert order.index("short 2") < order.index("long")  # drafted between the long prompt's chunks
+    assert sum(b.count("prefilling") for b in batches) >= 4  # 45 tokens, 8 a batch
+    assert max(sizes) <= 8
 
 
 # -- end to end ---------------------------------------------------------------------------------------------------

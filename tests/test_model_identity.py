@@ -9,6 +9,7 @@ import asyncio
 import shutil
 
 import pytest
+import torch
 from test_verifier_link import ScriptedVerifier, _serve, _until
 
 from common.errors import ErrorCode, ServiceError
@@ -52,6 +53,48 @@ def test_fingerprint_reads_config_and_samples_of_every_tensor(tmp_path):
     data[-8:] = bytes(8)  # the last tensor's last element
     weights.write_bytes(bytes(data))
     assert model_fingerprint(edited) != reference
+
+
+def test_fingerprint_reads_a_bounded_number_of_tensors_whatever_the_shard_count(tmp_path, monkeypatch):
+    """12 shards of 10 tensors with the cap at 30: at most 30 tensors sampled in all, some of every shard; the
+    same tensors from a copy elsewhere; an edit of a sampled tensor in the last shard is seen. A single file within
+    the cap still has every tensor sampled."""
+    from safetensors.torch import save_file
+
+    from common import model_loading
+
+    monkeypatch.setattr(model_loading, "FINGERPRINT_MAX_TENSORS", 30)
+    sampled: list[tuple[int, int]] = []
+    offsets = model_loading._sample_offsets
+    monkeypatch.setattr(model_loading, "_sample_offsets", lambda b, e: sampled.append((b, e)) or offsets(b, e))
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "config.json").write_text('{"model_type": "qwen2"}')
+    gen = torch.Generator().manual_seed(0)
+    for shard in range(12):
+        save_file({f"layer{shard}.w{i}": torch.randn(16, generator=gen) for i in range(10)},
+                  str(sharded / f"model-{shard:05d}-of-00012.safetensors"))
+    reference = model_fingerprint(sharded)
+    assert 12 <= len(sampled) <= 30
+    per_file = [len(model_loading._safetensors_header(p)[2])
+                for p in sorted(sharded.glob("*.safetensors"))]
+    assert per_file == [10] * 12
+    assert model_loading._spread(30, per_file) == [2] * 6 + [3] * 6  # evenly, all of the cap used
+    moved = tmp_path / "moved"
+    shutil.copytree(sharded, moved)
+    assert model_fingerprint(moved) == reference
+    last = sorted(sharded.glob("*.safetensors"))[-1]
+    data = bytearray(last.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    data[8 + header_len:8 + header_len + 4] = bytes(4)  # the first tensor's first element: always sampled
+    last.write_bytes(bytes(data))
+    assert model_fingerprint(sharded) != reference
+    sampled.clear()
+    one = tmp_path / "one"
+    one.mkdir()
+    save_file({f"w{i}": torch.randn(4, generator=gen) for i in range(25)}, str(one / "model.safetensors"))
+    model_fingerprint(one)
+    assert len(sampled) == 25
 
 
 def _info(model_id="target", fingerprint=FP_A, dtype="float64", quantization="none", features=wire.VERIFIER_FEATURES):

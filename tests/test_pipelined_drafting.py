@@ -7,6 +7,7 @@ fails alone, and a failure of the draft's own still closes the sequence on the v
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 import time
@@ -21,7 +22,7 @@ from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError
 from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
-from common.sampling import FinishReason, SamplingParams, WireMode
+from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode
 from draft_service.config import DraftConfig
 from draft_service.drafters import ModelDrafter, NgramDrafter
 from draft_service.generation import Generator, _Flight
@@ -37,6 +38,8 @@ from draft_service.types import (
     VerdictEvent,
     VerifierIdentity,
 )
+from kernels.philox import Purpose, exponential64_reference
+from kernels.sampling_probs import compute_probs
 
 from tiny_models import build_model, model_config, word_tokenizer
 
@@ -349,6 +352,121 @@ def test_a_sequence_the_draft_pool_cannot_hold_fails_alone():
         assert isinstance(two, ServiceError) and two.code is ErrorCode.RESOURCE_EXHAUSTED
 
     asyncio.run(through_the_proposer())
+
+
+class QLimitedVerifier(FakeVerifier):
+    """States --max-q-support `limit` and records every q it is sent, with its drafted token."""
+
+    def __init__(self, target, limit: int) -> None:
+        super().__init__(target)
+        self.identity = dataclasses.replace(self.identity, max_q_support=limit)
+        self.sent: list[tuple[int, SparseProbs]] = []
+
+    def propose(self, seq_id, start_position, block, *, send_draft_probs, assumed_token_ids=()) -> int:
+        if send_draft_probs and block.draft_probs is not None:
+            self.sent.extend(zip(block.token_ids, block.draft_probs, strict=True))
+        return super().propose(seq_id, start_position, block, send_draft_probs=send_draft_probs,
+                               assumed_token_ids=assumed_token_ids)
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_sampled_drafts_send_q_within_the_verifiers_limit(reference_model, pipeline):
+    """The draft keeps 8 tokens of q, the verifier takes 3: every q sent has at most 3, the drafted token among
+    them, and sequences in ids-only modes keep the draft's own 8 candidates."""
+    async def run():
+        link = QLimitedVerifier(_model_target(reference_model), 3)
+        service = _service(link, pipeline=pipeline)
+        params = SamplingParams(temperature=1.5, seed=9, max_tokens=20, ignore_eos=True)
+        try:
+            for prompt in _prompts("model")[:2]:
+                assert len(await _tokens(service.generator, _request(prompt, params))) == 20
+            seq = DraftSequence(params, [1, 2, 3], wire_mode=WireMode.ONE_HOT)
+            assert service.model.support(seq) == 8
+        finally:
+            await service.stop()
+        return link.sent
+
+    sent = asyncio.run(run())
+    assert sent and all(len(q.token_ids) <= 3 and token in q.token_ids for token, q in sent)
+    assert max(len(q.token_ids) for _, q in sent) == 3
+
+
+def test_a_limited_q_is_the_truncated_renormalised_q_and_the_token_is_sampled_from_it():
+    """Seeded against a reference: the q a limited sequence gets is the request's distribution cut to its 3 most
+    probable tokens and renormalised (float32, as sent); its token is argmax q / E of exactly that q; over many
+    seeds the tokens follow q; a sequence in the same batch without the limit keeps 8."""
+    model = _draft_model()
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    base = SamplingParams(temperature=0.7, top_p=0.99, seed=0)
+    probs = compute_probs(logits, torch.tensor([0.7]), torch.tensor([0]), torch.tensor([0.99]))[0]
+    top = probs.topk(3)
+    q_ref = (top.values.double() / top.values.double().sum()).to(torch.float32).to(torch.float64)
+    counts = dict.fromkeys(top.indices.tolist(), 0)
+    num_seeds, rows = 4096, 64
+    for first in range(0, num_seeds, rows):
+        seqs = [DraftSequence(dataclasses.replace(base, seed=seed), [1], q_max_support=3)
+                for seed in range(first, first + rows)]
+        unlimited = DraftSequence(base, [1])
+        out = model._sample(logits.expand(rows + 1, -1), [*seqs, unlimited], [10] * (rows + 1))
+        assert len(out[-1][1].token_ids) == 8
+        for seq, (token, q, _, _) in zip(seqs, out, strict=False):
+            assert q.token_ids == tuple(top.indices.tolist()) and q.probs == tuple(q_ref.tolist())
+            noise = exponential64_reference(seq.sampling.seed, 10, Purpose.DRAFT_SAMPLE, top.indices)
+            assert token == int(top.indices[(q_ref / noise).argmax()])
+            counts[token] += 1
+    for token, p in zip(top.indices.tolist(), q_ref.tolist(), strict=True):
+        assert abs(counts[token] / num_seeds - p) <= 5 * (p * (1 - p) / num_seeds) ** 0.5, (counts, q_ref)
+
+
+def test_a_sequence_the_pool_cannot_hold_now_drafts_nothing_this_round_and_drafts_again_later():
+    """A plain sequence that finds the pool short (other sequences hold it) gets an empty block, a k = 0 round,
+    with nothing written; once blocks are free it drafts the block a roomy pool drafts. One whose context alone
+    exceeds the whole pool fails, naming both sizes."""
+    model = _draft_model(num_blocks=6)  # 24 tokens
+    blocks = model.blocks
+    assert blocks.allocate("hog", 5 * BLOCK)
+    seq = DraftSequence(SamplingParams(temperature=0.8, seed=3), list(range(10)))
+    out = model.draft([DraftJob(seq, 4)])[0]
+    assert isinstance(out, Drafted) and out.block.num_draft_tokens == 0
+    assert not blocks.has(seq) or not blocks.table(seq)
+    blocks.free("hog")
+    again = model.draft([DraftJob(seq, 4)])[0]
+    roomy = _draft_model().draft([DraftJob(DraftSequence(seq.sampling, list(range(10))), 4)])[0]
+    assert again == roomy and again.block.num_draft_tokens == 4
+    never = model.draft([DraftJob(DraftSequence(SamplingParams(temperature=0.0), list(range(25))), 4)])[0]
+    assert isinstance(never, ServiceError) and never.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "25 tokens" in never.message and "(24 tokens" in never.message
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "coupled"])
+def test_a_generation_whose_draft_pool_is_held_by_others_decodes_with_k0_and_keeps_its_output(reference_model,
+                                                                                                sampling):
+    """With the draft's pool held by other sequences the whole time, a generation does not fail: every round is
+    k = 0 (the verifier decodes alone) and greedy and coupled outputs are the same as with a free pool."""
+    params, mode = SAMPLINGS[sampling]
+    prompt = _prompts("model")[1]
+
+    async def run(hog: bool):
+        link = FakeVerifier(_model_target(reference_model))
+        model = _draft_model(num_blocks=16)  # room for the whole generation: 9 + 28 tokens
+        if hog:
+            assert model.blocks.allocate("hog", 15 * BLOCK)  # one block left: not enough for 9 prompt tokens
+        service = _service(link, pipeline=False, model=model)
+        try:
+            out, stats = [], None
+            async for event in service.generator.generate(_request(prompt, params, mode)):
+                if isinstance(event, TextChunk):
+                    out.extend(event.token_ids)
+                else:
+                    stats = event
+        finally:
+            await service.stop()
+        return out, stats
+
+    free_out, free_stats = asyncio.run(run(False))
+    held_out, held_stats = asyncio.run(run(True))
+    assert held_out == free_out and len(held_out) == params.max_tokens
+    assert free_stats.num_draft_tokens > 0 and held_stats.num_draft_tokens == 0
 
 
 def test_a_short_draft_pool_drafts_fewer_branches_not_none():

@@ -250,3 +250,65 @@ def test_a_token_file_that_is_bad_at_start_is_a_clear_error(tmp_path):
     (tmp_path / "bad").write_text("a b\n")
     with pytest.raises(ValueError, match="line 1"):
         TokenFile(str(tmp_path / "bad"))
+
+
+class _AuthedVerifier(verifier_pb2_grpc.VerifierServicer):
+    """GetInfo and a Verify stream that welcomes and then hangs up on request; records the tokens it was sent."""
+
+    def __init__(self) -> None:
+        self.info = verifier_pb2.VerifierInfo(model_id="v", vocab_size=100, tokenizer_fingerprint="fp",
+                                              max_draft_tokens=8, max_model_len=512)
+        self.tokens: list[str] = []
+        self.hang_up = asyncio.Event()
+
+    async def GetInfo(self, request, context):
+        self.tokens.append(dict(context.invocation_metadata())["authorization"])
+        return self.info
+
+    async def Verify(self, request_iterator, context):
+        yield verifier_pb2.VerifierMessage(welcome=verifier_pb2.Welcome(info=self.info))
+        await self.hang_up.wait()
+        self.hang_up.clear()
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "hang-up")
+
+
+def test_a_reconnecting_draft_reads_its_token_file_again_and_survives_a_rotation(token_file, tmp_path):
+    """The draft's file gets the new token first, the verifier then retires the old one, the stream breaks: the
+    reconnection sends the new token (a draft that read its file only at start is refused for ever). A file caught
+    empty mid-rewrite keeps the last good token."""
+    accepted, tokens = token_file
+    client_file = tmp_path / "draft.tokens"
+    client_file.write_text(OLD + "\n")
+
+    async def run() -> list[str]:
+        verifier = _AuthedVerifier()
+        server = grpc.aio.server(interceptors=[security.BearerTokenInterceptor(tokens)])
+        verifier_pb2_grpc.add_VerifierServicer_to_server(verifier, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        reconnected = asyncio.Event()
+        link = VerifierLink(f"127.0.0.1:{port}", draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp",
+                            security=LinkSecurity.from_files(tls=False, ca=None, cert=None, key=None,
+                                                             server_name=None, token_file=str(client_file)),
+                            on_reconnect=reconnected.set)
+        try:
+            await link.ensure_connected(5.0)
+            accepted.write_text(f"{OLD}\n{NEW}\n")
+            client_file.write_text(f"{NEW}\n{OLD}\n")
+            accepted.write_text(f"{NEW}\n")  # the old token is retired
+            verifier.hang_up.set()
+            await asyncio.wait_for(reconnected.wait(), 10)  # never, with the token read at start
+            reconnected.clear()
+            client_file.write_text("")  # caught mid-rewrite
+            verifier.hang_up.set()
+            await asyncio.wait_for(reconnected.wait(), 10)
+        finally:
+            await link.close()
+            await server.stop(None)
+        return verifier.tokens
+
+    with structlog.testing.capture_logs() as logs:
+        sent = asyncio.run(run())
+    assert sent == [f"Bearer {OLD}", f"Bearer {NEW}", f"Bearer {NEW}"]
+    assert any(e["event"] == "verifier_token_file_read_failed" and e["log_level"] == "error" for e in logs)
+    assert OLD not in str(logs) and NEW not in str(logs)
