@@ -1,0 +1,235 @@
+"""Throughput and latency against concurrency, per speculation mode (issue 23).
+
+For each mode (k = 0, a fixed k, and `auto`: the draft started with `--speculation auto`, issue 23's goodput
+control, which the draft service does not have yet) a fresh verifier and draft service start with the CLI,
+and for each concurrency C, C client streams send greedy requests back to back (code prompts, a fixed number of
+output tokens, EOS ignored) until 2 C requests (at least 8) are done. Per concurrency and mode it reports:
+- aggregate output tokens/s (all tokens over the window's wall time);
+- time to first token, p50 and p99 over requests;
+- inter-token latency, p50 and p99 over requests, each request's (last chunk - first chunk) / (tokens - 1), the
+  definition guidellm and aiperf use.
+
+    python bench/capacity.py [--pair default|synthetic] [--concurrency 1,2,4,8,16,32,64] [--tokens 48]
+                             [--modes 0,4] [--rtt-ms 0] [--pin] [--out bench/out/capacity]
+
+--pair default: the pair from `make models` (.models/target and .models/draft), colocated on this host as
+`specwire verifier` and `specwire draft` start them. --pair synthetic: bench/rtt.py's pair (a 1024-hidden,
+8-layer random Qwen2 target and a draft made of its first layer: it agrees often), with --pin putting the verifier
+on core 0 and the draft on core 1 as if on two hosts, and --rtt-ms through bench/delay_proxy.py.
+Writes JSON, a markdown table and a PNG (throughput against concurrency, one line per mode; TTFT and ITL p50/p99).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.append(str(ROOT / "bench"))
+
+from delay_proxy import LinkShape, ProxyThread  # noqa: E402
+
+from specwire import AsyncClient  # noqa: E402
+from specwire.launch import Stack, free_port, scrape_metric  # noqa: E402
+
+
+def code_prompts() -> list[str]:
+    return json.loads((ROOT / "specwire" / "bench_prompts.json").read_text())["code"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+async def run_level(address: str, concurrency: int, prompts: list, tokens: int, k: int | None) -> dict:
+    """`concurrency` streams, back to back, until max(8, 2 * concurrency) requests are done."""
+    total = max(8, 2 * concurrency)
+    next_request = iter(range(total))
+    ttfts: list[float] = []
+    itls: list[float] = []
+    generated = 0
+
+    async def worker(client: AsyncClient) -> None:
+        nonlocal generated
+        for i in next_request:
+            prompt = prompts[i % len(prompts)]
+            kwargs = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
+            t0 = time.perf_counter()
+            first = last = None
+            n = 0
+            stream = client.stream(**kwargs, max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                   **({} if k is None else {"num_speculative_tokens": k}))
+            async for chunk in stream:
+                if not chunk.token_ids:
+                    continue
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                last = now
+                n += len(chunk.token_ids)
+            generated += n
+            ttfts.append(first - t0)
+            if n > 1:
+                itls.append((last - first) / (n - 1))
+
+    async with AsyncClient(address, timeout=3600) as client:
+        await client.generate(prompt_token_ids=[5, 6, 7], max_tokens=2, temperature=0.0)  # warm the link
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {"concurrency": concurrency, "requests": total, "tok_s": generated / wall, "wall_s": wall,
+            "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5), "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
+            "itl_p50_ms": 1e3 * percentile(itls, 0.5), "itl_p99_ms": 1e3 * percentile(itls, 0.99)}
+
+
+def measure_mode(mode: str, target: Path, draft: Path, levels: list[int], prompts: list, tokens: int,
+                 rtt_ms: float, pin: bool, log_dir: Path, extra_verifier: list[str], extra_draft: list[str]) -> list[dict]:
+    """A fresh stack for `mode` ("0", a fixed k, or "auto"), then every concurrency level on it."""
+    auto = mode == "auto"
+    k = None if auto else int(mode)
+    verifier_cpus, draft_cpus = ({0}, {1}) if pin else (None, None)
+    rows = []
+    with Stack() as stack:
+        vmetrics = free_port()
+        verifier = stack.start(f"verifier-{mode}", ["verifier", "--model", str(target), "--metrics-port",
+                                                    str(vmetrics), *extra_verifier],
+                               log_dir=log_dir, cpus=verifier_cpus)
+        proxy = ProxyThread(verifier.address, LinkShape(delay_s=rtt_ms / 2000)) if rtt_ms else nullcontext()
+        with proxy as p:
+            upstream = p.address if rtt_ms else verifier.address
+            d = stack.start(f"draft-{mode}", ["draft", "--model", str(draft), "--verifier", upstream,
+                                              *(["--speculation", "auto"] if auto else []),
+                                              *extra_draft], log_dir=log_dir, cpus=draft_cpus)
+            url = f"http://127.0.0.1:{vmetrics}/metrics"
+            for c in levels:
+                before = _spec_counters(url)
+                row = {"mode": mode, **asyncio.run(run_level(d.address, c, prompts, tokens, k))}
+                after = _spec_counters(url)
+                drafts = after["drafts"] - before["drafts"]
+                row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
+                                                        if drafts else 0.0)
+                row["acceptance"] = ((after["accepted"] - before["accepted"])
+                                     / max(1.0, after["draft_tokens"] - before["draft_tokens"]))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def _spec_counters(url: str) -> dict[str, float]:
+    def get(name: str) -> float:
+        return scrape_metric(url, name) or 0.0
+    return {"drafts": get("specwire_spec_decode_num_drafts_total"),
+            "draft_tokens": get("specwire_spec_decode_num_draft_tokens_total"),
+            "accepted": get("specwire_spec_decode_num_accepted_tokens_total")}
+
+
+def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    label = {m: ("k = 0" if m == "0" else "auto" if m == "auto" else f"k = {m}") for m in modes}
+    head = "| streams | " + " | ".join(f"{label[m]} tok/s" for m in modes)
+    head += " | auto / best fixed | " + " | ".join(f"{label[m]} TTFT p50/p99 ms" for m in modes)
+    head += " | " + " | ".join(f"{label[m]} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for c in levels:
+        cells = [f"{by[(m, c)]['tok_s']:.1f}" if (m, c) in by else "" for m in modes]
+        fixed = [by[(m, c)]["tok_s"] for m in modes if m != "auto" and (m, c) in by]
+        ratio = (f"{by[('auto', c)]['tok_s'] / max(fixed):.2f}x" if ("auto", c) in by and fixed else "")
+        ttft = [f"{by[(m, c)]['ttft_p50_ms']:.0f} / {by[(m, c)]['ttft_p99_ms']:.0f}" if (m, c) in by else ""
+                for m in modes]
+        itl = [f"{by[(m, c)]['itl_p50_ms']:.0f} / {by[(m, c)]['itl_p99_ms']:.0f}" if (m, c) in by else ""
+               for m in modes]
+        k_auto = f"{by[('auto', c)]['draft_tokens_per_verification']:.2f}" if ("auto", c) in by else ""
+        lines.append(f"| {c} | " + " | ".join(cells) + f" | {ratio} | " + " | ".join(ttft) + " | "
+                     + " | ".join(itl) + f" | {k_auto} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], modes: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for m in modes:
+        rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["concurrency"])
+        if not rs:
+            continue
+        label = "k = 0" if m == "0" else "auto" if m == "auto" else f"k = {m}"
+        xs = [r["concurrency"] for r in rs]
+        axes[0].plot(xs, [r["tok_s"] for r in rs], marker="o", label=label)
+        axes[1].plot(xs, [r["ttft_p50_ms"] for r in rs], marker="o", label=f"{label} p50")
+        axes[1].plot(xs, [r["ttft_p99_ms"] for r in rs], marker="x", linestyle="--", label=f"{label} p99")
+        axes[2].plot(xs, [r["itl_p50_ms"] for r in rs], marker="o", label=f"{label} p50")
+        axes[2].plot(xs, [r["itl_p99_ms"] for r in rs], marker="x", linestyle="--", label=f"{label} p99")
+    for ax, name in zip(axes, ("output tokens/s", "time to first token, ms", "inter-token latency, ms"),
+                        strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[1].set_yscale("log")
+    axes[2].set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", choices=["default", "synthetic"], default="default")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    p.add_argument("--modes", default="0,4", help="k = 0, fixed ks, and `auto` (a draft with --speculation auto)")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--rtt-ms", type=float, default=0.0)
+    p.add_argument("--pin", action="store_true", help="verifier on core 0, draft on core 1")
+    p.add_argument("--models", type=Path, default=ROOT / ".models")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "capacity")
+    args = p.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    log_dir = Path(tempfile.mkdtemp(prefix="specwire-capacity-"))
+    if args.pair == "default":
+        target, draft = args.models / "target", args.models / "draft"
+        prompts: list = code_prompts()
+        extra_verifier: list[str] = []
+        extra_draft: list[str] = []
+    else:
+        from rtt import PROMPTS, synthetic_pair
+
+        target, draft = synthetic_pair(log_dir / "models")
+        prompts = PROMPTS
+        extra_verifier = ["--dtype", "float32"]
+        extra_draft = ["--dtype", "float32"]
+    rows = []
+    for mode in modes:
+        rows += measure_mode(mode, target, draft, levels, prompts, args.tokens, args.rtt_ms, args.pin, log_dir,
+                             extra_verifier, extra_draft)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
+    title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
+             f"{', pinned 1+1 cores' if args.pin else ', colocated'}")
+    (args.out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+    md = table(rows, modes, levels)
+    (args.out / f"{stem}.md").write_text(f"{title}\n\n{md}\n")
+    plot(rows, modes, args.out / f"{stem}.png", title)
+    print(f"\n{title}\n\n{md}\n\nlogs: {log_dir}")
+    medians = [r["tok_s"] for r in rows]
+    return 0 if medians and statistics.fmean(medians) > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
