@@ -18,6 +18,8 @@ QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_HELP = ("weight-only quantization of every linear layer on CPU: none; int8 (per output channel, "
                      "activations in --dtype float32 or bfloat16); int4 (affine per group of 32, bfloat16 "
                      "activations). The quantized model is the one verified against")
+DEVICE_CHOICES_HELP = "auto (the GPU when torch sees one, else CPU), cpu, cuda, cuda:N (ROCm GPUs are cuda too)"
+CPU_WAIT_POLICIES = ("passive", "active")
 
 
 def check_weights(dtype: str, quantization: str) -> None:
@@ -74,6 +76,28 @@ class StaticForwardConfig:
     def check_static_forward(self) -> None:
         if self.cuda_graph_max_tokens < 1:
             raise ValueError(f"cuda_graph_max_tokens must be >= 1, got {self.cuda_graph_max_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuThreadsConfig:
+    """The flags both model services share for their CPU threads (applied by common.threads before torch loads).
+    Each flag, given, wins over the OpenMP variable it sets; not given, an OpenMP variable already in the
+    environment is kept, so `OMP_NUM_THREADS=4 specwire verifier` still means 4 threads."""
+
+    num_threads: int = option(0, "intra-op CPU threads of this service's forward passes (torch.set_num_threads and "
+                              "OMP_NUM_THREADS); 0: OMP_NUM_THREADS when the environment sets it, else the cores "
+                              "this process may run on. Services sharing a host should split its cores")
+    cpu_wait_policy: str | None = option(None, "how idle OpenMP threads wait (OMP_WAIT_POLICY): passive (sleep, so a "
+                                         "colocated service gets the cores) or active (spin: the lowest latency on a "
+                                         "host of its own); unset: OMP_WAIT_POLICY when the environment sets it, "
+                                         "else passive", parse=str.lower, choices=CPU_WAIT_POLICIES)
+
+    def check_cpu_threads(self) -> None:
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0 (0: the cores this process may run on), got {self.num_threads}")
+        if self.cpu_wait_policy is not None and self.cpu_wait_policy not in CPU_WAIT_POLICIES:
+            raise ValueError(f"cpu_wait_policy must be one of {', '.join(CPU_WAIT_POLICIES)}, "
+                             f"got {self.cpu_wait_policy!r}")
 
 
 def add_config_flags(parser: argparse.ArgumentParser, config_cls: type) -> None:

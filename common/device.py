@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEVICE_CHOICES_HELP = "auto (the GPU when torch sees one, else CPU), cpu, cuda, cuda:N (ROCm GPUs are cuda too)"
+from common.config import DEVICE_CHOICES_HELP  # defined there so the service configs (and the CLI) load no torch
 
 
 @dataclass(frozen=True)

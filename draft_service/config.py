@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import (
+    DEVICE_CHOICES_HELP,
     DTYPES,
     QUANTIZATION_HELP,
     QUANTIZATIONS,
+    CpuThreadsConfig,
     ServerSecurityConfig,
     StaticForwardConfig,
     check_weights,
@@ -16,7 +18,6 @@ from common.config import (
     option,
     parse_bytes,
 )
-from common.device import DEVICE_CHOICES_HELP
 from common.sampling import WireMode
 
 WIRE_MODES = tuple(m.value for m in WireMode)
@@ -24,7 +25,7 @@ PROPOSERS = ("model", "ngram")
 
 
 @dataclass(frozen=True)
-class DraftConfig(ServerSecurityConfig, StaticForwardConfig):
+class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     model: str = option(None, "draft: HF model directory or .gguf file (with --proposer ngram: the tokenizer)")
     verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT")
     host: str = option("127.0.0.1", "address to bind")
@@ -87,6 +88,7 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig):
             raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
         check_weights(self.dtype, self.quantization)
         self.check_static_forward()
+        self.check_cpu_threads()
         if not 0 <= self.pipeline_width <= 8:
             raise ValueError(f"pipeline_width must be in [0, 8] (0: learned), got {self.pipeline_width}")
         if self.num_speculative_tokens < 0:

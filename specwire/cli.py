@@ -125,22 +125,30 @@ def _run_bench(args) -> int:
 
 def _run_verifier(args) -> int:
     from common.logging import configure_logging
+    from common.threads import apply_cpu_threads, set_torch_threads
     from verifier_service.config import VerifierConfig
-    from verifier_service.server import serve
 
     config = config_from_args(VerifierConfig, args)
+    threads = apply_cpu_threads(config)  # before the service's import loads torch, which reads the OpenMP variables
+    from verifier_service.server import serve
+
     configure_logging(config.log_level, service="verifier")
+    set_torch_threads(threads)
     asyncio.run(serve(config))
     return 0
 
 
 def _run_draft(args) -> int:
     from common.logging import configure_logging
+    from common.threads import apply_cpu_threads, set_torch_threads
     from draft_service.config import DraftConfig
-    from draft_service.server import HandshakeRefused, serve
 
     config = config_from_args(DraftConfig, args)
+    threads = apply_cpu_threads(config)  # before the service's import loads torch, which reads the OpenMP variables
+    from draft_service.server import HandshakeRefused, serve
+
     configure_logging(config.log_level, service="draft")
+    set_torch_threads(threads)
     try:
         asyncio.run(serve(config))
     except HandshakeRefused as err:

@@ -24,8 +24,33 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 # against 142 ms alone; passive waiting brought it to 213 ms. Passive waiting also slows the busy process: the
 # served 0.5B int4 step took 27.8-31.4 ms passive against 18.6-18.7 ms with GOMP_SPINCOUNT=10000. That short spin
 # made the whole test suite, which runs many stacks side by side, take 820 s of wall and 16 min of CPU against
-# 756 s and 13.6 min, so passive waiting stays the default here; set GOMP_SPINCOUNT for a benchmark.
+# 756 s and 13.6 min, so passive waiting stays the default here; set GOMP_SPINCOUNT for a benchmark. On top of
+# that, a verifier and a draft started here without pinning split the cores (colocated_threads: --num-threads of
+# each, together no more than the cores), so neither's OpenMP team waits for cores the other one holds.
 _COLOCATED_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+_MODEL_SERVICES = ("verifier", "draft")  # the commands that take --num-threads
+
+
+def colocated_threads(num_cores: int) -> dict[str, int]:
+    """--num-threads of a verifier and a draft sharing `num_cores` cores: together no more than the cores (except
+    on one core, where each still needs a thread). The draft gets a quarter (at least one): its steps are one or two
+    tokens of the small model; the verifier, the rest: it runs k + 1 tokens of the large one per sequence."""
+    draft = max(1, num_cores // 4)
+    return {"verifier": max(1, num_cores - draft), "draft": draft}
+
+
+def _thread_args(args: list[str], threads: int | None, child_env: dict[str, str]) -> list[str]:
+    """`--num-threads` for a verifier or draft command: `threads` when given; else its colocated share of the
+    cores this process may run on (each draft of a stack gets the draft's share), unless the command line or the
+    child's environment already sets a count."""
+    if not args or args[0] not in _MODEL_SERVICES:
+        return []
+    if threads is None:
+        if any(a == "--num-threads" or a.startswith("--num-threads=") for a in args) or (
+                {"SPECWIRE_NUM_THREADS", "OMP_NUM_THREADS"} & child_env.keys()):
+            return []
+        threads = colocated_threads(len(os.sched_getaffinity(0)))[args[0]]
+    return ["--num-threads", str(threads)]
 
 
 def free_port() -> int:
@@ -97,15 +122,21 @@ class Stack:
 
     def start(self, name: str, args: list[str], *, log_dir: Path | None = None, port: int | None = None,
               timeout_s: float = 300.0, env: dict[str, str] | None = None,
-              credentials: grpc.ChannelCredentials | None = None, cpus: set[int] | None = None) -> Service:
-        """`cpus`: pin the process to these cores (and as many OpenMP threads), as if it had a host of its own."""
+              credentials: grpc.ChannelCredentials | None = None, cpus: set[int] | None = None,
+              threads: int | None = None) -> Service:
+        """`cpus`: pin the process to these cores (and as many OpenMP threads), as if it had a host of its own.
+        `threads`: a verifier's or draft's --num-threads; default: len(cpus) when pinned, else its share of this
+        host's cores beside the other (colocated_threads), unless `args` or the environment set a count."""
         port = port or free_port()
         address = f"127.0.0.1:{port}"
         log_path, out = _log_file(log_dir, f"{name}.log")
         pinned = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
-        proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, "--host", "127.0.0.1",
-                                 "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
-                                env={**_COLOCATED_ENV, **os.environ, **pinned, **(env or {})},
+        child_env = {**_COLOCATED_ENV, **os.environ, **pinned, **(env or {})}
+        if cpus and threads is None:
+            threads = len(cpus)
+        proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, *_thread_args(args, threads, child_env),
+                                 "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                env=child_env,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         service = Service(name, address, proc, log_path)
         self.services.append(service)

@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.config import (
+    DEVICE_CHOICES_HELP,
     DTYPES,
     QUANTIZATION_HELP,
     QUANTIZATIONS,
+    CpuThreadsConfig,
     ServerSecurityConfig,
     StaticForwardConfig,
     check_weights,
@@ -16,13 +18,12 @@ from common.config import (
     option,
     parse_bytes,
 )
-from common.device import DEVICE_CHOICES_HELP
 
 CPU_KV_CACHE_MEMORY = 1 << 30  # the pool's default size on CPU, where the host's memory is shared
 
 
 @dataclass(frozen=True)
-class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
+class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     model: str = option(None, "target: HF model directory or .gguf file")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50051, "gRPC port")
@@ -75,6 +76,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig):
             raise ValueError("--model (or SPECWIRE_MODEL) is required: the target's HF directory or .gguf file")
         self.check_security()
         self.check_static_forward()
+        self.check_cpu_threads()
         check_weights(self.dtype, self.quantization)
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
