@@ -40,10 +40,10 @@ def target(tmp_path_factory):
 
 
 @contextlib.asynccontextmanager
-async def _serving(target, **limits):
+async def _serving(target, goodput: bool = True, **limits):
     """A verifier in this event loop: (address, its AsyncEngine, its metrics)."""
     config = VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4, num_blocks=32,
-                            max_q_support=MAX_Q_SUPPORT)
+                            max_q_support=MAX_Q_SUPPORT, goodput=goodput)
     executor = compute_thread("test-verifier")
     engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
@@ -230,3 +230,56 @@ def test_stop_ends_the_engine_loop_when_a_stream_closes_in_the_same_turn(target)
         await asyncio.wait_for(async_engine.stop(), 10)
 
     asyncio.run(scenario())
+
+
+def test_the_goodput_choice_reaches_only_proposals_that_ask_for_it(target):
+    """A draft older than the goodput fields sends no max_draft_tokens and gets verdicts without a choice, as
+    before; a proposal that asks gets a choice within its cap."""
+
+    async def main() -> None:
+        async with _serving(target) as (address, _, _), grpc.aio.insecure_channel(address) as channel:
+            info = await _info(channel)
+            assert "goodput" in info.features
+            s = _Stream(channel, info)
+            await s.next("welcome")
+            s.send(_open(1), _propose(1, 3, (9, 9)))  # as an older draft sends it
+            v = (await s.next("verdict")).verdict
+            assert not v.HasField("next_draft_tokens")
+            ask = _propose(1, 3 + len(v.token_ids), (9,))
+            ask.propose.max_draft_tokens = 3
+            s.send(ask)
+            v = (await s.next("verdict")).verdict
+            assert v.HasField("next_draft_tokens") and 0 <= v.next_draft_tokens <= 3
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("goodput", [True, False])
+def test_the_link_asks_for_a_choice_only_where_the_verifier_lists_goodput(target, goodput):
+    """A new draft in front of a verifier that does not list the feature (older, or --goodput false) sends no
+    max_draft_tokens and gets no choice: it drafts by its own rule."""
+    from draft_service.types import DraftBlock, VerdictEvent
+
+    async def main() -> None:
+        async with _serving(target, goodput=goodput) as (address, async_engine, _):
+            loaded = async_engine.engine.loaded
+            link = VerifierLink(address, draft_model_id="d", vocab_size=loaded.vocab_size,
+                                tokenizer_fingerprint=loaded.tokenizer_fingerprint)
+            sent = []
+            send = link._send
+            link._send = lambda message: (sent.append(message), send(message))[1]
+            try:
+                await link.ensure_connected(10)
+                assert ("goodput" in link.identity.features) is goodput
+                seq_id = await link.open([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20).with_seed(),
+                                         retry_s=5)
+                link.propose(seq_id, 3, DraftBlock((9, 9), None), send_draft_probs=False, max_draft_tokens=3)
+                event = await asyncio.wait_for(link.next_event(seq_id), 30)
+                assert isinstance(event, VerdictEvent)
+                (proposal,) = [m.propose for m in sent if m.WhichOneof("kind") == "propose"]
+                assert proposal.HasField("max_draft_tokens") is goodput
+                assert (event.next_draft_tokens is not None) is goodput
+            finally:
+                await link.close()
+
+    asyncio.run(main())

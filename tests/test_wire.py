@@ -67,3 +67,46 @@ def test_handshake_rule():
     assert "tokenizer mismatch" in wire.handshake_mismatch(_info(), _hello(tokenizer_fingerprint="cd" * 32))
     assert "vocabulary mismatch" in wire.handshake_mismatch(_info(), _hello(vocab_size=101))
     assert "protocol version" in wire.handshake_mismatch(_info(), _hello(protocol_version="2"))
+
+
+def _older(message_name: str, field_name: str):
+    """The message class as a peer built before `field_name` existed would have it: the same .proto without it."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    pool = descriptor_pool.DescriptorPool()
+    for module in (common_pb2, verifier_pb2):
+        proto = descriptor_pb2.FileDescriptorProto()
+        module.DESCRIPTOR.CopyToProto(proto)
+        for msg in proto.message_type:
+            if msg.name == message_name:
+                (f,) = [f for f in msg.field if f.name == field_name]
+                msg.field.remove(f)
+                # a proto3 optional field has a synthetic oneof of its own: it goes too
+                (o,) = [i for i, o in enumerate(msg.oneof_decl) if o.name == f"_{field_name}"]
+                del msg.oneof_decl[o]
+                for other in msg.field:
+                    if other.HasField("oneof_index") and other.oneof_index > o:
+                        other.oneof_index -= 1
+        pool.Add(proto)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"specwire.v1.{message_name}"))
+
+
+def test_older_peers_parse_the_goodput_fields_as_unknown_fields():
+    """A draft older than Verdict.next_draft_tokens reads a verdict that carries it, and a verifier older than
+    Proposal.max_draft_tokens reads a proposal that carries it, with every other field intact."""
+    verdict = verifier_pb2.Verdict(seq_id=7, start_position=12, num_accepted=2, token_ids=[1, 2, 3], batch_size=5,
+                                   step_time_s=0.25, next_draft_tokens=3)
+    old = _older("Verdict", "next_draft_tokens").FromString(verdict.SerializeToString())
+    assert (old.seq_id, old.start_position, old.num_accepted, list(old.token_ids), old.batch_size,
+            old.step_time_s) == (7, 12, 2, [1, 2, 3], 5, 0.25)
+    assert not hasattr(old, "next_draft_tokens")
+    proposal = verifier_pb2.Proposal(seq_id=7, start_position=12, draft_token_ids=[4, 5], assumed_token_ids=[3],
+                                     max_draft_tokens=6)
+    old = _older("Proposal", "max_draft_tokens").FromString(proposal.SerializeToString())
+    assert (old.seq_id, old.start_position, list(old.draft_token_ids), list(old.assumed_token_ids)) == (
+        7, 12, [4, 5], [3])
+    # and what an older peer sends has neither field set
+    older_verdict = _older("Verdict", "next_draft_tokens")(seq_id=7, token_ids=[1])
+    assert not verifier_pb2.Verdict.FromString(older_verdict.SerializeToString()).HasField("next_draft_tokens")
+    older_proposal = _older("Proposal", "max_draft_tokens")(seq_id=7, draft_token_ids=[4])
+    assert not verifier_pb2.Proposal.FromString(older_proposal.SerializeToString()).HasField("max_draft_tokens")

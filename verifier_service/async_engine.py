@@ -294,8 +294,8 @@ class AsyncEngine:
     def _record(self, result: StepResult) -> None:
         engine = self.engine
         self.metrics.live_sequences.set(len(engine.scheduler.sequences))
-        self.metrics.waiting_sequences.set(len(engine.scheduler.waiting))
-        self.metrics.kv_blocks_used.set(engine.blocks.num_used_blocks)
+        self.metrics.set_occupancy(len(engine.scheduler.waiting), len(engine.scheduler.running),
+                                   engine.blocks.num_used_blocks, engine.blocks.num_blocks)
         for stream_id in self._streams:
             self.metrics.set_stream_sequences(stream_id, engine.scheduler.sequences_on(stream_id))
         s = result.stats
@@ -308,4 +308,6 @@ class AsyncEngine:
                  emitted=s.num_emitted_tokens, forward_ms=round(s.forward_s * 1e3, 2),
                  sample_ms=round(s.sample_s * 1e3, 2), host_ms=round(s.host_s * 1e3, 2),
                  device_ms=None if s.device_s is None else round(s.device_s * 1e3, 2), static=s.static,
-                 kv_blocks_used=engine.blocks.num_used_blocks)
+                 kv_blocks_used=engine.blocks.num_used_blocks,
+                 next_draft_lengths=s.chosen_draft_lengths or None,
+                 predicted_goodput=None if s.predicted_goodput is None else round(s.predicted_goodput, 1))

@@ -68,6 +68,9 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                       "no verdict between) after which a stream is ended with RESOURCE_EXHAUSTED")
     handshake_timeout_s: float = option(10.0, "end a Verify stream (DEADLINE_EXCEEDED) whose hello has not arrived "
                                         "within this many seconds", flag="--handshake-timeout")
+    goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
+                           "(maximising verified tokens per second) and send it with its verdict, for drafts that "
+                           "ask (--speculation auto); false: drafts decide alone")
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 

@@ -7,6 +7,7 @@ no lock guards the sequence state.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from collections import Counter
@@ -18,6 +19,7 @@ from common.errors import ErrorCode, ServiceError
 from common.model_loading import LoadedModel
 from common.paged_model import PagedCausalLM
 from common.static_forward import StaticForward
+from verifier_service.goodput import DraftLengthController
 from verifier_service.model_runner import VerifierRunner
 from verifier_service.scheduler import Scheduler, SchedulerOutput
 from verifier_service.sequence import Sequence, SequenceStatus
@@ -50,15 +52,18 @@ class VerifierEngine:
                  max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
                  sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096,
                  max_sequences: int = 16384, max_waiting_tokens: int = 1 << 20, max_q_support: int = 256,
-                 static: StaticForward | None = None) -> None:
+                 static: StaticForward | None = None, goodput: bool = True) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
         self.blocks = blocks
         self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, max_q_support)
+        # --speculation auto's other half: None with --no-goodput (no choice is sent; drafts decide alone)
+        self.goodput = DraftLengthController(max_draft_tokens) if goodput else None
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
-                                   eos_token_ids=frozenset(loaded.eos_token_ids))
+                                   eos_token_ids=frozenset(loaded.eos_token_ids),
+                                   on_release=self.goodput.forget if self.goodput else None)
         self.runner = VerifierRunner(model, blocks, static)
         self.sequence_idle_timeout_s = sequence_idle_timeout_s
         self.max_sequences_per_stream = max_sequences_per_stream
@@ -97,7 +102,6 @@ class VerifierEngine:
         except Exception as err:  # noqa: BLE001 - the step's sequences end; every other sequence goes on
             outcomes.extend(self._fail(scheduled, err))
             return StepResult(outcomes, None)
-        outcomes.extend(verdicts)
         now = time.monotonic()
         for item in scheduled.scheduled:
             item.seq.last_active = now
@@ -118,7 +122,39 @@ class VerifierEngine:
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:
                 stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
+        outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats))
         return StepResult(outcomes, stats)
+
+    def _choose_draft_lengths(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],
+                              stats: StepStats) -> list[VerdictOut | ErrorOut]:
+        """Goodput: the step's time and each verification's acceptance go into the controller, which then chooses
+        the next draft length of every sequence that asked for one (Proposal.max_draft_tokens) and goes on. The
+        step priced is this one's work again: those sequences' next blocks, plus the tokens of what follows no
+        choice (prefill chunks, fixed-k verifications)."""
+        control = self.goodput
+        if control is None:
+            return verdicts
+        control.observe_step(stats.num_tokens, stats.step_time_s)
+        caps: dict[SeqKey, int] = {}
+        other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
+        for item, verdict in zip(scheduled.verifications, verdicts, strict=True):
+            seq = item.seq
+            if not isinstance(verdict, VerdictOut) or seq.key not in self.scheduler.sequences:
+                continue  # ended: a released sequence's acceptance is forgotten, and must not come back
+            control.observe_verification(seq.key, item.proposal.num_draft_tokens, verdict.num_accepted)
+            if item.proposal.max_draft_tokens is None:
+                other_tokens += item.num_tokens
+                continue
+            # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
+            room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
+            caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
+        if not caps:
+            return verdicts
+        chosen = control.choose(caps, other_tokens)
+        stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
+        stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
+        return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
+                if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]
 
     def _end_expired_sequences(self) -> list[Outcome]:
         """Sequences end with DEADLINE_EXCEEDED, and their KV blocks go back to the pool, when their client's

@@ -217,3 +217,35 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     lengths = {c.key: counts[i] for i, c in enumerate(cands)}
     n = base + other_tokens + best_m
     return Allocation(lengths, expected_at[best_m], n, step_time.predict(n) if n else 0.0)
+
+
+@dataclass
+class DraftLengthController:
+    """The verifier's side of `--speculation auto`: learns from every step it runs and every verdict it gives,
+    and after a step chooses the next draft length of each sequence that asked for one (Proposal.max_draft_tokens)
+    by choose_draft_lengths. Lives on the engine thread: no locks."""
+
+    max_draft_tokens: int
+    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    acceptance: AcceptanceTracker | None = None
+    last: Allocation | None = None  # the last choice, for metrics
+
+    def __post_init__(self) -> None:
+        if self.acceptance is None:
+            self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens))
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.step_time.observe(num_tokens, seconds)
+
+    def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
+        self.acceptance.observe(key, num_drafted, num_accepted)
+
+    def forget(self, key: object) -> None:
+        self.acceptance.forget(key)
+
+    def choose(self, caps: dict[object, int], other_tokens: int = 0) -> Allocation:
+        """The next draft length of each key in `caps` (its cap on k), for a step that also carries
+        `other_tokens` of work that follows no choice (prefill, fixed-k verifications)."""
+        candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in caps.items()]
+        self.last = choose_draft_lengths(candidates, self.step_time, other_tokens)
+        return self.last

@@ -47,6 +47,23 @@ class VerifierMetrics:
                                      "Verify stream", ["stream"], registry=r)
         self.budget_fairness = Gauge("specwire_token_budget_fairness", "Jain's index of the last step's tokens "
                                      "per stream with work (1: equal shares, 1/n: one stream took all)", registry=r)
+        # What routers read to pick a replica, named as vLLM's (vllm:num_requests_waiting, ...) under this
+        # prefix so that an endpoint picker reads them the same way (README: metrics for routers).
+        self.requests_waiting = Gauge("specwire:num_requests_waiting", "Sequences opened (or preempted) and waiting "
+                                      "for KV blocks: the verifier's queue", registry=r)
+        self.requests_running = Gauge("specwire:num_requests_running", "Sequences holding KV blocks, verified in "
+                                      "the steps", registry=r)
+        self.kv_cache_usage = Gauge("specwire:kv_cache_usage_perc", "Fraction of the KV pool's blocks held by "
+                                    "sequences (1 = full)", registry=r)
+        # goodput control (--speculation auto)
+        self.draft_length_chosen = Histogram("specwire_draft_length_chosen", "Next draft length the verifier chose, "
+                                             "per sequence and step", registry=r,
+                                             buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64))
+        self.goodput_predicted = Gauge("specwire_goodput_predicted_tokens_per_second", "Verified tokens per second "
+                                       "the last choice of draft lengths expects of its step", registry=r)
+        self.goodput = Gauge("specwire_goodput_tokens_per_second", "Verified tokens per second of step time "
+                             "(moving average over about 16 steps)", registry=r)
+        self._goodput_ema: float | None = None
         # Streams whose series may exist. A step in flight when a stream closes still reports it; only streams
         # in this set get a series, so a closed stream's series stays removed.
         self._open_streams: set[int] = set()
@@ -88,3 +105,18 @@ class VerifierMetrics:
         self.preemptions.inc(stats.num_preempted)
         for pos, n in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        for k in stats.chosen_draft_lengths:
+            self.draft_length_chosen.observe(k)
+        if stats.predicted_goodput is not None:
+            self.goodput_predicted.set(stats.predicted_goodput)
+        if stats.step_time_s > 0:
+            rate = stats.num_emitted_tokens / stats.step_time_s
+            self._goodput_ema = rate if self._goodput_ema is None else 0.94 * self._goodput_ema + 0.06 * rate
+            self.goodput.set(self._goodput_ema)
+
+    def set_occupancy(self, num_waiting: int, num_running: int, blocks_used: int, blocks_total: int) -> None:
+        self.waiting_sequences.set(num_waiting)
+        self.requests_waiting.set(num_waiting)
+        self.requests_running.set(num_running)
+        self.kv_blocks_used.set(blocks_used)
+        self.kv_cache_usage.set(blocks_used / blocks_total if blocks_total else 0.0)

@@ -12,6 +12,7 @@ running 1 each get a turn per step; admission order alone would let the 16 fill 
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -73,7 +74,8 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, *, max_num_batched_tokens: int, max_draft_tokens: int,
-                 max_model_len: int, eos_token_ids: frozenset[int]) -> None:
+                 max_model_len: int, eos_token_ids: frozenset[int],
+                 on_release: Callable[[SeqKey], None] | None = None) -> None:
         # a verification is never split and never exceeds the budget, so the budget must hold the largest one
         # (VerifierConfig refuses this too), or a sequence would wait for it forever
         if max_num_batched_tokens < max_draft_tokens + 1:
@@ -93,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._num_steps = 0
         self._stream_last_served: dict[int, int] = {}  # stream id -> the step it last had a sequence scheduled
+        self._on_release = on_release  # what else keeps per-sequence state forgets it here (goodput)
 
     # -- membership -------------------------------------------------------------------------------------------
 
@@ -119,6 +122,8 @@ class Scheduler:
         else:
             del self.running[key]
         self.blocks.free(key)
+        if self._on_release is not None:
+            self._on_release(key)
 
     def has_work(self) -> bool:
         return bool(self.waiting) or any(seq.has_work for seq in self.running.values())

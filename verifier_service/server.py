@@ -54,7 +54,7 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           sequence_idle_timeout_s=config.sequence_idle_timeout_s,
                           max_sequences_per_stream=config.max_sequences_per_stream,
                           max_sequences=config.max_sequences, max_waiting_tokens=config.max_waiting_tokens,
-                          max_q_support=config.max_q_support)
+                          max_q_support=config.max_q_support, goodput=config.goodput)
 
 
 def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:
@@ -76,7 +76,9 @@ def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb
         model_id=loaded.model_id, vocab_size=loaded.vocab_size, tokenizer_fingerprint=loaded.tokenizer_fingerprint,
         max_draft_tokens=config.max_draft_tokens, block_size=config.block_size, max_model_len=loaded.max_model_len,
         protocol_version=wire.PROTOCOL_VERSION, device=info.device, device_name=info.name, platform=info.platform,
-        dtype=engine.dtype, features=wire.VERIFIER_FEATURES, model_fingerprint=loaded.model_fingerprint,
+        dtype=engine.dtype,
+        features=[f for f in wire.VERIFIER_FEATURES if f != wire.FEATURE_GOODPUT or engine.goodput is not None],
+        model_fingerprint=loaded.model_fingerprint,
         quantization=weights_label(config.quantization, loaded.gguf_path is not None),
         max_q_support=config.max_q_support)
 

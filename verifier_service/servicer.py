@@ -36,7 +36,8 @@ def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
         return verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(
             seq_id=outcome.key.seq_id, start_position=outcome.start_position, num_accepted=outcome.num_accepted,
             token_ids=outcome.token_ids, finish_reason=wire.finish_to_proto(outcome.finish_reason),
-            batch_size=outcome.batch_size, step_time_s=outcome.step_time_s))
+            batch_size=outcome.batch_size, step_time_s=outcome.step_time_s,
+            next_draft_tokens=outcome.next_draft_tokens))
     if isinstance(outcome, ErrorOut):
         return verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
             seq_id=outcome.key.seq_id, code=outcome.code.value, message=outcome.message))
@@ -180,7 +181,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 [max(len(d.token_ids), len(d.probs))
                                  for d in p.draft_probs[:limits.max_draft_tokens + 1]], limits)
             cmd = ProposeCmd(key, p.start_position, tuple(p.draft_token_ids),
-                             wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids))
+                             wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids),
+                             p.max_draft_tokens if p.HasField("max_draft_tokens") else None)
             check_proposal(cmd, limits)  # whether the sequence is coupled is the engine's to check
             return cmd
         except ServiceError as err:

@@ -31,6 +31,9 @@ class ProposeCmd:
     draft_token_ids: tuple[int, ...]
     draft_probs: tuple[SparseProbs, ...] | None  # q of each draft token; None: one-hot (or greedy)
     assumed_token_ids: tuple[int, ...] = ()  # pipelined: what it was drafted after, ending at start_position
+    # --speculation auto: the draft's cap on its next block, and its ask for the verifier's choice; None: it
+    # decides its draft length alone (a fixed k, an older draft)
+    max_draft_tokens: int | None = None
 
     @property
     def num_draft_tokens(self) -> int:
@@ -42,7 +45,7 @@ class ProposeCmd:
             return self
         draft_probs = self.draft_probs[:num_draft_tokens] if self.draft_probs else self.draft_probs
         return ProposeCmd(self.key, self.start_position, self.draft_token_ids[:num_draft_tokens], draft_probs,
-                          self.assumed_token_ids)
+                          self.assumed_token_ids, self.max_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,7 @@ class VerdictOut:
     finish_reason: FinishReason | None
     batch_size: int
     step_time_s: float = 0.0
+    next_draft_tokens: int | None = None  # the verifier's choice of the next block's length (goodput)
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,8 @@ class StepStats:
     device_s: float | None = None  # on a GPU: the device's time for the forward and the verification
     static: bool = False  # the forward ran through the static buffers (replayed a graph with --cuda-graphs)
     tokens_by_stream: dict[int, int] = field(default_factory=dict)  # streams with work -> tokens scheduled
+    chosen_draft_lengths: list[int] = field(default_factory=list)  # the next lengths chosen after this step
+    predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
 
     @property
     def budget_fairness(self) -> float:

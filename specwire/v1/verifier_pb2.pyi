@@ -96,18 +96,20 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids")
+    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    max_draft_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSequence(_message.Message):
     __slots__ = ("seq_id",)
@@ -134,7 +136,7 @@ class Welcome(_message.Message):
     def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s")
+    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s", "next_draft_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +144,7 @@ class Verdict(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     num_accepted: int
@@ -149,7 +152,8 @@ class Verdict(_message.Message):
     finish_reason: _common_pb2.FinishReason
     batch_size: int
     step_time_s: float
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ...) -> None: ...
+    next_draft_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ..., next_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class ProposalDropped(_message.Message):
     __slots__ = ("seq_id", "start_position", "num_verified")

@@ -15,7 +15,8 @@ PROTOCOL_VERSION = "1"
 # Optional features a verifier lists in VerifierInfo.features; a draft asks for one only if it is listed.
 FEATURE_COUPLED = "coupled"  # OpenSequence.coupled
 FEATURE_CACHE_SALT = "cache_salt"  # OpenSequence.cache_salt
-VERIFIER_FEATURES = (FEATURE_COUPLED, FEATURE_CACHE_SALT)
+FEATURE_GOODPUT = "goodput"  # Proposal.max_draft_tokens -> Verdict.next_draft_tokens
+VERIFIER_FEATURES = (FEATURE_COUPLED, FEATURE_CACHE_SALT, FEATURE_GOODPUT)
 # vLLM's limit is none; ours bounds what one open message makes the verifier hash and log.
 MAX_CACHE_SALT_CHARS = 256
 

@@ -1,0 +1,184 @@
+"""The goodput control inside the verifier engine (in-process, tiny model): which verdicts carry a choice of the
+next draft length, what that choice is for an idle and for a loaded verifier (a synthetic step-time model), its
+caps, and that the controller forgets every ended sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from common.sampling import SamplingParams
+from specwire.v1 import wire
+from verifier_service.config import VerifierConfig
+from verifier_service.goodput import StepTimeModel
+from verifier_service.server import build_engine, verifier_info
+from verifier_service.types import CloseCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
+
+from tiny_models import greedy_continuation, make_text_pair
+
+
+@dataclass
+class FixedStepTime(StepTimeModel):
+    """t(n) = fixed + per_token * n, whatever the steps really took."""
+
+    fixed: float = 0.0
+    per_token: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def predict(self, num_tokens: int) -> float:
+        return self.fixed + self.per_token * num_tokens
+
+
+IDLE = FixedStepTime(fixed=0.05, per_token=1e-6)  # a step's cost hardly grows with its tokens
+LOADED = FixedStepTime(fixed=0.0, per_token=0.01)  # compute-bound: every token costs the same
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_text_pair(tmp_path_factory.mktemp("goodput"), "qwen2")
+
+
+def _engine(target, step_time: StepTimeModel | None = None, **kwargs):
+    config = VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=8, num_blocks=256,
+                            **kwargs)
+    engine = build_engine(config)
+    if step_time is not None:
+        engine.goodput.step_time = step_time
+    return engine, config
+
+
+def _generate(engine, prompts, n, oracle, *, ask: int | None, first_k: int = 4, max_steps=2000):
+    """Greedy generation of n tokens per prompt. Each sequence drafts from `oracle` (the target's own greedy
+    continuation, so every draft is accepted) as many tokens as the verifier chose at its last verdict (first_k
+    before any), asking with max_draft_tokens=ask. Returns the outputs and, per sequence, the draft lengths it
+    proposed and the choices it was sent."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    keys = [SeqKey(1, i + 1) for i in range(len(prompts))]
+    out = {key: [] for key in keys}
+    k_next = dict.fromkeys(keys, first_k)
+    proposed = {key: [] for key in keys}
+    chosen = {key: [] for key in keys}
+    for key, prompt in zip(keys, prompts, strict=True):
+        engine.submit(OpenCmd(key, tuple(prompt), greedy.with_seed()))
+    pending, done = set(), set()
+    for _ in range(max_steps):
+        for i, key in enumerate(keys):
+            if key not in done and key not in pending:
+                j = len(out[key])
+                drafts = tuple(oracle[i][j:j + k_next[key]])
+                proposed[key].append(len(drafts))
+                engine.submit(ProposeCmd(key, len(prompts[i]) + j, drafts, None, max_draft_tokens=ask))
+                pending.add(key)
+        for o in engine.step().outcomes:
+            assert not isinstance(o, ErrorOut), o
+            if isinstance(o, VerdictOut):
+                pending.discard(o.key)
+                out[o.key].extend(o.token_ids)
+                chosen[o.key].append(o.next_draft_tokens)
+                if o.next_draft_tokens is not None:
+                    k_next[o.key] = o.next_draft_tokens
+                if o.finish_reason:
+                    done.add(o.key)
+        if len(done) == len(keys):
+            return [out[k] for k in keys], proposed, chosen
+    raise AssertionError("generation did not finish")
+
+
+PROMPTS = [[5 + i, 9, 11 + i, 4, 8] for i in range(6)]
+
+
+def _oracle(target, n):
+    return [greedy_continuation(target, p, n + 8) for p in PROMPTS]
+
+
+def test_an_idle_verifier_chooses_the_full_cap(pair):
+    target, _ = pair
+    engine, _ = _engine(target, IDLE)
+    outputs, proposed, chosen = _generate(engine, PROMPTS[:1], 24, _oracle(target, 24)[:1], ask=6)
+    (key,) = chosen
+    # every choice but the last rounds' (capped by the tokens left to generate) is the draft's cap
+    assert chosen[key][0] == 6 and proposed[key][1] == 6
+    assert outputs[0] == greedy_continuation(target, PROMPTS[0], 24)
+
+
+def test_a_loaded_verifier_chooses_plain_decoding_and_the_output_stays_exact(pair):
+    target, _ = pair
+    n = 12
+    engine, _ = _engine(target, LOADED)
+    outputs, proposed, chosen = _generate(engine, PROMPTS, n, _oracle(target, n), ask=6)
+    for key in chosen:
+        assert chosen[key][-1] is None  # the verdict that ends the sequence chooses nothing
+        assert set(chosen[key][:-1]) == {0}  # k = 0 every round: a token per verdict, as plain decoding
+        assert proposed[key][0] == 4 and set(proposed[key][1:]) == {0}
+    assert outputs == [greedy_continuation(target, p, n) for p in PROMPTS]
+
+
+def test_only_sequences_that_ask_get_a_choice(pair):
+    target, _ = pair
+    engine, _ = _engine(target, IDLE)
+    _, _, chosen = _generate(engine, PROMPTS[:2], 8, _oracle(target, 8)[:2], ask=None)
+    assert all(c is None for cs in chosen.values() for c in cs)
+
+
+def test_the_choice_never_passes_the_cap_the_limit_or_the_tokens_left(pair):
+    target, _ = pair
+    engine, config = _engine(target, IDLE)
+    n = 30
+    _, proposed, chosen = _generate(engine, PROMPTS[:1], n, _oracle(target, n)[:1], ask=50)
+    (key,) = chosen
+    choices = [c for c in chosen[key] if c is not None]
+    assert choices[0] == config.max_draft_tokens  # 50 asked, --max-draft-tokens 8 allowed
+    # after the verdict that ends at generated tokens g, at most n - g - 1 drafts can still be emitted
+    generated = 0
+    for k, c in zip(proposed[key], chosen[key], strict=True):
+        generated += k + 1
+        if generated < n:
+            assert c <= n - generated - 1
+    assert min(choices) < config.max_draft_tokens  # the tokens left did cap the last rounds
+
+
+def test_a_pricier_verifier_drafts_less_for_the_same_acceptance(pair):
+    """The batch term: the same six sequences, the same acceptance; the choice falls as each extra token
+    costs more of the step, from the full cap to plain decoding."""
+    target, _ = pair
+    n = 12
+    lengths = []
+    for per_token in (1e-6, 0.005, 1.0):
+        engine, _ = _engine(target, FixedStepTime(fixed=0.05, per_token=per_token))
+        _, _, chosen = _generate(engine, PROMPTS, n, _oracle(target, n), ask=6)
+        lengths.append(sum(cs[0] for cs in chosen.values()))
+    assert lengths[0] == 6 * 6 and lengths[-1] == 0
+    assert lengths[0] >= lengths[1] >= lengths[2] and lengths[0] > lengths[2]
+
+
+def test_ended_sequences_are_forgotten(pair):
+    target, _ = pair
+    engine, _ = _engine(target, IDLE)
+    _generate(engine, PROMPTS[:3], 6, _oracle(target, 6)[:3], ask=4)  # each finishes at max_tokens
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True).with_seed()
+    key = SeqKey(2, 1)
+    engine.submit(OpenCmd(key, tuple(PROMPTS[3]), greedy))
+    engine.submit(ProposeCmd(key, len(PROMPTS[3]), (7, 7), None, max_draft_tokens=4))
+    engine.step()
+    assert key in engine.goodput.acceptance._tried
+    engine.submit(CloseCmd(key))  # cancelled halfway
+    engine.step()
+    assert not engine.goodput.acceptance._tried and not engine.goodput.acceptance._accepted
+
+
+def test_without_goodput_no_choice_is_sent_and_the_feature_is_not_listed(pair):
+    target, _ = pair
+    engine, config = _engine(target, goodput=False)
+    assert engine.goodput is None
+    _, _, chosen = _generate(engine, PROMPTS[:1], 6, _oracle(target, 6)[:1], ask=4)
+    assert all(c is None for cs in chosen.values() for c in cs)
+    assert wire.FEATURE_GOODPUT not in verifier_info(engine, config).features
+    engine, config = _engine(target)
+    assert wire.FEATURE_GOODPUT in verifier_info(engine, config).features
