@@ -22,6 +22,7 @@ from common.sampling import WireMode
 
 WIRE_MODES = tuple(m.value for m in WireMode)
 PROPOSERS = ("model", "ngram")
+SPECULATION_MODES = ("auto", "adaptive", "fixed")
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,13 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
-    num_speculative_tokens: int = option(4, "draft tokens per round (k), the largest with --adaptive-k "
-                                         "(0: target only)")
+    num_speculative_tokens: int = option(4, "draft tokens per round (k): every round with --speculation fixed, "
+                                         "the most otherwise (0: target only)")
+    speculation: str = option("auto", "how many tokens each round drafts: auto (the verifier chooses from its load "
+                              "and the sequence's acceptance, capped by k and by what this service's own drafting "
+                              "costs; 0 under heavy load), adaptive (this sequence's own tokens/s alone, no "
+                              "verifier choice) or fixed (k every round). Seeded requests verified by rejection "
+                              "sampling (sparse, one-hot) always draft k", choices=SPECULATION_MODES)
     proposer: str = option("model", "model: the draft model; ngram: prompt lookup, no model weights used",
                            choices=PROPOSERS)
     pipeline: bool = option(False, "pipelined drafting: while a verdict is in flight, draft the next block "
@@ -43,8 +49,7 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                             "at once; hides the round trip when the verifier is on another host")
     pipeline_width: int = option(0, "with --pipeline: branches drafted ahead per round, fixed (1: only the "
                                  "full-acceptance guess; at most 8); 0: learned from the measured stall")
-    adaptive_k: bool = option(False, "choose k per sequence and round from its acceptance and the measured draft "
-                              "and verify times")
+    adaptive_k: bool = option(False, "the same as --speculation adaptive (kept for older command lines)")
     draft_confidence_threshold: float = option(0.0, "end a draft block early when the draft's top probability "
                                                "falls below this")
     wire_mode: str = option("sparse", "how sampled requests are verified (a request may choose its own): sparse "
@@ -95,6 +100,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.wire_mode not in WIRE_MODES:
             raise ValueError(f"wire_mode must be one of {', '.join(WIRE_MODES)}, got {self.wire_mode!r}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
         if not 0.0 <= self.draft_confidence_threshold < 1.0:
@@ -109,6 +116,11 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
             raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
+
+    @property
+    def speculation_mode(self) -> str:
+        """--speculation, with the older --adaptive-k meaning adaptive."""
+        return "adaptive" if self.adaptive_k else self.speculation
 
     @property
     def verifier_uses_tls(self) -> bool:

@@ -54,6 +54,9 @@ class _Flight:
     stale: int = 0  # pipelined proposals whose guess missed: the verifier drops them, their ProposalDropped is due
     resumed: bool = False  # the stream broke during the last wait: any pipelined proposal was lost with it
     proposal_bytes: int = 0  # serialized size of every proposal sent
+    # --speculation auto: this service's cap on the next block, sent with each proposal to ask for the
+    # verifier's choice of its length; None: the draft length is this service's alone
+    max_draft_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,9 @@ class Generator:
         self.drafter = drafter
         self.metrics = metrics or DraftMetrics()
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
-        # n-gram drafts cost nothing to make: there is no draft time for adaptive k to weigh
-        self.adaptive_k = config.adaptive_k and config.proposer == "model"
+        self.speculation = config.speculation_mode
+        # n-gram drafts cost nothing to make: there is no draft time for the own-cost rule to weigh
+        self.weighs_own_cost = config.proposer == "model"
         # one-hot and coupled wire modes send ids only: the verifier then takes q = delta(x) (lossless for any q),
         # or decides every token from its own noise
         self.wire_mode = WireMode(config.wire_mode)
@@ -188,7 +192,13 @@ class Generator:
         mode = req.wire_mode or self.wire_mode
         seq = DraftSequence(self._sampling(req.sampling.with_seed(), mode, identity), list(prompt), wire_mode=mode,
                             q_max_support=q_support_limit(mode, identity))
-        adaptive = AdaptiveDraftLength(k) if self.adapts_k(req, k, coupled=seq.sampling.coupled) else None
+        varies = self.adapts_k(req, k, coupled=seq.sampling.coupled)
+        # the own-cost rule: this sequence's tokens/s from its acceptance and this service's measured drafting and
+        # waiting times; under auto it caps what the verifier may choose (drafting for many streams on few cores
+        # is slow), under adaptive it decides alone
+        adaptive = AdaptiveDraftLength(k) if varies and self.weighs_own_cost else None
+        follows_verifier = varies and self.speculation == "auto"
+        choice: int | None = None  # the verifier's choice for the next round, from the last verdict
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
@@ -202,7 +212,9 @@ class Generator:
         try:
             while not finished:
                 t_draft = time.perf_counter()
-                k_round = adaptive.next_k() if adaptive else k
+                own_cap = adaptive.next_k() if adaptive else k
+                k_round = own_cap if choice is None else min(own_cap, choice)
+                flight.max_draft_tokens = own_cap if follows_verifier else None
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
                     flight.proposed = self._try_propose(seq_id, seq, seq.num_tokens, block, flight)
@@ -221,6 +233,7 @@ class Generator:
                     width.observe(width_used, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
                 seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)
+                choice = verdict.next_draft_tokens if follows_verifier else None
                 finished = verdict.finish_reason is not None
                 verified_block, block = block, None
                 if aheads:
@@ -254,12 +267,13 @@ class Generator:
         yield stats
 
     def adapts_k(self, req: GenerationRequest, k: int, *, coupled: bool = False) -> bool:
-        """Adaptive k reads clocks, and under rejection sampling a sampled token depends on where rounds start (a
-        bonus token and a drafted one are decided differently). A seeded request verified by rejection sampling
-        therefore keeps the fixed k, so the same seed gives the same tokens from the same service whatever the
-        load. Greedy and coupled output never depend on k."""
+        """Whether the draft length may vary by round (--speculation auto or adaptive). Both read clocks and
+        load, and under rejection sampling a sampled token depends on where rounds start (a bonus token and a
+        drafted one are decided differently). A seeded request verified by rejection sampling therefore keeps
+        the fixed k, so the same seed gives the same tokens from the same service whatever the load. Greedy and
+        coupled output never depend on k."""
         seeded_rejection = req.sampling.seed is not None and not req.sampling.is_greedy and not coupled
-        return self.adaptive_k and k > 0 and not seeded_rejection
+        return self.speculation != "fixed" and k > 0 and not seeded_rejection
 
     def _sampling(self, sampling: SamplingParams, mode: WireMode, identity: VerifierIdentity) -> SamplingParams:
         """The sequence's sampling parameters: coupled when a sampled request's wire mode is."""
@@ -314,7 +328,8 @@ class Generator:
         """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""
         try:
             flight.proposal_bytes += self.link.propose(seq_id, start, block, send_draft_probs=seq.sends_draft_probs,
-                                                       assumed_token_ids=assumed)
+                                                       assumed_token_ids=assumed,
+                                                       max_draft_tokens=flight.max_draft_tokens)
         except LinkDown:
             return False
         return True
@@ -402,7 +417,8 @@ class Generator:
             try:
                 if not flight.proposed:
                     flight.proposal_bytes += self.link.propose(seq_id, seq.num_tokens, block,
-                                                               send_draft_probs=seq.sends_draft_probs)
+                                                               send_draft_probs=seq.sends_draft_probs,
+                                                               max_draft_tokens=flight.max_draft_tokens)
                     flight.proposed = True
                 event = await self.link.next_event(seq_id)
             except LinkDown as err:

@@ -122,7 +122,7 @@ async def serve(config: DraftConfig) -> None:
     watcher = asyncio.create_task(track_verifier(link, server.health), name="verifier-health")
     log.info("draft_ready", address=f"{config.host}:{server.port}", model=model_id, verifier=config.verifier,
              proposer=config.proposer, num_speculative_tokens=config.num_speculative_tokens,
-             adaptive_k=config.adaptive_k, wire_mode=config.wire_mode, tls=bool(config.tls_cert),
+             speculation=config.speculation_mode, wire_mode=config.wire_mode, tls=bool(config.tls_cert),
              mutual_tls=bool(config.tls_client_ca), tokens_required=bool(config.auth_token_file),
              verifier_tls=config.verifier_uses_tls)
 

@@ -33,6 +33,7 @@ class VerdictEvent:
     batch_size: int
     step_time_s: float = 0.0
     received_at: float = 0.0  # time.perf_counter() when it arrived from the verifier
+    next_draft_tokens: int | None = None  # the verifier's choice of the next block's length (goodput)
 
 
 @dataclass(frozen=True)

@@ -297,13 +297,17 @@ class VerifierLink:
                 continue
 
     def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool,
-                assumed_token_ids: tuple[int, ...] = ()) -> int:
+                assumed_token_ids: tuple[int, ...] = (), max_draft_tokens: int | None = None) -> int:
         """Send; returns the message's serialized size. Raises LinkDown when the sequence is not open on the
         current stream (it broke, and the sequence was not reopened yet): a proposal sent there would reach a
-        verifier that does not know the sequence."""
+        verifier that does not know the sequence. `max_draft_tokens`: ask for the verifier's choice of the next
+        block's length, at most this (sent only to a verifier with the goodput feature)."""
         if self._open_on.get(seq_id) != self._num_connections:
             raise LinkDown(f"sequence {seq_id} is not open on the current Verify stream to {self._target}")
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
+        if max_draft_tokens is not None and self.identity is not None \
+                and wire.FEATURE_GOODPUT in self.identity.features:
+            msg.max_draft_tokens = max_draft_tokens
         if send_draft_probs and block.draft_probs is not None:
             msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
         msg.assumed_token_ids.extend(assumed_token_ids)
@@ -363,7 +367,8 @@ class VerifierLink:
             v = msg.verdict
             event: LinkEvent = VerdictEvent(v.start_position, v.num_accepted, tuple(v.token_ids),
                                             wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s,
-                                            time.perf_counter())
+                                            time.perf_counter(),
+                                            v.next_draft_tokens if v.HasField("next_draft_tokens") else None)
             seq_id = v.seq_id
         elif kind == "error":
             e = msg.error

@@ -85,3 +85,15 @@ def test_verifier_limits_are_validated(flag, value, fragment):
 def test_the_verifier_accepts_what_the_draft_sends_by_default():
     """A draft's q has at most --q-max-support tokens per position: the verifier's default takes it."""
     assert VerifierConfig(model="m").max_q_support >= DraftConfig(model="m").q_max_support
+
+
+def test_speculation_modes_parse_and_adaptive_k_is_their_older_name(monkeypatch):
+    assert DraftConfig(model="m").speculation_mode == "auto"  # the default: the verifier chooses
+    assert _parse(DraftConfig, ["--model", "m", "--speculation", "fixed"], monkeypatch).speculation_mode == "fixed"
+    assert _parse(DraftConfig, ["--model", "m", "--adaptive-k"], monkeypatch).speculation_mode == "adaptive"
+    assert _parse(DraftConfig, ["--model", "m"], monkeypatch,
+                  {"SPECWIRE_SPECULATION": "adaptive"}).speculation_mode == "adaptive"
+    with pytest.raises(ValueError, match="speculation"):
+        DraftConfig(model="m", speculation="sometimes")
+    assert VerifierConfig(model="m").goodput is True
+    assert _parse(VerifierConfig, ["--model", "m", "--goodput", "false"], monkeypatch).goodput is False

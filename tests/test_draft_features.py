@@ -71,13 +71,15 @@ def test_ngram_sampling_is_seeded_and_drafts_get_accepted(text_stack, extra_draf
     assert greedy.stats.num_draft_tokens > 0
 
 
-def test_seeded_sampled_requests_keep_a_fixed_k_under_adaptive_k():
+@pytest.mark.parametrize("mode", [{"adaptive_k": True}, {"speculation": "adaptive"}, {"speculation": "auto"}, {}])
+def test_seeded_sampled_requests_keep_a_fixed_k_under_adaptive_k(mode):
+    """Under --speculation auto (the default) and adaptive alike."""
     from common.sampling import SamplingParams
     from draft_service.config import DraftConfig
     from draft_service.generation import Generator
     from draft_service.types import GenerationRequest
 
-    gen = Generator(DraftConfig(model="m", adaptive_k=True), tokenizer=None, vocab_size=10, link=None, drafter=None)
+    gen = Generator(DraftConfig(model="m", **mode), tokenizer=None, vocab_size=10, link=None, drafter=None)
 
     def request(**sampling):
         return GenerationRequest("hi", None, SamplingParams(**sampling))
@@ -87,6 +89,19 @@ def test_seeded_sampled_requests_keep_a_fixed_k_under_adaptive_k():
     assert not gen.adapts_k(request(temperature=0.8, seed=3), 4)  # seeded sampling: fixed k, reproducible
     assert gen.adapts_k(request(temperature=0.8, seed=3), 4, coupled=True)  # coupled: output does not depend on k
     assert not gen.adapts_k(request(temperature=0.8), 0)
+
+
+def test_a_fixed_k_never_varies():
+    from common.sampling import SamplingParams
+    from draft_service.config import DraftConfig
+    from draft_service.generation import Generator
+    from draft_service.types import GenerationRequest
+
+    gen = Generator(DraftConfig(model="m", speculation="fixed"), tokenizer=None, vocab_size=10, link=None,
+                    drafter=None)
+    for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)):
+        assert not gen.adapts_k(GenerationRequest("hi", None, sampling), 4)
+        assert not gen.adapts_k(GenerationRequest("hi", None, sampling), 4, coupled=True)
 
 
 def test_seeded_sampling_is_reproducible_through_an_adaptive_draft(text_stack, extra_drafts):

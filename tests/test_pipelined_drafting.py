@@ -103,7 +103,7 @@ class FakeVerifier:
         self.verified[seq_id] = []
         return seq_id
 
-    def propose(self, seq_id, start_position, block, *, send_draft_probs, assumed_token_ids=()) -> int:
+    def propose(self, seq_id, start_position, block, *, send_draft_probs, assumed_token_ids=(), **_) -> int:
         s = self.seqs[seq_id]
         s.proposals.append((start_position, block, tuple(assumed_token_ids)))
         if s.task is None or s.task.done():
@@ -194,8 +194,9 @@ class _Service:
 
 def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: int = 4, threshold: float = 0.0,
              width: int = 3, model: DraftModel | None = None) -> _Service:
+    # a fixed k: the rounds compared must draft the same lengths (--speculation auto reads clocks)
     config = DraftConfig(model="m", proposer=proposer, pipeline=pipeline, pipeline_width=width if pipeline else 0,
-                         num_speculative_tokens=k, draft_confidence_threshold=threshold)
+                         num_speculative_tokens=k, draft_confidence_threshold=threshold, speculation="fixed")
     prop = None
     if proposer == "ngram":
         drafter = NgramDrafter()
@@ -270,7 +271,7 @@ def test_a_pipelined_block_is_the_unpipelined_block_on_every_branch(reference_mo
         plain = _service(link, pipeline=False, threshold=0.5)
         gen = service.generator
         sent = []
-        link.propose = lambda seq_id, start, block, *, send_draft_probs, assumed_token_ids=(): (
+        link.propose = lambda seq_id, start, block, *, send_draft_probs, assumed_token_ids=(), **_: (
             sent.append((start, block, assumed_token_ids)) or 1)
         try:
             for prompt in _prompts("model"):
@@ -362,7 +363,7 @@ class QLimitedVerifier(FakeVerifier):
         self.identity = dataclasses.replace(self.identity, max_q_support=limit)
         self.sent: list[tuple[int, SparseProbs]] = []
 
-    def propose(self, seq_id, start_position, block, *, send_draft_probs, assumed_token_ids=()) -> int:
+    def propose(self, seq_id, start_position, block, *, send_draft_probs, assumed_token_ids=(), **_) -> int:
         if send_draft_probs and block.draft_probs is not None:
             self.sent.extend(zip(block.token_ids, block.draft_probs, strict=True))
         return super().propose(seq_id, start_position, block, send_draft_probs=send_draft_probs,
