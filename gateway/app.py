@@ -15,7 +15,7 @@ import structlog
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.security import TokenFile, read_file, read_token
@@ -72,6 +72,42 @@ class GatewayMetrics:
                                  "answer when unstreamed, the first chunk when streamed", ["endpoint"],
                                  registry=self.registry,
                                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
+        # What routers read to pick a gateway, named as vLLM's (vllm:num_requests_waiting, ...) under the prefix
+        # the verifier uses, so that an endpoint picker reads them the same way. The gateway has no admission
+        # limit or queue of its own: waiting is what it has accepted and not yet begun to answer.
+        self.requests_waiting = Gauge("specwire:num_requests_waiting", "Generation requests accepted (valid, "
+                                      "model known) whose first token has not arrived: chat templates rendering "
+                                      "and requests at the draft service before their first token (the gateway "
+                                      "has no queue of its own)", registry=self.registry)
+        self.requests_running = Gauge("specwire:num_requests_running", "Generation requests past their first "
+                                      "token that the gateway is still generating or streaming", registry=self.registry)
+
+    def in_flight(self) -> InFlight:
+        return InFlight(self)
+
+
+class InFlight:
+    """One generation request in the gauges: waiting from when it is accepted until its first token, then running
+    until `finish`. Both steps are idempotent, so every path that ends a request (answer, error, a client gone, a
+    stream closed or never read) may call `finish` and the gauges count it once."""
+
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self._metrics = metrics
+        self._state = "waiting"
+        metrics.requests_waiting.inc()
+
+    def started(self) -> None:
+        if self._state == "waiting":
+            self._metrics.requests_waiting.dec()
+            self._metrics.requests_running.inc()
+            self._state = "running"
+
+    def finish(self) -> None:
+        if self._state == "waiting":
+            self._metrics.requests_waiting.dec()
+        elif self._state == "running":
+            self._metrics.requests_running.dec()
+        self._state = "done"
 
 
 class CountRequests:
@@ -204,35 +240,50 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None,
         body.check()
         prompt = body.prompt_kwargs()
         kwargs = {**prompt, **body.generate_kwargs(body.max_new_tokens())}
-        return await _respond(request, body, kwargs, "cmpl", "text_completion", _completion_choice)
+        return await _respond(request, body, kwargs, "cmpl", "text_completion", _completion_choice,
+                              metrics.in_flight())
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         body.check()
-        kwargs = {"prompt_token_ids": await chat.render(body.template_messages()),
-                  **body.generate_kwargs(body.max_new_tokens())}
-        return await _respond(request, body, kwargs, "chatcmpl", "chat.completion", _chat_choice)
+        flight = metrics.in_flight()  # the template renders one conversation at a time: a queue of the gateway's
+        try:
+            kwargs = {"prompt_token_ids": await chat.render(body.template_messages()),
+                      **body.generate_kwargs(body.max_new_tokens())}
+        except BaseException:
+            flight.finish()
+            raise
+        return await _respond(request, body, kwargs, "chatcmpl", "chat.completion", _chat_choice, flight)
 
-    async def _respond(request: Request, body, kwargs: dict, prefix: str, kind: str, choice) -> Response:
+    async def _respond(request: Request, body, kwargs: dict, prefix: str, kind: str, choice,
+                       flight: InFlight) -> Response:
+        """The answer; `flight` ends here, or, for a stream, when its response has been sent or abandoned."""
         client = state["client"]
         rid, t0 = new_id(prefix), time.perf_counter()
         if body.stream:
             result = Result()
-            chunks = client.stream(**kwargs, result=result)
-            try:  # the first chunk before the headers: a request the services refuse gets its own status
-                first = await anext(chunks)
-            except StopAsyncIteration:
-                first = None
-            except SpecwireError as err:
-                raise from_grpc(err.code, err.message) from None
+            try:
+                chunks = client.stream(**kwargs, result=result)
+                try:  # the first chunk before the headers: a request the services refuse gets its own status
+                    first = await anext(chunks)
+                except StopAsyncIteration:
+                    first = None
+                except SpecwireError as err:
+                    raise from_grpc(err.code, err.message) from None
+            except BaseException:
+                flight.finish()
+                raise
+            flight.started()
             events = _stream(body, chunks, first, result, rid, kind, choice)
-            return StreamingResponse(_sse(events, rid, t0), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return _EventStream(_sse(events, rid, t0), flight, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
-            result = await _unless_disconnected(request, client.generate(**kwargs))
+            result = await _unless_disconnected(request, _collect(client, kwargs, flight))
         except SpecwireError as err:
             raise from_grpc(err.code, err.message) from None
+        finally:
+            flight.finish()
         if result is None:  # the client went away; the generation was cancelled
             log.info("gateway_request", id=rid, outcome="disconnected")
             return Response(status_code=499)
@@ -270,6 +321,30 @@ def create_app(config: GatewayConfig, *, chat: ChatTemplate | None = None,
     return app
 
 
+class _EventStream(StreamingResponse):
+    """A streamed answer that ends its request in the gauges however the response ends: sent, an error, or the
+    client gone (an http.disconnect under ASGI 2.3, or an OSError from send under 2.4, which leaves the body
+    iterator suspended until the loop finalizes it)."""
+
+    def __init__(self, content: AsyncIterator[str], flight: InFlight, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._flight = flight
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._flight.finish()
+
+
+async def _collect(client: AsyncClient, kwargs: dict, flight: InFlight) -> Result:
+    """An unstreamed generation (as the SDK's generate() does it), telling `flight` when the first token came."""
+    result = Result()
+    async for _ in client.stream(**kwargs, result=result):
+        flight.started()
+    return result
+
+
 def _completion_choice(text: str, reason: str | None, *, final: bool) -> dict:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
@@ -290,12 +365,21 @@ async def _sse(events: AsyncIterator[dict], rid: str, t0: float) -> AsyncIterato
             yield f"data: {json.dumps(payload)}\n\n"
     except SpecwireError as err:
         outcome = "error"
-        yield f"data: {json.dumps(from_grpc(err.code, err.message).body())}\n\n"
+        yield _sse_error(from_grpc(err.code, err.message))
     except asyncio.CancelledError:
         log.info("gateway_request", id=rid, outcome="disconnected", stream=True)
         raise
     yield "data: [DONE]\n\n"
     log.info("gateway_request", id=rid, outcome=outcome, stream=True, wall_s=round(time.perf_counter() - t0, 4))
+
+
+def _sse_error(err: ApiError) -> str:
+    """An error after the headers, as an SSE message every client we know reads as a failure: the `data` line is
+    vLLM's and OpenAI's error object (the openai package and guidellm raise on it), the `event: error` field and
+    the comment with the message are what aiperf looks for (without them it counted a broken stream as a success
+    with fewer tokens). Clients that know neither skip the `event` and comment lines, as SSE says."""
+    message = " ".join(err.message.splitlines())
+    return f"event: error\n: {message}\ndata: {json.dumps(err.body())}\n\n"
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Result | None:

@@ -1,0 +1,285 @@
+"""The gateway measured by two serving benchmarks from PyPI that nobody here wrote: guidellm and aiperf (issue 23).
+
+For each mode a fresh verifier, draft service and `specwire gateway` start with the CLI on this host (the default
+pair from `make models`), and for each concurrency each client runs against the gateway's /v1/completions,
+streamed, with its own synthetic prompts (--prompt-tokens long, --output-tokens generated, EOS ignored) and a
+bounded number of requests: max(8, 2 C) per level. The figures printed are the clients' own, read from the files
+they write: time to first token, inter-token latency (p50 and p99, ms) and output tokens/s.
+
+    bench/external_clients.sh [--modes k0,auto] [--concurrency 1,4,16] [--clients guidellm,aiperf]
+                              [--prompt-tokens 64] [--output-tokens 48] [--out bench/out/external]
+
+Modes: k0 starts the draft with --num-speculative-tokens 0 (the target alone, through the same path); auto with
+--speculation auto (the verifier chooses each round's draft length); fixed-K with --speculation fixed
+--num-speculative-tokens K. The clients run from their own virtual environments (bench/.venv-guidellm,
+bench/.venv-aiperf, which bench/external_clients.sh installs), offline: the tokenizer is the target's directory
+and nothing is fetched from a model hub. Writes summary.json and each client's own output under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from specwire.launch import Stack  # noqa: E402
+
+VENVS = {"guidellm": ROOT / "bench" / ".venv-guidellm", "aiperf": ROOT / "bench" / ".venv-aiperf"}
+# Never a model hub: the tokenizer is a local directory and the prompts are synthetic.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
+
+
+def mode_args(mode: str) -> list[str]:
+    """The draft service's flags for a mode."""
+    if mode == "k0":
+        return ["--num-speculative-tokens", "0"]
+    if mode == "auto":
+        return ["--speculation", "auto"]
+    if mode.startswith("fixed-"):
+        return ["--speculation", "fixed", "--num-speculative-tokens", mode.removeprefix("fixed-")]
+    raise ValueError(f"unknown mode {mode!r}: k0, auto or fixed-K")
+
+
+def requests_for(concurrency: int) -> int:
+    return max(8, 2 * concurrency)
+
+
+# -- guidellm ---------------------------------------------------------------------------------------------------
+
+def guidellm_command(url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
+                     output_tokens: int, out: Path) -> list[str]:
+    n = requests_for(concurrency)
+    return [str(VENVS["guidellm"] / "bin" / "guidellm"), "run",
+            "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions,"
+                         "timeout=3600",
+            "--profile", f"kind=concurrent,streams={concurrency}",
+            "--constraint", f"kind=max_requests,count={n}",
+            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+            "--output", f"kind=json,path={out / 'benchmarks.json'}",
+            "--output", f"kind=csv,path={out / 'benchmarks.csv'}",
+            "--disable-console-interactive"]
+
+
+def guidellm_figures(out: Path) -> dict:
+    """TTFT, ITL (ms) and output tokens/s of the one benchmark in guidellm's JSON report."""
+    report = json.loads((out / "benchmarks.json").read_text())
+    bench = report["benchmarks"][0]
+    metrics = bench["metrics"]
+
+    def dist(name: str) -> dict:
+        return metrics[name]["successful"]
+
+    ttft, itl, tps = dist("time_to_first_token_ms"), dist("inter_token_latency_ms"), dist("output_tokens_per_second")
+    totals = metrics["request_totals"]
+    return {"ttft_p50_ms": _pct(ttft, 50), "ttft_p99_ms": _pct(ttft, 99), "itl_p50_ms": _pct(itl, 50),
+            "itl_p99_ms": _pct(itl, 99), "output_tok_s": tps["mean"],
+            "requests_ok": totals["successful"], "requests_errored": totals["errored"]}
+
+
+def _pct(dist: dict, q: int) -> float:
+    pcts = dist["percentiles"]
+    return float(pcts.get(f"p{q}", pcts.get(f"p{q:02d}", math.nan)))
+
+
+# -- aiperf -----------------------------------------------------------------------------------------------------
+
+def aiperf_command(url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
+                   output_tokens: int, out: Path) -> list[str]:
+    n = requests_for(concurrency)
+    # ignore_eos: without it aiperf's --output-tokens-mean is only max_tokens (it warns so). No --server-metrics:
+    # aiperf would poll the gateway's /metrics about twice a second, work that guidellm's runs do not pay.
+    return [str(VENVS["aiperf"] / "bin" / "aiperf"), "profile",
+            "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
+            "--concurrency", str(concurrency), "--request-count", str(n),
+            "--synthetic-input-tokens-mean", str(prompt_tokens), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
+            "--extra-inputs", "ignore_eos:true", "--tokenizer", AIPERF_TOKENIZER, "--artifact-dir", str(out),
+            "--ui-type", "none", "--random-seed", "0", "--no-server-metrics"]
+
+
+# NOTE: aiperf 0.13 offline (HF_HUB_OFFLINE) looks every --tokenizer up in the Hugging Face cache by repository id,
+# a local directory too (HFValidationError), and online it may ask the hub to resolve the name. So the target's
+# tokenizer files are linked into a cache of our own under a made-up id, which it finds with no network at all.
+AIPERF_TOKENIZER = "local/specwire-target"
+_SNAPSHOT = "0" * 40
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
+                    "chat_template.jinja", "special_tokens_map.json", "vocab.json", "merges.txt")
+
+
+def aiperf_hub_cache(root: Path, tokenizer: Path) -> Path:
+    """A Hugging Face hub cache holding only `tokenizer`'s files (links), as AIPERF_TOKENIZER."""
+    repo = root / ("models--" + AIPERF_TOKENIZER.replace("/", "--"))
+    snapshot = repo / "snapshots" / _SNAPSHOT
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(_SNAPSHOT)
+    for name in _TOKENIZER_FILES:
+        link = snapshot / name
+        if (tokenizer / name).exists() and not link.exists():
+            link.symlink_to((tokenizer / name).resolve())
+    return root
+
+
+def aiperf_figures(out: Path) -> dict:
+    """TTFT, ITL (ms) and output tokens/s from aiperf's JSON export."""
+    path = next(out.rglob("profile_export_aiperf.json"))
+    report = json.loads(path.read_text())
+    records = report.get("records", report)
+
+    def metric(name: str) -> dict:
+        return records.get(name) or {}
+
+    ttft, itl = metric("time_to_first_token"), metric("inter_token_latency")
+    tps = metric("output_token_throughput")
+    return {"ttft_p50_ms": float(ttft.get("p50", math.nan)), "ttft_p99_ms": float(ttft.get("p99", math.nan)),
+            "itl_p50_ms": float(itl.get("p50", math.nan)), "itl_p99_ms": float(itl.get("p99", math.nan)),
+            "output_tok_s": float(tps.get("avg", math.nan)),
+            "requests_ok": int(metric("request_count").get("avg", 0)),
+            "requests_errored": int(metric("error_request_count").get("avg", 0))}
+
+
+CLIENTS = {"guidellm": (guidellm_command, guidellm_figures), "aiperf": (aiperf_command, aiperf_figures)}
+
+
+# -- the stack and the runs ----------------------------------------------------------------------------------
+
+def start_stack(stack: Stack, mode: str, models: Path, log_dir: Path, verifier_args: list[str],
+                draft_args: list[str]) -> str:
+    """verifier + draft (in `mode`) + gateway; the gateway's base URL, warmed by one request."""
+    target, draft = models / "target", models / "draft"
+    verifier = stack.start(f"verifier-{mode}", ["verifier", "--model", str(target), *verifier_args],
+                           log_dir=log_dir)
+    d = stack.start(f"draft-{mode}", ["draft", "--model", str(draft), "--verifier", verifier.address,
+                                      *mode_args(mode), *draft_args], log_dir=log_dir)
+    gateway = stack.start_gateway(d.address, tokenizer=target, log_dir=log_dir)
+    url = gateway.address
+    body = json.dumps({"model": target.name, "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True})
+    request = urllib.request.Request(url + "/v1/completions", data=body.encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        json.load(reply)
+    return url
+
+
+def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
+               output_tokens: int, out: Path, timeout_s: float) -> dict:
+    command, figures = CLIENTS[name]
+    out.mkdir(parents=True, exist_ok=True)
+    argv = command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out)
+    (out / "command.json").write_text(json.dumps(argv, indent=1))
+    env = {**os.environ, **OFFLINE, "HOME": str(out / "home"), "MPLCONFIGDIR": str(out / "home" / "mpl"),
+           "GUIDELLM__DEFAULT_RESULTS_DIR": str(out),
+           "HF_HUB_CACHE": str(aiperf_hub_cache(out.parent / "hf-cache", tokenizer))}
+    t0 = time.perf_counter()
+    with open(out / "client.log", "wb") as log:
+        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s,
+                              check=False)
+    row = {"client": name, "concurrency": concurrency, "requests": requests_for(concurrency),
+           "wall_s": round(time.perf_counter() - t0, 1), "exit_code": proc.returncode}
+    try:
+        row.update(figures(out))
+    except (OSError, KeyError, StopIteration, ValueError, IndexError, TypeError) as err:
+        row["error"] = f"{type(err).__name__}: {err}"
+        tail = (out / "client.log").read_text(errors="replace")[-2000:]
+        print(f"{name} at concurrency {concurrency}: no figures ({row['error']})\n{tail}", file=sys.stderr)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| mode | client | streams | requests ok/err | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s |\n"
+            "|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | failed: {r['error'][:60]} | | | |")
+            continue
+        lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | {r['requests_ok']}/"
+                     f"{r['requests_errored']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['output_tok_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="k0,auto", help="k0, auto, fixed-K (comma-separated)")
+    p.add_argument("--concurrency", default="1,4,16")
+    p.add_argument("--clients", default="guidellm,aiperf")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=48)
+    p.add_argument("--models", type=Path, default=ROOT / ".models")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "external")
+    p.add_argument("--timeout", type=float, default=3600.0, help="longest one client run may take (seconds)")
+    p.add_argument("--verifier-args", default="", help="extra flags for `specwire verifier` (one string)")
+    p.add_argument("--draft-args", default="", help="extra flags for `specwire draft` (one string)")
+    p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")
+    args = p.parse_args()
+    # SIGTERM (and SIGINT, which a background job inherits ignored) end the run through the stacks' cleanup, so no
+    # verifier or draft outlives it
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _interrupt)
+    modes, clients = args.modes.split(","), args.clients.split(",")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    for name in clients:
+        if name not in CLIENTS:
+            p.error(f"unknown client {name!r}")
+        if not (VENVS[name] / "bin" / name).exists():
+            p.error(f"{name} is not installed in {VENVS[name]}: run bench/external_clients.sh")
+    tokenizer, model = args.models / "target", (args.models / "target").name
+    log_dir = Path(tempfile.mkdtemp(prefix="specwire-external-"))
+    try:
+        rows = run_all(args, modes, clients, levels, tokenizer, model, log_dir)
+    except KeyboardInterrupt:
+        print("interrupted; services stopped", file=sys.stderr)
+        return 130
+    if args.serve:
+        return 0
+    title = (f"outside clients against `specwire gateway`, default pair, {args.prompt_tokens} prompt tokens "
+             f"(synthetic), {args.output_tokens} output tokens, streamed /v1/completions")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+    md = table(rows)
+    (args.out / "summary.md").write_text(f"{title}\n\n{md}\n")
+    print(f"\n{title}\n\n{md}\n\nlogs: {log_dir}\nsummary: {args.out / 'summary.json'}")
+    return 0 if rows and all("error" not in r and r["exit_code"] == 0 for r in rows) else 1
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
+
+
+def run_all(args, modes: list[str], clients: list[str], levels: list[int], tokenizer: Path, model: str,
+            log_dir: Path) -> list[dict]:
+    rows: list[dict] = []
+    for mode in modes:
+        with Stack() as stack:
+            url = start_stack(stack, mode, args.models, log_dir, args.verifier_args.split(),
+                              args.draft_args.split())
+            if args.serve:
+                print(f"gateway for mode {mode}: {url} (model {model}); logs in {log_dir}", flush=True)
+                while True:
+                    time.sleep(3600)
+            for c in levels:
+                for name in clients:
+                    row = {"mode": mode, **run_client(name, url, model, tokenizer, c, args.prompt_tokens,
+                                                      args.output_tokens, args.out / mode / f"{name}-c{c}",
+                                                      args.timeout)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
