@@ -1,16 +1,17 @@
 """Throughput and latency against concurrency, per speculation mode (issue 23).
 
-For each mode (k = 0, a fixed k, and `auto`: the draft started with `--speculation auto`, issue 23's goodput
-control, which the draft service does not have yet) a fresh verifier and draft service start with the CLI,
+For each mode (k = 0, a fixed k: the draft started with `--speculation fixed`, and `auto`: with `--speculation
+auto`, the verifier's goodput control of the draft length) a fresh verifier and draft service start with the CLI,
 and for each concurrency C, C client streams send greedy requests back to back (code prompts, a fixed number of
-output tokens, EOS ignored) until 2 C requests (at least 8) are done. Per concurrency and mode it reports:
+output tokens, EOS ignored) until --requests-per-stream x C requests (at least --min-requests) are done. Per concurrency and mode it reports:
 - aggregate output tokens/s (all tokens over the window's wall time);
 - time to first token, p50 and p99 over requests;
 - inter-token latency, p50 and p99 over requests, each request's (last chunk - first chunk) / (tokens - 1), the
   definition guidellm and aiperf use.
 
     python bench/capacity.py [--pair default|synthetic] [--concurrency 1,2,4,8,16,32,64] [--tokens 48]
-                             [--modes 0,4] [--rtt-ms 0] [--pin] [--out bench/out/capacity]
+                             [--modes 0,4,auto] [--rtt-ms 0] [--pin] [--requests-per-stream 2] [--min-requests 8]
+                             [--out bench/out/capacity]
 
 --pair default: the pair from `make models` (.models/target and .models/draft), colocated on this host as
 `specwire verifier` and `specwire draft` start them. --pair synthetic: bench/rtt.py's pair (a 1024-hidden,
@@ -53,9 +54,10 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-async def run_level(address: str, concurrency: int, prompts: list, tokens: int, k: int | None) -> dict:
-    """`concurrency` streams, back to back, until max(8, 2 * concurrency) requests are done."""
-    total = max(8, 2 * concurrency)
+async def run_level(address: str, concurrency: int, prompts: list, tokens: int, k: int | None, *,
+                    per_stream: int = 2, min_requests: int = 8) -> dict:
+    """`concurrency` streams, back to back, until max(min_requests, per_stream * concurrency) requests are done."""
+    total = max(min_requests, per_stream * concurrency)
     next_request = iter(range(total))
     ttfts: list[float] = []
     itls: list[float] = []
@@ -95,7 +97,8 @@ async def run_level(address: str, concurrency: int, prompts: list, tokens: int, 
 
 
 def measure_mode(mode: str, target: Path, draft: Path, levels: list[int], prompts: list, tokens: int,
-                 rtt_ms: float, pin: bool, log_dir: Path, extra_verifier: list[str], extra_draft: list[str]) -> list[dict]:
+                 rtt_ms: float, pin: bool, log_dir: Path, extra_verifier: list[str], extra_draft: list[str],
+                 per_stream: int = 2, min_requests: int = 8) -> list[dict]:
     """A fresh stack for `mode` ("0", a fixed k, or "auto"), then every concurrency level on it."""
     auto = mode == "auto"
     k = None if auto else int(mode)
@@ -110,12 +113,13 @@ def measure_mode(mode: str, target: Path, draft: Path, levels: list[int], prompt
         with proxy as p:
             upstream = p.address if rtt_ms else verifier.address
             d = stack.start(f"draft-{mode}", ["draft", "--model", str(draft), "--verifier", upstream,
-                                              *(["--speculation", "auto"] if auto else []),
+                                              "--speculation", "auto" if auto else "fixed",
                                               *extra_draft], log_dir=log_dir, cpus=draft_cpus)
             url = f"http://127.0.0.1:{vmetrics}/metrics"
             for c in levels:
                 before = _spec_counters(url)
-                row = {"mode": mode, **asyncio.run(run_level(d.address, c, prompts, tokens, k))}
+                row = {"mode": mode, **asyncio.run(run_level(d.address, c, prompts, tokens, k, per_stream=per_stream,
+                                                             min_requests=min_requests))}
                 after = _spec_counters(url)
                 drafts = after["drafts"] - before["drafts"]
                 row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
@@ -194,6 +198,8 @@ def main() -> int:
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--modes", default="0,4", help="k = 0, fixed ks, and `auto` (a draft with --speculation auto)")
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level: this many per stream")
+    p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
     p.add_argument("--rtt-ms", type=float, default=0.0)
     p.add_argument("--pin", action="store_true", help="verifier on core 0, draft on core 1")
     p.add_argument("--models", type=Path, default=ROOT / ".models")
@@ -217,7 +223,7 @@ def main() -> int:
     rows = []
     for mode in modes:
         rows += measure_mode(mode, target, draft, levels, prompts, args.tokens, args.rtt_ms, args.pin, log_dir,
-                             extra_verifier, extra_draft)
+                             extra_verifier, extra_draft, args.requests_per_stream, args.min_requests)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"

@@ -50,10 +50,14 @@ class StepTimeModel:
     decay: float = 0.8  # weight of a bucket's past in its average
     _tokens: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
     _seconds: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
+    # points() until the next observation: predict() runs once per drafted token a choice considers
+    _points: list[tuple[float, float]] | None = None
+    _xs: list[float] = field(default_factory=list)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         if num_tokens <= 0 or not seconds > 0:
             return
+        self._points = None
         b = _bucket(num_tokens)
         if self._tokens[b] is None:
             self._tokens[b], self._seconds[b] = float(num_tokens), seconds
@@ -68,13 +72,15 @@ class StepTimeModel:
 
     def points(self) -> list[tuple[float, float]]:
         """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds."""
-        pts = sorted((n, s) for n, s in zip(self._tokens, self._seconds, strict=True) if n is not None)
-        out: list[tuple[float, float]] = []
-        for n, s in pts:
-            if out and s < out[-1][1]:
-                s = out[-1][1]
-            out.append((n, s))
-        return out
+        if self._points is None:
+            pts = sorted((n, s) for n, s in zip(self._tokens, self._seconds, strict=True) if n is not None)
+            out: list[tuple[float, float]] = []
+            for n, s in pts:
+                if out and s < out[-1][1]:
+                    s = out[-1][1]
+                out.append((n, s))
+            self._points, self._xs = out, [n for n, _ in out]
+        return self._points
 
     def predict(self, num_tokens: int) -> float:
         pts = self.points()
@@ -85,7 +91,7 @@ class StepTimeModel:
             return pts[0][1] * n / pts[0][0]
         if n >= pts[-1][0]:
             return pts[-1][1] * n / pts[-1][0]
-        i = bisect.bisect_left([p[0] for p in pts], n)
+        i = bisect.bisect_left(self._xs, n)
         (n0, s0), (n1, s1) = pts[i - 1], pts[i]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
 
