@@ -125,3 +125,38 @@ def test_acceptance_tracker_conditions_on_earlier_positions_and_drifts_back():
     assert t.rates("s", 2)[1] == pytest.approx(t.shared_rate(1), abs=0.02)
     t.forget("s")
     assert t.rates("s", 1) == [t.shared_rate(0)]
+
+
+def test_the_other_work_s_output_is_priced_in():
+    """15 fixed-k sequences (75 tokens, all accepted: 75 emitted) and one asking sequence with low acceptance, on a
+    compute-bound verifier: a draft slows the others' output too, so the best for the batch is k = 0. Counting
+    only the asking sequence's tokens (dropping other_output) chooses a draft."""
+    step = model_of(lambda n: 0.001 * n)
+    one = [Candidate("auto", 4, (0.3,) * 4)]
+    assert choose_draft_lengths(one, step, other_tokens=75, other_output=75.0).draft_lengths == {"auto": 0}
+    assert choose_draft_lengths(one, step, other_tokens=75).draft_lengths["auto"] > 0
+
+
+def test_time_the_verifier_waits_between_steps_makes_drafts_cheaper():
+    """A compute-bound step alone says every drafted token costs its share; when the verifier waits 20 ms between
+    steps (the network, the draft), a step's extra tokens hardly lengthen the round."""
+    step = model_of(lambda n: 0.001 * n)
+    one = [Candidate("a", 4, (0.8,) * 4)]
+    assert choose_draft_lengths(one, step).draft_lengths == {"a": 0}
+    assert choose_draft_lengths(one, step, idle_s=0.020).draft_lengths == {"a": 4}
+
+
+def test_probes_try_one_token_more_and_the_prior_is_per_group():
+    from verifier_service.goodput import DraftLengthController
+
+    control = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=3)
+    lengths = [control.choose({"a": 4}).draft_lengths["a"] for _ in range(6)]
+    assert lengths == [0, 0, 1, 0, 0, 1]  # every third choice one more than the best
+    tracker = AcceptanceTracker(2, group_of=lambda key: key[0], max_groups=2)
+    for _ in range(50):
+        tracker.observe(("garbage", 1), 2, 0)  # one client's drafts are always rejected
+    assert tracker.rates(("good", 1), 1)[0] == pytest.approx(tracker.default_rate)
+    assert tracker.rates(("garbage", 2), 1)[0] < 0.1
+    tracker.observe(("b", 1), 1, 1)
+    tracker.observe(("c", 1), 1, 1)  # a third group: the least recently seen ("garbage") goes
+    assert tracker.rates(("garbage", 2), 1)[0] == pytest.approx(tracker.default_rate)

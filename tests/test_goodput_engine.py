@@ -51,14 +51,19 @@ def _engine(target, step_time: StepTimeModel | None = None, **kwargs):
     engine = build_engine(config)
     if step_time is not None:
         engine.goodput.step_time = step_time
+    if engine.goodput is not None:
+        engine.goodput.probe_every = 0  # the choices these tests check are the controller's best, no probes
     return engine, config
 
 
-def _generate(engine, prompts, n, oracle, *, ask: int | None, first_k: int = 4, max_steps=2000):
+def _generate(engine, prompts, n, oracle, *, ask: int | None, first_k: int = 4, max_steps=2000,
+              miss_every: int = 0):
     """Greedy generation of n tokens per prompt. Each sequence drafts from `oracle` (the target's own greedy
     continuation, so every draft is accepted) as many tokens as the verifier chose at its last verdict (first_k
-    before any), asking with max_draft_tokens=ask. Returns the outputs and, per sequence, the draft lengths it
-    proposed and the choices it was sent."""
+    before any), asking with max_draft_tokens=ask; with miss_every, every miss_every-th of its rounds gets its
+    first draft wrong (acceptance below 1: with every draft accepted, a draft costs a compute-bound verifier
+    nothing, since each drafted token is also an emitted one). Returns the outputs and, per sequence, the draft
+    lengths it proposed and the choices it was sent."""
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     keys = [SeqKey(1, i + 1) for i in range(len(prompts))]
     out = {key: [] for key in keys}
@@ -73,6 +78,8 @@ def _generate(engine, prompts, n, oracle, *, ask: int | None, first_k: int = 4, 
             if key not in done and key not in pending:
                 j = len(out[key])
                 drafts = tuple(oracle[i][j:j + k_next[key]])
+                if miss_every and drafts and len(proposed[key]) % miss_every == miss_every - 1:
+                    drafts = ((drafts[0] + 1) % engine.loaded.vocab_size, *drafts[1:])
                 proposed[key].append(len(drafts))
                 engine.submit(ProposeCmd(key, len(prompts[i]) + j, drafts, None, max_draft_tokens=ask))
                 pending.add(key)
@@ -112,11 +119,12 @@ def test_a_loaded_verifier_chooses_plain_decoding_and_the_output_stays_exact(pai
     target, _ = pair
     n = 12
     engine, _ = _engine(target, LOADED)
-    outputs, proposed, chosen = _generate(engine, PROMPTS, n, _oracle(target, n), ask=6)
+    outputs, proposed, chosen = _generate(engine, PROMPTS, n, _oracle(target, n), ask=6, miss_every=2)
     for key in chosen:
         assert chosen[key][-1] is None  # the verdict that ends the sequence chooses nothing
-        assert set(chosen[key][:-1]) == {0}  # k = 0 every round: a token per verdict, as plain decoding
-        assert proposed[key][0] == 4 and set(proposed[key][1:]) == {0}
+        # once a miss has shown acceptance below 1: k = 0 every round, a token per verdict, as plain decoding
+        assert set(chosen[key][1:-1]) == {0}
+        assert proposed[key][0] == 4 and set(proposed[key][2:]) == {0}
     assert outputs == [greedy_continuation(target, p, n) for p in PROMPTS]
 
 
@@ -148,12 +156,12 @@ def test_a_pricier_verifier_drafts_less_for_the_same_acceptance(pair):
     """The batch term: the same six sequences, the same acceptance; the choice falls as each extra token
     costs more of the step, from the full cap to plain decoding."""
     target, _ = pair
-    n = 12
+    n = 24
     lengths = []
     for per_token in (1e-6, 0.005, 1.0):
         engine, _ = _engine(target, FixedStepTime(fixed=0.05, per_token=per_token))
-        _, _, chosen = _generate(engine, PROMPTS, n, _oracle(target, n), ask=6)
-        lengths.append(sum(cs[0] for cs in chosen.values()))
+        _, _, chosen = _generate(engine, PROMPTS, n, _oracle(target, n), ask=6, miss_every=2)
+        lengths.append(sum(cs[1] for cs in chosen.values()))  # after a round with a miss
     assert lengths[0] == 6 * 6 and lengths[-1] == 0
     assert lengths[0] >= lengths[1] >= lengths[2] and lengths[0] > lengths[2]
 

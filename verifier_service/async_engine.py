@@ -309,5 +309,5 @@ class AsyncEngine:
                  sample_ms=round(s.sample_s * 1e3, 2), host_ms=round(s.host_s * 1e3, 2),
                  device_ms=None if s.device_s is None else round(s.device_s * 1e3, 2), static=s.static,
                  kv_blocks_used=engine.blocks.num_used_blocks,
-                 next_draft_lengths=s.chosen_draft_lengths or None,
+                 chosen_draft_tokens=sum(s.chosen_draft_lengths) if s.chosen_draft_lengths else None,
                  predicted_goodput=None if s.predicted_goodput is None else round(s.predicted_goodput, 1))

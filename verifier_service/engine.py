@@ -72,6 +72,7 @@ class VerifierEngine:
         self._applied: Counter[int] = Counter()  # stream id -> commands applied since take_applied()
         self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._last_step_end: float | None = None  # time.perf_counter() when the last forward's step ended
 
     # -- called from any thread -------------------------------------------------------------------------------
 
@@ -90,6 +91,7 @@ class VerifierEngine:
     # -- called from the engine thread ------------------------------------------------------------------------
 
     def step(self) -> StepResult:
+        step_started = time.perf_counter()
         outcomes = self._apply_commands()
         outcomes.extend(self._end_expired_sequences())
         scheduled = self.scheduler.schedule()
@@ -122,11 +124,11 @@ class VerifierEngine:
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:
                 stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
-        outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats))
+        outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats, step_started))
         return StepResult(outcomes, stats)
 
     def _choose_draft_lengths(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],
-                              stats: StepStats) -> list[VerdictOut | ErrorOut]:
+                              stats: StepStats, step_started: float) -> list[VerdictOut | ErrorOut]:
         """Goodput: the step's time and each verification's acceptance go into the controller, which then chooses
         the next draft length of every sequence that asked for one (Proposal.max_draft_tokens) and goes on. The
         step priced is this one's work again: those sequences' next blocks, plus the tokens of what follows no
@@ -134,9 +136,13 @@ class VerifierEngine:
         control = self.goodput
         if control is None:
             return verdicts
-        control.observe_step(stats.num_tokens, stats.step_time_s)
+        now = time.perf_counter()
+        idle_s = None if self._last_step_end is None else max(0.0, step_started - self._last_step_end)
+        self._last_step_end = now
+        control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
+        other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
         for item, verdict in zip(scheduled.verifications, verdicts, strict=True):
             seq = item.seq
             if not isinstance(verdict, VerdictOut) or seq.key not in self.scheduler.sequences:
@@ -144,13 +150,14 @@ class VerifierEngine:
             control.observe_verification(seq.key, item.proposal.num_draft_tokens, verdict.num_accepted)
             if item.proposal.max_draft_tokens is None:
                 other_tokens += item.num_tokens
+                other_output += len(verdict.token_ids)
                 continue
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
             caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
         if not caps:
             return verdicts
-        chosen = control.choose(caps, other_tokens)
+        chosen = control.choose(caps, other_tokens, other_output)
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])

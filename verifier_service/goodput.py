@@ -24,8 +24,10 @@ rises to each sequence's cap. Low acceptance lowers k at any load.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 # Token counts of the step-time model's buckets: dense where decode batches live, then geometric.
@@ -99,22 +101,32 @@ class StepTimeModel:
 @dataclass
 class AcceptanceTracker:
     """Acceptance per draft position, alpha_j = P(draft j accepted | drafts 1..j-1 accepted), per sequence and
-    over all sequences. Counts decay at every verdict, drafted or not, so a sequence whose drafts stopped (k = 0
-    for low acceptance) drifts back to the shared rates and is tried again later."""
+    over the sequences of its group (`group_of`: the engine groups by Verify stream, i.e. by draft process and so
+    by draft model, so that one client's drafts never set another's prior). Counts decay at every verdict,
+    drafted or not, so a sequence whose drafts stopped (k = 0 for low acceptance) drifts back to its group's rates;
+    the controller's probes judge it again. At most `max_groups` groups are kept, the least recently seen go."""
 
     max_positions: int
     decay: float = 0.9  # per verdict, for a sequence's own counts
     global_decay: float = 0.995  # per verdict, for the shared counts
     prior_strength: float = 2.0  # pseudo-counts of the shared rates in a sequence's estimate
     default_rate: float = 0.7  # the shared rate before anything is observed
-    _global_tried: list[float] = field(default_factory=list)
-    _global_accepted: list[float] = field(default_factory=list)
+    group_of: Callable[[object], object] = lambda key: None
+    max_groups: int = 1024
+    _groups: OrderedDict = field(default_factory=OrderedDict)  # group -> (tried, accepted) per position
     _tried: dict[object, list[float]] = field(default_factory=dict)
     _accepted: dict[object, list[float]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self._global_tried = [0.0] * self.max_positions
-        self._global_accepted = [0.0] * self.max_positions
+    def _shared(self, key: object, *, touch: bool) -> tuple[list[float], list[float]] | None:
+        group = self.group_of(key)
+        counts = self._groups.get(group)
+        if counts is None and touch:
+            counts = self._groups[group] = ([0.0] * self.max_positions, [0.0] * self.max_positions)
+            while len(self._groups) > self.max_groups:
+                self._groups.popitem(last=False)
+        if counts is not None and touch:
+            self._groups.move_to_end(group)
+        return counts
 
     def observe(self, key: object, num_drafted: int, num_accepted: int) -> None:
         """One verdict: drafts 1..num_accepted were accepted and, if fewer than drafted, the next was rejected;
@@ -125,24 +137,30 @@ class AcceptanceTracker:
             tried[j] *= self.decay
             accepted[j] *= self.decay
         judged = min(num_drafted, num_accepted + 1, self.max_positions)
-        if judged:
-            g = self.global_decay
-            self._global_tried[:] = [t * g for t in self._global_tried]
-            self._global_accepted[:] = [a * g for a in self._global_accepted]
+        if not judged:
+            return
+        g_tried, g_accepted = self._shared(key, touch=True)
+        g = self.global_decay
+        g_tried[:] = [t * g for t in g_tried]
+        g_accepted[:] = [a * g for a in g_accepted]
         for j in range(judged):
             hit = 1.0 if j < num_accepted else 0.0
             tried[j] += 1.0
             accepted[j] += hit
-            self._global_tried[j] += 1.0
-            self._global_accepted[j] += hit
+            g_tried[j] += 1.0
+            g_accepted[j] += hit
 
     def forget(self, key: object) -> None:
         self._tried.pop(key, None)
         self._accepted.pop(key, None)
 
-    def shared_rate(self, j: int) -> float:
-        tried = self._global_tried[j]
-        return (self._global_accepted[j] + self.default_rate) / (tried + 1.0)
+    def shared_rate(self, j: int, key: object = None) -> float:
+        """alpha_j over `key`'s group (the default rate for a group not seen yet)."""
+        counts = self._shared(key, touch=False)
+        if counts is None:
+            return self.default_rate
+        g_tried, g_accepted = counts
+        return (g_accepted[j] + self.default_rate) / (g_tried[j] + 1.0)
 
     def rates(self, key: object, k: int) -> list[float]:
         """alpha_1..alpha_k for `key`."""
@@ -151,7 +169,7 @@ class AcceptanceTracker:
         m = self.prior_strength
         out = []
         for j in range(min(k, self.max_positions)):
-            prior = self.shared_rate(j)
+            prior = self.shared_rate(j, key)
             if tried is None:
                 out.append(prior)
             else:
@@ -171,9 +189,9 @@ class Candidate:
 @dataclass(frozen=True)
 class Allocation:
     draft_lengths: dict[object, int]
-    expected_tokens: float  # sum over the batch of expected verified tokens per sequence
+    expected_tokens: float  # expected verified tokens of the step, the other work's included
     step_tokens: int  # tokens of the step that verifies them, the other work included
-    predicted_step_s: float
+    predicted_step_s: float  # the step's predicted time plus the verifier's idle time per step
 
     @property
     def goodput(self) -> float:
@@ -181,16 +199,23 @@ class Allocation:
         return self.expected_tokens / self.predicted_step_s if self.predicted_step_s > 0 else 0.0
 
 
-def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel,
-                         other_tokens: int = 0) -> Allocation:
+def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel, other_tokens: int = 0,
+                         other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
-    verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks).
+    verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
+    verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
+    `idle_s`: the verifier's time between steps (waiting for proposals), which a step's tokens do not lengthen.
+    `tolerance`: of the totals whose goodput is within this fraction of the best, the largest is taken.
     Without a step observed yet every candidate gets its cap."""
     cands = list(candidates)
     base = len(cands)
     if not step_time.ready:
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
+
+    def cost(n: int) -> float:
+        return step_time.predict(n) + idle_s if n else 0.0
+
     # every candidate's marginal gains, merged largest first: gain j of c is prod_{m<=j} alpha_{c,m}
     heap: list[tuple[float, int, int, float]] = []  # (-gain, candidate index, j, running product)
     for i, c in enumerate(cands):
@@ -198,13 +223,15 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
             heapq.heappush(heap, (-c.rates[0], i, 0, c.rates[0]))
     counts = [0] * base
     best_m, best_goodput = 0, 0.0
-    expected = float(base)
+    expected = float(base) + other_output
     taken: list[int] = []
     expected_at = [expected]
     m = 0
+    goodputs: list[float] = []
     while True:
         n = base + other_tokens + m
-        goodput = expected / step_time.predict(n) if n else 0.0
+        goodput = expected / cost(n) if n else 0.0
+        goodputs.append(goodput)
         if goodput > best_goodput * (1 + 1e-9):
             best_m, best_goodput = m, goodput
         if not heap:
@@ -218,30 +245,51 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         if j + 1 < min(c.max_k, len(c.rates)):
             nxt = prod * c.rates[j + 1]
             heapq.heappush(heap, (-nxt, i, j + 1, nxt))
+    if tolerance > 0:
+        best_m = max(m for m, g in enumerate(goodputs) if g >= best_goodput * (1 - tolerance))
     for i in taken[:best_m]:
         counts[i] += 1
     lengths = {c.key: counts[i] for i, c in enumerate(cands)}
     n = base + other_tokens + best_m
-    return Allocation(lengths, expected_at[best_m], n, step_time.predict(n) if n else 0.0)
+    return Allocation(lengths, expected_at[best_m], n, cost(n))
 
 
 @dataclass
 class DraftLengthController:
     """The verifier's side of `--speculation auto`: learns from every step it runs and every verdict it gives,
     and after a step chooses the next draft length of each sequence that asked for one (Proposal.max_draft_tokens)
-    by choose_draft_lengths. Lives on the engine thread: no locks."""
+    by choose_draft_lengths. Every `probe_every`-th choice gives each sequence one draft token more than chosen:
+    a step size the model has not seen lately gets measured again, and a sequence held at k = 0 gets judged
+    again, so neither a stale step time nor a stale acceptance can hold k at 0 for good. Lives on the engine
+    thread: no locks."""
 
     max_draft_tokens: int
-    step_time: StepTimeModel = field(default_factory=StepTimeModel)
+    # smoother than the defaults: a step's time on a shared CPU is noisy, and one rejection is not a trend
+    step_time: StepTimeModel = field(default_factory=lambda: StepTimeModel(decay=0.9))
     acceptance: AcceptanceTracker | None = None
+    probe_every: int = 32
+    # the step-time model and the acceptance are estimates: when a longer draft is within 3 % of the best
+    # goodput, it is taken (measured on 2 cores, the noise alone otherwise cut k = 4 to 2 or 3 on an idle verifier)
+    tolerance: float = 0.03
+    idle_decay: float = 0.8
+    max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
     last: Allocation | None = None  # the last choice, for metrics
+    idle_s: float = 0.0  # moving average of the time between steps
+    _choices: int = 0
 
     def __post_init__(self) -> None:
         if self.acceptance is None:
-            self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens))
+            # the prior of a sequence is its Verify stream's (one draft process, one draft model)
+            self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens), decay=0.95, prior_strength=4.0,
+                                                group_of=lambda key: getattr(key, "stream_id", None))
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None) -> None:
+        """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
+        first step)."""
         self.step_time.observe(num_tokens, seconds)
+        if idle_s is not None:
+            idle = min(max(0.0, idle_s), self.max_idle_s)
+            self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)
@@ -249,9 +297,16 @@ class DraftLengthController:
     def forget(self, key: object) -> None:
         self.acceptance.forget(key)
 
-    def choose(self, caps: dict[object, int], other_tokens: int = 0) -> Allocation:
+    def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0) -> Allocation:
         """The next draft length of each key in `caps` (its cap on k), for a step that also carries
-        `other_tokens` of work that follows no choice (prefill, fixed-k verifications)."""
+        `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
+        tokens."""
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in caps.items()]
-        self.last = choose_draft_lengths(candidates, self.step_time, other_tokens)
-        return self.last
+        chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, self.idle_s,
+                                      self.tolerance)
+        self._choices += 1
+        if self.probe_every and self._choices % self.probe_every == 0:
+            lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}
+            chosen = dataclasses.replace(chosen, draft_lengths=lengths)
+        self.last = chosen
+        return chosen

@@ -62,8 +62,9 @@ class VerifierMetrics:
         self.goodput_predicted = Gauge("specwire_goodput_predicted_tokens_per_second", "Verified tokens per second "
                                        "the last choice of draft lengths expects of its step", registry=r)
         self.goodput = Gauge("specwire_goodput_tokens_per_second", "Verified tokens per second of step time "
-                             "(moving average over about 16 steps)", registry=r)
-        self._goodput_ema: float | None = None
+                             "(the ratio of moving sums over about 16 steps)", registry=r)
+        self._emitted_ema = 0.0
+        self._seconds_ema = 0.0
         # Streams whose series may exist. A step in flight when a stream closes still reports it; only streams
         # in this set get a series, so a closed stream's series stays removed.
         self._open_streams: set[int] = set()
@@ -109,10 +110,10 @@ class VerifierMetrics:
             self.draft_length_chosen.observe(k)
         if stats.predicted_goodput is not None:
             self.goodput_predicted.set(stats.predicted_goodput)
-        if stats.step_time_s > 0:
-            rate = stats.num_emitted_tokens / stats.step_time_s
-            self._goodput_ema = rate if self._goodput_ema is None else 0.94 * self._goodput_ema + 0.06 * rate
-            self.goodput.set(self._goodput_ema)
+        if stats.step_time_s > 0:  # tokens over seconds, each a moving sum: a prefill step weighs by its time
+            self._emitted_ema = 0.94 * self._emitted_ema + stats.num_emitted_tokens
+            self._seconds_ema = 0.94 * self._seconds_ema + stats.step_time_s
+            self.goodput.set(self._emitted_ema / self._seconds_ema)
 
     def set_occupancy(self, num_waiting: int, num_running: int, blocks_used: int, blocks_total: int) -> None:
         self.waiting_sequences.set(num_waiting)
