@@ -102,6 +102,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
             raise ValueError(f"wire_mode must be one of {', '.join(WIRE_MODES)}, got {self.wire_mode!r}")
         if self.speculation not in SPECULATION_MODES:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.adaptive_k and self.speculation not in ("auto", "adaptive"):
+            raise ValueError(f"--adaptive-k is --speculation adaptive; it contradicts --speculation {self.speculation}")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {', '.join(PROPOSERS)}, got {self.proposer!r}")
         if not 0.0 <= self.draft_confidence_threshold < 1.0:

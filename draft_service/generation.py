@@ -154,6 +154,7 @@ class Generator:
         self.metrics = metrics or DraftMetrics()
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
+        self._recent_choice: int | None = None  # the verifier's last choice for any sequence (auto)
         # n-gram drafts cost nothing to make: there is no draft time for the own-cost rule to weigh
         self.weighs_own_cost = config.proposer == "model"
         # one-hot and coupled wire modes send ids only: the verifier then takes q = delta(x) (lossless for any q),
@@ -196,9 +197,15 @@ class Generator:
         # the own-cost rule: this sequence's tokens/s from its acceptance and this service's measured drafting and
         # waiting times; under auto it caps what the verifier may choose (drafting for many streams on few cores
         # is slow), under adaptive it decides alone
-        adaptive = AdaptiveDraftLength(k) if varies and self.weighs_own_cost else None
+        adaptive = None
+        if varies and self.weighs_own_cost:
+            # under auto only a cap beside the verifier's choice: slower to react than alone (one rejection
+            # otherwise cut k for the next rounds, measured on 2 cores)
+            adaptive = AdaptiveDraftLength(k, decay=0.95) if self.speculation == "auto" else AdaptiveDraftLength(k)
         follows_verifier = varies and self.speculation == "auto"
-        choice: int | None = None  # the verifier's choice for the next round, from the last verdict
+        # the verifier's choice for the next round, from the last verdict; before the first, the last it chose for
+        # any sequence of this process: a request that starts under load does not begin with a full-k block
+        choice: int | None = self._recent_choice if follows_verifier else None
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=k)
         output = TextOutput(self.tokenizer, req.stop)
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
@@ -213,7 +220,11 @@ class Generator:
             while not finished:
                 t_draft = time.perf_counter()
                 own_cap = adaptive.next_k() if adaptive else k
-                k_round = own_cap if choice is None else min(own_cap, choice)
+                if follows_verifier:
+                    # at least 1: the verifier brings k to 0 under load, and a draft that asked for 0 would never
+                    # measure its drafting again (the own-cost rule's draft time is learnt from drafted rounds)
+                    own_cap = max(1, own_cap)
+                k_round = min(k, own_cap if choice is None else min(own_cap, choice))
                 flight.max_draft_tokens = own_cap if follows_verifier else None
                 if block is None:
                     block = await self.drafter.draft(seq, k_round)
@@ -234,6 +245,8 @@ class Generator:
                 seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)
                 choice = verdict.next_draft_tokens if follows_verifier else None
+                if choice is not None:
+                    self._recent_choice = choice
                 finished = verdict.finish_reason is not None
                 verified_block, block = block, None
                 if aheads:

@@ -35,10 +35,13 @@ def coupled_stack(tmp_path_factory):
     tok = byte_bpe_tokenizer()
     garbage = save(build_model(model_config("qwen2", len(tok), eos_token_id=tok.eos_token_id), seed=99), tok,
                    d / "garbage-draft")
-    running = start_stack(target, draft, d / "logs", extra_draft=["--wire-mode", "coupled"])
+    # the default draft drafts a fixed k (its k = 4 request's bytes per draft token are measured below); the
+    # "auto" one follows the verifier's choice of length (the services' default)
+    running = start_stack(target, draft, d / "logs", extra_draft=["--wire-mode", "coupled", "--speculation", "fixed"])
     drafts = {"default": running.draft}
     try:
         for name, extra in [("adaptive", ["--adaptive-k"]),
+                            ("auto", ["--speculation", "auto"]),
                             ("garbage", ["--model", str(garbage)]),
                             ("ngram", ["--proposer", "ngram"])]:
             service, metrics_url = running.start_draft(name, extra)
@@ -61,7 +64,7 @@ def test_a_seeded_coupled_output_is_the_target_alone_output(coupled_stack):
 
     async def crowded():
         runs = [(drafts["default"], dict(num_speculative_tokens=k)) for k in (1, 4, 8)]
-        runs += [(drafts[name], {}) for name in ("adaptive", "garbage", "ngram")]
+        runs += [(drafts[name], {}) for name in ("adaptive", "auto", "garbage", "ngram")]
         async with AsyncClient(drafts["default"]) as other:
             traffic = [other.generate(prompt_token_ids=[3 + i, 8, 1], max_tokens=30, temperature=1.0, seed=i,
                                       ignore_eos=True, num_speculative_tokens=1 + i % 5) for i in range(6)]
@@ -72,8 +75,8 @@ def test_a_seeded_coupled_output_is_the_target_alone_output(coupled_stack):
 
             return await asyncio.gather(*(one(a, kw) for a, kw in runs), *traffic)
 
-    results = asyncio.run(crowded())[:6]
-    names = ["k=1", "k=4", "k=8", "adaptive k", "garbage draft", "ngram"]
+    results = asyncio.run(crowded())[:7]
+    names = ["k=1", "k=4", "k=8", "adaptive k", "auto", "garbage draft", "ngram"]
     for name, result in zip(names, results, strict=True):
         assert result.token_ids == reference, name
     by_name = dict(zip(names, results, strict=True))

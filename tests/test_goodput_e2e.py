@@ -27,7 +27,8 @@ def auto_stack(tmp_path_factory):
     target, draft = make_text_pair(root, "qwen2")
     running = start_stack(target, draft, root / "logs")  # the draft's default: --speculation auto
     fixed, _ = running.start_draft("draft-fixed", ["--speculation", "fixed"])
-    yield running, fixed.address
+    pipelined, _ = running.start_draft("draft-auto-pipelined", ["--pipeline"])
+    yield running, fixed.address, pipelined.address
     running.stack.stop()
 
 
@@ -53,23 +54,26 @@ async def _phases(addresses: dict[str, str], **kwargs) -> dict[str, list[list[in
 
 
 def test_greedy_output_is_the_targets_under_auto_and_fixed_k_while_load_changes(auto_stack):
-    running, fixed = auto_stack
+    running, fixed, pipelined = auto_stack
     chosen_before = running.metric("specwire_draft_length_chosen_count")
-    out = asyncio.run(_phases({"auto": running.draft, "fixed": fixed}, temperature=0.0))
+    out = asyncio.run(_phases({"auto": running.draft, "fixed": fixed, "auto-pipelined": pipelined},
+                              temperature=0.0))
     tok = AutoTokenizer.from_pretrained(running.target_dir)
     prompts = [*PROMPTS, *PROMPTS[:2]][:sum(PHASES)]
     expected = [greedy_continuation(running.target_dir, tok.encode(p, add_special_tokens=False), N) for p in prompts]
     assert out["auto"] == expected
     assert out["fixed"] == expected
+    assert out["auto-pipelined"] == expected
     # the auto draft asked, and the verifier chose: every auto round after the first of each request
     assert running.metric("specwire_draft_length_chosen_count") > chosen_before
     assert running.metric("specwire_kv_blocks_used") == 0
 
 
 def test_coupled_output_is_the_same_under_auto_fixed_k_and_target_only(auto_stack):
-    running, fixed = auto_stack
+    running, fixed, pipelined = auto_stack
     sampled = {"temperature": 0.9, "top_p": 0.95, "wire_mode": "coupled"}
-    out = asyncio.run(_phases({"auto": running.draft, "fixed": fixed}, **sampled))
+    out = asyncio.run(_phases({"auto": running.draft, "fixed": fixed, "auto-pipelined": pipelined}, **sampled))
     alone = asyncio.run(_phases({"alone": running.draft}, num_speculative_tokens=0, **sampled))
     assert out["auto"] == alone["alone"]
     assert out["fixed"] == alone["alone"]
+    assert out["auto-pipelined"] == alone["alone"]

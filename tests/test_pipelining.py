@@ -28,11 +28,13 @@ PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43], [100, 7, 3, 9, 11], [60, 61, 
 @pytest.fixture(scope="module")
 def drafts(text_stack):
     """(plain draft address, pipelined draft address, pipelined draft's metrics URL), both reaching the verifier
-    through a 2 ms RTT proxy. The pipelined draft's width is fixed at 3 branches: learned, it could narrow to 0
-    on this loaded machine, and then these tests would not exercise pipelining."""
+    through a 2 ms RTT proxy. The pipelined draft's width is fixed at 3 branches and its k fixed: learned, either
+    could fall to 0 on this loaded machine, and then these tests would not exercise pipelining
+    (tests/test_goodput_e2e.py runs a pipelined draft under --speculation auto)."""
     with ProxyThread(text_stack.verifier, LinkShape(delay_s=0.001)) as proxy:
         plain, _ = text_stack.start_draft("draft-plain", verifier=proxy.address)
-        pipelined, metrics = text_stack.start_draft("draft-pipelined", ["--pipeline", "--pipeline-width", "3"],
+        pipelined, metrics = text_stack.start_draft("draft-pipelined", ["--pipeline", "--pipeline-width", "3",
+                                                                      "--speculation", "fixed"],
                                                   verifier=proxy.address)
         yield plain.address, pipelined.address, metrics
         for service in (plain, pipelined):

@@ -28,11 +28,17 @@ def _parse(config_cls, argv):
 
 @pytest.fixture
 def clean_omp_env(monkeypatch):
+    # apply_cpu_threads writes os.environ itself: monkeypatch undoes only what it did, and delenv of a variable
+    # that was absent records nothing, so the whole environment is put back by hand (a later Stack would inherit
+    # OMP_WAIT_POLICY=ACTIVE otherwise)
+    saved = dict(os.environ)
     for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "SPECWIRE_NUM_THREADS", "SPECWIRE_CPU_WAIT_POLICY"):
         monkeypatch.delenv(name, raising=False)
     before = torch.get_num_threads()
     yield monkeypatch
     torch.set_num_threads(before)
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.mark.parametrize("config_cls", [VerifierConfig, DraftConfig])
