@@ -27,6 +27,11 @@ class Drafter(Protocol):
         """Forget the sequences and free whatever they hold."""
         ...
 
+    async def wait_for_batch(self) -> None:
+        """Until the drafting batch now running (or about to) is done: a round of k = 0 then proposes with the
+        sequences drafting beside it."""
+        ...
+
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         """seq continues as its pipelined branch, whose assumed tokens the verifier confirmed."""
         ...
@@ -56,6 +61,9 @@ class ModelDrafter:
     async def release(self, *seqs: DraftSequence) -> None:
         await self.proposer.release(*seqs)
 
+    async def wait_for_batch(self) -> None:
+        await self.proposer.wait_for_batch()
+
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         await self.proposer.adopt(seq, branch)
 
@@ -77,6 +85,9 @@ class NgramDrafter:
 
     async def release(self, *seqs: DraftSequence) -> None:
         return None
+
+    async def wait_for_batch(self) -> None:
+        return None  # a lookup takes no time: proposals of one burst leave together anyway
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         seq.adopt(branch)

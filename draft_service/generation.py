@@ -227,6 +227,8 @@ class Generator:
                 k_round = min(k, own_cap if choice is None else min(own_cap, choice))
                 flight.max_draft_tokens = own_cap if follows_verifier else None
                 if block is None:
+                    if follows_verifier and k_round == 0:
+                        await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
                     block = await self.drafter.draft(seq, k_round)
                     flight.proposed = self._try_propose(seq_id, seq, seq.num_tokens, block, flight)
                 width_used = min(width.next_width(), 1 + k_round * ALTERNATIVES) if width else 0

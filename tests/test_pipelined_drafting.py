@@ -31,6 +31,7 @@ from draft_service.ngram import propose_ngram
 from draft_service.proposer import Drafted, DraftJob, DraftModel, Proposer
 from draft_service.sequence import DraftSequence
 from draft_service.types import (
+    DraftBlock,
     DroppedEvent,
     ErrorEvent,
     GenerationRequest,
@@ -514,3 +515,45 @@ def test_the_draft_closes_a_sequence_it_fails_itself(reference_model, event, clo
         assert link.released == {1: closes}
 
     asyncio.run(run())
+
+
+def test_a_round_of_k_0_waits_for_the_batch_drafting_beside_it():
+    """Under --speculation auto the verifier may choose k = 0 for one sequence of a burst and more for the others:
+    that sequence's empty proposal leaves with theirs, after their batch, so the verifier verifies the burst in
+    one step (proposed at once, it would be verified alone, and the burst would stay split in two)."""
+    import threading
+
+    release = threading.Event()
+
+    class SlowModel:
+        def draft(self, jobs):
+            release.wait(10)
+            return [Drafted(DraftBlock((1,), None), None) for _ in jobs]
+
+    async def run() -> list[str]:
+        proposer = Proposer(SlowModel(), ThreadPoolExecutor(1))
+        proposer.start()
+        order: list[str] = []
+        try:
+            await asyncio.wait_for(proposer.wait_for_batch(), 1)  # no batch: at once
+            order.append("idle")
+
+            async def drafting():
+                await proposer.draft(DraftJob(None, 2, 0.0))
+                order.append("drafted")
+
+            async def empty():
+                await proposer.wait_for_batch()
+                order.append("empty")
+
+            tasks = [asyncio.create_task(drafting()), asyncio.create_task(empty())]
+            await asyncio.sleep(0.2)
+            assert order == ["idle"]  # the empty round still waits for the batch
+            release.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        finally:
+            await proposer.stop()
+        return order
+
+    order = asyncio.run(run())
+    assert order[0] == "idle" and sorted(order[1:]) == ["drafted", "empty"]
