@@ -194,7 +194,10 @@ def plot(rows: list[dict], modes: list[str], path: Path, title: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", choices=["default", "synthetic"], default="default")
+    p.add_argument("--pair", choices=["default", "synthetic", "agreeing"], default="default",
+                   help="agreeing: the synthetic pair with the target's later layers writing nothing into the "
+                        "residual stream, so the draft (its first layer) has the target's next-token function: "
+                        "greedy acceptance 1 at the target's cost")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--modes", default="0,4", help="k = 0, fixed ks, and `auto` (a draft with --speculation auto)")
     p.add_argument("--tokens", type=int, default=48)
@@ -216,7 +219,7 @@ def main() -> int:
     else:
         from rtt import PROMPTS, synthetic_pair
 
-        target, draft = synthetic_pair(log_dir / "models")
+        target, draft = synthetic_pair(log_dir / "models", damp=0.0 if args.pair == "agreeing" else 0.05)
         prompts = PROMPTS
         extra_verifier = ["--dtype", "float32"]
         extra_draft = ["--dtype", "float32"]

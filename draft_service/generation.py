@@ -201,7 +201,8 @@ class Generator:
         if varies and self.weighs_own_cost:
             # under auto only a cap beside the verifier's choice: slower to react than alone (one rejection
             # otherwise cut k for the next rounds, measured on 2 cores)
-            adaptive = AdaptiveDraftLength(k, decay=0.95) if self.speculation == "auto" else AdaptiveDraftLength(k)
+            adaptive = (AdaptiveDraftLength(k, decay=0.95, tolerance=0.03) if self.speculation == "auto"
+                        else AdaptiveDraftLength(k))
         follows_verifier = varies and self.speculation == "auto"
         # the verifier's choice for the next round, from the last verdict; before the first, the last it chose for
         # any sequence of this process: a request that starts under load does not begin with a full-k block

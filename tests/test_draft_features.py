@@ -129,3 +129,16 @@ def test_the_coupled_mode_needs_a_verifier_that_lists_it():
     assert gen._sampling(sampled, WireMode.COUPLED, new).coupled
     assert not gen._sampling(sampled, WireMode.SPARSE, new).coupled
     assert not gen._sampling(SamplingParams(temperature=0.0), WireMode.COUPLED, old).coupled  # greedy: argmax
+
+
+def test_the_own_cost_rule_takes_the_longest_k_near_its_optimum():
+    """Near its optimum the rate is flat in k: a tolerance takes the longest k within it (--speculation auto),
+    where noise in the estimates alone would otherwise shorten the draft."""
+    from draft_service.adaptive import AdaptiveDraftLength
+
+    state = dict(accepted=2.8, rejected=2.2, t_draft=0.005, t_verify=0.06)  # acceptance 0.56, a 20 ms round trip
+    assert AdaptiveDraftLength(4, **state).next_k() == 3
+    assert AdaptiveDraftLength(4, tolerance=0.03, **state).next_k() == 4
+    # a draft that costs as much as the verification still gets a short k, tolerance or not
+    costly = dict(state, t_draft=0.06)
+    assert AdaptiveDraftLength(4, tolerance=0.03, **costly).next_k() <= 1
