@@ -3,7 +3,7 @@
 For each mode a fresh verifier, draft service and `specwire gateway` start with the CLI on this host (the default
 pair from `make models`), and for each concurrency each client runs against the gateway's /v1/completions,
 streamed, with its own synthetic prompts (--prompt-tokens long, --output-tokens generated, EOS ignored) and a
-bounded number of requests: max(8, 2 C) per level. The figures printed are the clients' own, read from the files
+bounded number of requests: max(--min-requests, --requests-per-stream x C) per level (8, 2). The figures printed are the clients' own, read from the files
 they write: time to first token, inter-token latency (p50 and p99, ms) and output tokens/s.
 
     bench/external_clients.sh [--modes k0,auto] [--concurrency 1,4,16] [--clients guidellm,aiperf]
@@ -52,8 +52,11 @@ def mode_args(mode: str) -> list[str]:
     raise ValueError(f"unknown mode {mode!r}: k0, auto or fixed-K")
 
 
+REQUESTS = {"per_stream": 2, "min": 8}  # --requests-per-stream, --min-requests
+
+
 def requests_for(concurrency: int) -> int:
-    return max(8, 2 * concurrency)
+    return max(REQUESTS["min"], REQUESTS["per_stream"] * concurrency)
 
 
 # -- guidellm ---------------------------------------------------------------------------------------------------
@@ -219,6 +222,8 @@ def main() -> int:
     p.add_argument("--clients", default="guidellm,aiperf")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=48)
+    p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level: this many per stream")
+    p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
     p.add_argument("--models", type=Path, default=ROOT / ".models")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "external")
     p.add_argument("--timeout", type=float, default=3600.0, help="longest one client run may take (seconds)")
@@ -226,6 +231,7 @@ def main() -> int:
     p.add_argument("--draft-args", default="", help="extra flags for `specwire draft` (one string)")
     p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")
     args = p.parse_args()
+    REQUESTS.update(per_stream=args.requests_per_stream, min=args.min_requests)
     # SIGTERM (and SIGINT, which a background job inherits ignored) end the run through the stacks' cleanup, so no
     # verifier or draft outlives it
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -91,7 +91,8 @@ def run_demo(args) -> int:
                                         "--num-speculative-tokens", str(k)], log_dir=log_dir)
         print(f"verifier on {verifier.address}, draft service on {drafter.address}\n", flush=True)
         with Client(drafter.address) as client:
-            print(f"--- speculative (k = {k}) ---", flush=True)
+            print(f"--- speculative (--speculation auto: the verifier chooses each round's k, at most {k}) ---",
+                  flush=True)
             spec = _run(client, prompt, k, args.max_tokens, echo=True)
             _report(f"k={k}", spec)
             same = True

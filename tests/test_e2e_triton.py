@@ -112,6 +112,12 @@ def triton_stat_stack(models_dir):
     running.stack.stop()
 
 
+# NOTE: 333 s of the default run's 1443 s on 2 cores (the interpreter runs every kernel program in Python), so it
+# runs with -m slow. The default run still holds the Triton path to the same promise: the rejection sampler and
+# the sampling-probs kernels equal the reference exactly (tests/test_kernels_triton.py), the reference follows the
+# target distribution with a negative control (tests/test_rejection_sampler.py, tests/test_e2e.py), and greedy and
+# seeded output through the Triton path end to end are checked above.
+@pytest.mark.slow
 def test_sampled_tokens_follow_the_target_through_the_triton_path(triton_stat_stack):
     """As tests/test_e2e.py's statistical test, through the kernels: N = 1000, so TV <= 0.128."""
     assert_first_two_tokens_follow_the_target(triton_stat_stack, 1000)
