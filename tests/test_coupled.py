@@ -40,7 +40,7 @@ def coupled_stack(tmp_path_factory):
     running = start_stack(target, draft, d / "logs", extra_draft=["--wire-mode", "coupled", "--speculation", "fixed"])
     drafts = {"default": running.draft}
     try:
-        for name, extra in [("adaptive", ["--adaptive-k"]),
+        for name, extra in [("adaptive", ["--speculation", "adaptive"]),
                             ("auto", ["--speculation", "auto"]),
                             ("garbage", ["--model", str(garbage)]),
                             ("ngram", ["--proposer", "ngram"])]:
