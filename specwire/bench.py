@@ -167,7 +167,10 @@ def run_bench(args) -> int:
         verifier = stack.start("verifier", ["verifier", "--model", str(target), "--max-draft-tokens",
                                             str(max(k_list + [16]))], log_dir=log_dir)
         base = ["draft", "--model", str(draft), "--verifier", verifier.address, "--dtype", args.draft_dtype]
-        drafter = stack.start("draft", [*base, "--num-speculative-tokens", str(default_k)], log_dir=log_dir)
+        # the sweep measures each k as asked: a fixed k (the services' default, --speculation auto, would let the
+        # verifier shorten it)
+        drafter = stack.start("draft", [*base, "--speculation", "fixed", "--num-speculative-tokens", str(default_k)],
+                              log_dir=log_dir)
         with Client(drafter.address) as client:
             client.generate("warm up", max_tokens=4, temperature=0.0)
             for temperature in temperatures if "sweep" in sections else ():
