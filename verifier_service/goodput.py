@@ -273,7 +273,6 @@ class DraftLengthController:
     tolerance: float = 0.03
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
-    last: Allocation | None = None  # the last choice, for metrics
     idle_s: float = 0.0  # moving average of the time between steps
     _choices: int = 0
 
@@ -308,5 +307,4 @@ class DraftLengthController:
         if self.probe_every and self._choices % self.probe_every == 0:
             lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
-        self.last = chosen
         return chosen
