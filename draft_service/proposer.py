@@ -14,6 +14,7 @@ acceptance, never losslessness (the verifier decides every token alone).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -478,7 +479,8 @@ class Proposer:
                 elif isinstance(result, ServiceError):  # that sequence's own failure (its KV can never fit)
                     f.set_exception(result)
                 else:
-                    f.set_result(result)
+                    f.set_result(dataclasses.replace(
+                        result, block=dataclasses.replace(result.block, draft_seconds=self._last_batch_s)))
             self._batch_done()
             if carried:
                 self._pending = carried + self._pending

@@ -15,6 +15,9 @@ class DraftBlock:
     # per position, the draft's most likely tokens other than the drafted one, best first: its guesses of the
     # verifier's corrected token if that draft is rejected (pipelined drafting); None: no guesses (n-gram)
     alternatives: tuple[tuple[int, ...], ...] | None = None
+    # the model's time for the batch that drafted it (Proposal.draft_seconds); None: not drafted by a model batch.
+    # Not part of what the block is: two equal drafts are equal however long they took.
+    draft_seconds: float | None = field(default=None, compare=False)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -305,6 +305,8 @@ class VerifierLink:
         if self._open_on.get(seq_id) != self._num_connections:
             raise LinkDown(f"sequence {seq_id} is not open on the current Verify stream to {self._target}")
         msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
+        if block.draft_seconds is not None:
+            msg.draft_seconds = block.draft_seconds
         if max_draft_tokens is not None and self.identity is not None \
                 and wire.FEATURE_GOODPUT in self.identity.features:
             msg.max_draft_tokens = max_draft_tokens

@@ -557,3 +557,30 @@ def test_a_round_of_k_0_waits_for_the_batch_drafting_beside_it():
 
     order = asyncio.run(run())
     assert order[0] == "idle" and sorted(order[1:]) == ["drafted", "empty"]
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_model_drafted_block_says_how_long_its_batch_took(reference_model, pipeline):
+    """Proposal.draft_seconds (the verifier's phase plan reads it): the model's time for the batch that drafted
+    the block; an n-gram block, drafted by no model batch, says nothing."""
+    blocks: dict[str, list[DraftBlock]] = {}
+
+    class Recording(FakeVerifier):
+        def propose(self, seq_id, start_position, block, **kwargs) -> int:
+            blocks.setdefault(self.kind, []).append(block)
+            return super().propose(seq_id, start_position, block, **kwargs)
+
+    async def run(proposer: str) -> None:
+        link = Recording(_ngram_target if proposer == "ngram" else _model_target(reference_model))
+        link.kind = proposer
+        service = _service(link, proposer=proposer, pipeline=pipeline)
+        try:
+            await _tokens(service.generator, _request(_prompts(proposer)[0], SAMPLINGS["greedy"][0]))
+        finally:
+            await service.stop()
+
+    asyncio.run(run("model"))
+    asyncio.run(run("ngram"))
+    drafted = [b for b in blocks["model"] if b.num_draft_tokens]
+    assert drafted and all(b.draft_seconds is not None and b.draft_seconds > 0 for b in drafted)
+    assert all(b.draft_seconds is None for b in blocks["ngram"])

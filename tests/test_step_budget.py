@@ -148,12 +148,12 @@ def test_a_step_in_flight_when_its_stream_closes_does_not_bring_back_its_metric_
     entered, go, later = threading.Event(), threading.Event(), threading.Event()
     real_step, calls = engine.step, []
 
-    def step():  # the first step holds its result until the stream has closed
+    def step(max_verifications=None):  # the first step holds its result until the stream has closed
         calls.append(1)
         if len(calls) > 1:
             later.set()
-            return real_step()
-        result = real_step()
+            return real_step(max_verifications)
+        result = real_step(max_verifications)
         entered.set()
         go.wait(30)
         return result

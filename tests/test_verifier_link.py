@@ -76,13 +76,15 @@ def test_deadline_and_resume_travel_in_the_open_message_and_stale_streams_refuse
                 link.propose(seq_id, 5, DraftBlock((7,), None), send_draft_probs=False)
             verifier.received.clear()
             await link.reopen(seq_id, [1, 2, 3, 9, 9], sampling, num_output_tokens=2, retry_s=5)
-            link.propose(seq_id, 5, DraftBlock((7,), None), send_draft_probs=False, assumed_token_ids=(9,))
+            link.propose(seq_id, 5, DraftBlock((7,), None, draft_seconds=0.25), send_draft_probs=False,
+                         assumed_token_ids=(9,))
             await _until(lambda: len(verifier.received) >= 2)
             reopened, proposal = verifier.received[0].open, verifier.received[1].propose
             assert list(reopened.prompt_token_ids) == [1, 2, 3, 9, 9] and reopened.num_output_tokens == 2
             assert not reopened.HasField("timeout_ms")
             assert wire.sampling_from_proto(reopened.sampling).seed == 1
             assert proposal.start_position == 5 and list(proposal.assumed_token_ids) == [9]
+            assert proposal.HasField("draft_seconds") and proposal.draft_seconds == pytest.approx(0.25)
         finally:
             await link.close()
             await server.stop(0)

@@ -18,6 +18,7 @@ from common.compute_thread import compute_thread
 from common.errors import ErrorCode, ServiceError
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
+from verifier_service.phases import PhasePlanner
 from verifier_service.types import (
     CloseStreamCmd,
     Command,
@@ -180,9 +181,10 @@ class StreamOutbox:
 
 class AsyncEngine:
     def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
-                 executor: ThreadPoolExecutor | None = None, *, limits: StreamLimits | None = None) -> None:
+                 executor: ThreadPoolExecutor | None = None, *, limits: StreamLimits | None = None,
+                 phases: bool = True) -> None:
         """executor: the one thread every step runs on; pass the one that loaded the model (see
-        common.compute_thread)."""
+        common.compute_thread). phases: plan when steps start (phases.py)."""
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or StreamLimits()
@@ -193,6 +195,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._last_step_s = 0.0
+        self.phases = PhasePlanner() if phases else None
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)
 
     def start(self) -> None:
@@ -226,6 +229,8 @@ class AsyncEngine:
             return
         self.metrics.streams.set(len(self._streams))
         self.metrics.forget_stream(stream_id)
+        if self.phases is not None:
+            self.phases.stream_closed(stream_id)
         self.engine.submit(CloseStreamCmd(stream_id))
         self._wakeup.set()
 
@@ -240,6 +245,8 @@ class AsyncEngine:
         if out is None:
             return
         out.submitted(pending_size(command))
+        if self.phases is not None:
+            self.phases.submitted(command, time.monotonic())
         self.engine.submit(command)
         self._wakeup.set()
 
@@ -253,9 +260,9 @@ class AsyncEngine:
             if (out := self._streams.get(stream_id)) is not None:
                 out.applied(n)
 
-    async def run_step(self) -> StepResult:
+    async def run_step(self, max_verifications: int | None = None) -> StepResult:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.engine.step)
+        return await loop.run_in_executor(self._executor, self.engine.step, max_verifications)
 
     async def _wait_for_work(self) -> None:
         """Until something is submitted, or until the next idle sequence is due to time out."""
@@ -268,14 +275,41 @@ class AsyncEngine:
         except TimeoutError:
             pass
 
+    async def _plan_step(self) -> tuple[float, int | None]:
+        """Before a step: plan the phases, then wait while PhasePlanner finds it worth waiting for the proposals
+        on their way (each arrival decides again), when there is work to step. Returns the seconds held and the
+        cap on the step's verifications."""
+        planner = self.phases
+        if planner is None or not (planner.num_present or self.engine.has_runnable_work()):
+            return 0.0, None
+        planner.plan_phases()
+        started = time.monotonic()
+        while not self._stopping:
+            now = time.monotonic()
+            decision = planner.hold(now, started)
+            if decision is None:
+                break
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), decision.deadline - now)
+            except TimeoutError:
+                break
+        held = time.monotonic() - started
+        if held > 0.0005:
+            self.metrics.step_hold_seconds.observe(held)
+        return held, planner.max_verifications()
+
     async def _run(self) -> None:
         while not self._stopping:
             await self._wait_for_work()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
             await coalesce(min(0.002, 0.02 * self._last_step_s))
+            held, cap = await self._plan_step()
             self._wakeup.clear()
+            if self.phases is not None:
+                self.phases.step_started()
             try:
-                result = await self.run_step()
+                result = await self.run_step(cap)
             except Exception:  # a bug in a step must not take the server down silently
                 log.exception("engine_step_failed")
                 continue
@@ -283,15 +317,20 @@ class AsyncEngine:
                 self._credit_applied()
             if result.stats is not None:
                 self._last_step_s = result.stats.step_time_s
+                if self.phases is not None:
+                    self.phases.stepped(result.stats.num_tokens, result.stats.step_time_s)
+            now = time.monotonic()
             for outcome in result.outcomes:
+                if self.phases is not None:
+                    self.phases.replied(outcome, now)
                 self.send(outcome)
-            self._record(result)
+            self._record(result, held)
             # NOTE: no step is running here, so reading the engine's state from the loop is safe; an empty step
             # would cost a thread hop that a proposal arriving meanwhile has to wait for.
             if self.engine.has_pending_commands() or (result.stats is not None and self.engine.has_runnable_work()):
                 self._wakeup.set()
 
-    def _record(self, result: StepResult) -> None:
+    def _record(self, result: StepResult, held_s: float = 0.0) -> None:
         engine = self.engine
         self.metrics.live_sequences.set(len(engine.scheduler.sequences))
         self.metrics.set_occupancy(len(engine.scheduler.waiting), len(engine.scheduler.running),
@@ -308,6 +347,7 @@ class AsyncEngine:
                  emitted=s.num_emitted_tokens, forward_ms=round(s.forward_s * 1e3, 2),
                  sample_ms=round(s.sample_s * 1e3, 2), host_ms=round(s.host_s * 1e3, 2),
                  device_ms=None if s.device_s is None else round(s.device_s * 1e3, 2), static=s.static,
-                 kv_blocks_used=engine.blocks.num_used_blocks,
+                 kv_blocks_used=engine.blocks.num_used_blocks, held_ms=round(held_s * 1e3, 2),
+                 phases=self.phases.plan.num_phases if self.phases and self.phases.plan else None,
                  chosen_draft_tokens=sum(s.chosen_draft_lengths) if s.chosen_draft_lengths else None,
                  predicted_goodput=None if s.predicted_goodput is None else round(s.predicted_goodput, 1))

@@ -71,6 +71,10 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")
+    phases: bool = option(True, "plan when steps start from the verifier's step times and the drafts' turnaround: "
+                          "hold a step for the sequences answered together while waiting costs less than the step it "
+                          "saves, or verify half of them per step when drafting one half while the other is verified "
+                          "is faster (phases.py); false: step as soon as work is in")
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 

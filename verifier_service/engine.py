@@ -90,11 +90,13 @@ class VerifierEngine:
 
     # -- called from the engine thread ------------------------------------------------------------------------
 
-    def step(self) -> StepResult:
+    def step(self, max_verifications: int | None = None) -> StepResult:
+        """max_verifications: verify at most this many proposals (the phase plan, phases.py); the others wait
+        for the next step. Prefill is not capped."""
         step_started = time.perf_counter()
         outcomes = self._apply_commands()
         outcomes.extend(self._end_expired_sequences())
-        scheduled = self.scheduler.schedule()
+        scheduled = self.scheduler.schedule(max_verifications)
         outcomes.extend(scheduled.outcomes)
         if not scheduled.scheduled:
             return StepResult(outcomes, None)

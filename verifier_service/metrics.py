@@ -34,6 +34,10 @@ class VerifierMetrics:
                                              buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
         self.static_steps = Counter("specwire_static_steps", "Steps run through the static buffers (graph replays "
                                     "with --cuda-graphs)", registry=r)
+        self.step_hold_seconds = Histogram("specwire_step_hold_seconds", "Time a step was held for proposals on "
+                                           "their way, so that sequences answered together are verified together "
+                                           "(steps not held are not counted)", registry=r,
+                                           buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2))
         self.batch_size = Histogram("specwire_step_batch_size", "Sequences per step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.live_sequences = Gauge("specwire_live_sequences", "Open sequences", registry=r)

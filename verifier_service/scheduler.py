@@ -130,8 +130,11 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_verifications: int | None = None) -> SchedulerOutput:
+        """The step's work within the token budget; at most `max_verifications` proposals verified (None: no
+        cap), the others served first next step. Prefill chunks are not capped."""
         out = SchedulerOutput()
+        num_verifications = 0
         self.admit()
         out.num_prefix_hit_tokens, self._num_prefix_hit_tokens = self._num_prefix_hit_tokens, 0
         preemptions_before = self.num_preemptions
@@ -145,8 +148,12 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted for a sequence earlier in this step
                 continue
             out.outcomes.extend(self._drop_stale_proposals(seq))
-            item = self._schedule_one(seq, budget, out)
+            capped = max_verifications is not None and num_verifications >= max_verifications
+            if capped and not seq.needs_prefill:
+                continue
+            item = self._schedule_one(seq, budget, out, verify=not capped)
             if item is not None:
+                num_verifications += item.proposal is not None
                 out.scheduled.append(item)
                 budget -= item.num_tokens
                 out.tokens_by_stream[seq.key.stream_id] += item.num_tokens
@@ -260,9 +267,13 @@ class Scheduler:
                                            num_prefill_tokens=prefill_end - seq.num_cached))
         return candidates
 
-    def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput) -> ScheduledSeq | None:
+    def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput, *,
+                      verify: bool = True) -> ScheduledSeq | None:
+        """verify=False: only a prefill chunk (the step's verifications are capped)."""
         busy = {item.seq.key for item in out.scheduled}
         for item in self._candidates(seq, budget):
+            if not verify and item.proposal is not None:
+                continue
             copies = self._reserve(item, busy)
             if copies is not None:
                 if item.proposal is not None:

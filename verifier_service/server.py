@@ -93,7 +93,8 @@ async def serve(config: VerifierConfig) -> None:
     executor = compute_thread("verifier-engine")  # the model loads on the thread that steps it
     engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
-    async_engine = AsyncEngine(engine, metrics, executor, limits=StreamLimits.from_config(config))
+    async_engine = AsyncEngine(engine, metrics, executor, limits=StreamLimits.from_config(config),
+                               phases=config.phases)
     servicer = VerifierServicer(async_engine, verifier_info(engine, config))
     server = build_grpc_server(
         config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,

@@ -182,7 +182,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                  for d in p.draft_probs[:limits.max_draft_tokens + 1]], limits)
             cmd = ProposeCmd(key, p.start_position, tuple(p.draft_token_ids),
                              wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids),
-                             p.max_draft_tokens if p.HasField("max_draft_tokens") else None)
+                             p.max_draft_tokens if p.HasField("max_draft_tokens") else None,
+                             p.draft_seconds if p.HasField("draft_seconds") else None)
             check_proposal(cmd, limits)  # whether the sequence is coupled is the engine's to check
             return cmd
         except ServiceError as err:

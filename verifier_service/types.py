@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
@@ -34,6 +35,7 @@ class ProposeCmd:
     # --speculation auto: the draft's cap on its next block, and its ask for the verifier's choice; None: it
     # decides its draft length alone (a fixed k, an older draft)
     max_draft_tokens: int | None = None
+    draft_seconds: float | None = None  # the draft's compute for the batch that drafted it (phases.py); None: unknown
 
     @property
     def num_draft_tokens(self) -> int:
@@ -44,8 +46,8 @@ class ProposeCmd:
         if num_draft_tokens >= self.num_draft_tokens:
             return self
         draft_probs = self.draft_probs[:num_draft_tokens] if self.draft_probs else self.draft_probs
-        return ProposeCmd(self.key, self.start_position, self.draft_token_ids[:num_draft_tokens], draft_probs,
-                          self.assumed_token_ids, self.max_draft_tokens)
+        return dataclasses.replace(self, draft_token_ids=self.draft_token_ids[:num_draft_tokens],
+                                   draft_probs=draft_probs)
 
 
 @dataclass(frozen=True)

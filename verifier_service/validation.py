@@ -84,6 +84,8 @@ def check_proposal(cmd: ProposeCmd, limits: Limits, *, coupled: bool = False) ->
     check_proposal_size(k, len(cmd.assumed_token_ids),
                         [max(len(q.token_ids), len(q.probs)) for q in cmd.draft_probs or ()], limits)
     check_proposal_on(cmd, coupled=coupled)
+    if cmd.draft_seconds is not None and not 0.0 <= cmd.draft_seconds < math.inf:
+        raise invalid_argument(f"draft_seconds must be a finite time >= 0, got {cmd.draft_seconds}")
     if cmd.assumed_token_ids:
         if len(cmd.assumed_token_ids) > min(cmd.start_position, limits.max_draft_tokens + 1):
             raise invalid_argument(f"{len(cmd.assumed_token_ids)} assumed tokens: at most the verdict in flight's "

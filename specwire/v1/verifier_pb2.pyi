@@ -96,20 +96,22 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens")
+    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     draft_probs: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_draft_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...
+    draft_seconds: float
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
 
 class CloseSequence(_message.Message):
     __slots__ = ("seq_id",)

@@ -1,0 +1,265 @@
+"""The verifier's phase plan (verifier_service/phases.py): when a step waits for the proposals on their way, when
+it verifies only half of the sequences, and that the engine's cap on a step's verifications changes no output."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.errors import ErrorCode, ServiceError
+from common.sampling import FinishReason, SamplingParams
+from verifier_service.config import VerifierConfig
+from verifier_service.phases import PhasePlanner
+from verifier_service.server import build_engine
+from verifier_service.types import (
+    CloseCmd,
+    DroppedOut,
+    ErrorOut,
+    OpenCmd,
+    ProposeCmd,
+    SeqKey,
+    VerdictOut,
+)
+from verifier_service.validation import Limits, check_proposal
+
+from tiny_models import greedy_continuation, make_text_pair
+
+
+def _planner(fixed_s: float, per_token_s: float) -> PhasePlanner:
+    """A planner whose step time is fixed_s + per_token_s * tokens (observed at 5, 10, 20 and 40 tokens)."""
+    planner = PhasePlanner()
+    for n in (5, 10, 20, 40):
+        planner.stepped(n, fixed_s + per_token_s * n)
+    return planner
+
+
+def _verdict(key: SeqKey, next_k: int | None = 4, finished: bool = False) -> VerdictOut:
+    return VerdictOut(key, 10, 4, (1, 2, 3, 4, 5), FinishReason.LENGTH if finished else None, 1,
+                      next_draft_tokens=next_k)
+
+
+def _propose(key: SeqKey, k: int = 4, draft_seconds: float | None = None) -> ProposeCmd:
+    return ProposeCmd(key, 10, tuple(range(1, k + 1)), None, draft_seconds=draft_seconds)
+
+
+def _round(planner: PhasePlanner, keys: list[SeqKey], sent: float, turnaround: float,
+           draft_seconds: float | None = None) -> None:
+    """Every key answered at `sent`, and its next proposal in `turnaround` later."""
+    for key in keys:
+        planner.replied(_verdict(key), sent)
+    for key in keys:
+        planner.submitted(_propose(key, draft_seconds=draft_seconds), sent + turnaround)
+
+
+KEYS = [SeqKey(1, i) for i in range(1, 9)]
+
+
+# -- the plan: one phase or two -------------------------------------------------------------------------------
+
+
+def test_a_verifier_that_waits_for_its_drafts_longer_than_a_step_costs_splits_them_in_two_phases():
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)  # a CPU verifier: mostly fixed cost
+    for r in range(3):
+        _round(planner, KEYS, sent=10.0 * r, turnaround=1.0, draft_seconds=0.8)
+    plan = planner.plan_phases()
+    assert plan.num_phases == 2
+    assert plan.round_s < plan.one_phase_s
+    assert planner.max_verifications() == 4  # half of the 8 sequences per step
+    assert planner.hold(30.0, 30.0) is None  # two phases: nothing is held
+
+
+def test_drafts_that_come_back_fast_keep_one_phase_and_no_cap():
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    for r in range(3):
+        _round(planner, KEYS, sent=10.0 * r, turnaround=0.1, draft_seconds=0.08)
+    assert planner.plan_phases().num_phases == 1
+    assert planner.max_verifications() is None
+
+
+def test_a_draft_slower_than_the_verifier_keeps_one_phase():
+    """A CPU draft beside a GPU verifier: splitting would make the draft draft twice per round."""
+    planner = _planner(fixed_s=0.010, per_token_s=0.0002)
+    for r in range(3):
+        _round(planner, KEYS, sent=10.0 * r, turnaround=0.2, draft_seconds=0.19)
+    assert planner.plan_phases().num_phases == 1
+
+
+def test_a_draft_that_does_not_say_its_compute_is_taken_to_compute_all_the_time_it_is_away():
+    """Without Proposal.draft_seconds the turnaround is all compute: the same times that split with a draft that
+    says it computes 0.3 s of its 1 s away do not split."""
+    said, unsaid = _planner(0.5, 0.02), _planner(0.5, 0.02)
+    for r in range(3):
+        _round(said, KEYS, sent=10.0 * r, turnaround=1.2, draft_seconds=0.3)
+        _round(unsaid, KEYS, sent=10.0 * r, turnaround=1.2)
+    assert said.plan_phases().num_phases == 2
+    assert unsaid.plan_phases().num_phases == 1
+
+
+def test_no_plan_without_a_step_seen_or_a_turnaround_measured():
+    planner = PhasePlanner()
+    _round(planner, KEYS, sent=0.0, turnaround=1.0)
+    assert planner.plan_phases().num_phases == 1  # no step time yet
+    planner = _planner(0.5, 0.02)
+    for key in KEYS:
+        planner.replied(_verdict(key), 0.0)
+    assert planner.plan_phases().num_phases == 1  # nothing came back yet
+
+
+# -- the hold, under one phase --------------------------------------------------------------------------------
+
+
+def _one_phase_with_late_half(turnaround: float) -> PhasePlanner:
+    """8 sequences with a 0.1 s turnaround measured; at t = 100 all are answered, and half of them are back."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    for r in range(3):
+        _round(planner, KEYS, sent=10.0 * r, turnaround=turnaround, draft_seconds=turnaround * 0.9)
+    for key in KEYS:
+        planner.replied(_verdict(key), 100.0)
+    for key in KEYS[:4]:
+        planner.submitted(_propose(key), 100.0 + turnaround * 0.5)
+    assert planner.plan_phases().num_phases == 1
+    return planner
+
+
+def test_a_step_waits_for_the_sequences_answered_with_it_when_they_are_due_before_the_saving():
+    planner = _one_phase_with_late_half(turnaround=0.1)
+    now = 100.05
+    decision = planner.hold(now, now)
+    assert decision is not None
+    assert decision.num_awaited == 4
+    assert 100.1 < decision.deadline < 100.2  # when they are due (their turnaround, plus slack)
+    assert decision.deadline - now < decision.saving_s
+
+
+def test_a_step_starts_once_the_awaited_are_in_or_overdue():
+    planner = _one_phase_with_late_half(turnaround=0.1)
+    for key in KEYS[4:6]:
+        planner.submitted(_propose(key), 100.08)
+    assert planner.hold(100.08, 100.05).num_awaited == 2
+    assert planner.hold(100.5, 100.05) is None  # the other two are late: nothing is held for them
+    for key in KEYS[6:]:
+        planner.submitted(_propose(key), 100.09)
+    assert planner.hold(100.09, 100.05) is None  # all in
+
+
+def test_no_hold_longer_than_the_step_it_saves():
+    """With a step's fixed cost of 0.5 s, sequences due in about 0.6 s are not waited for."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    for r in range(3):
+        _round(planner, KEYS, sent=10.0 * r, turnaround=0.6, draft_seconds=0.05)
+    for key in KEYS:
+        planner.replied(_verdict(key), 100.0)
+    planner.submitted(_propose(KEYS[0]), 100.0)
+    planner.plan_phases()
+    assert planner.hold(100.0, 100.0) is None
+
+
+def test_a_sequence_whose_next_proposal_is_already_in_is_not_awaited():
+    """Pipelined drafting: the next block arrives before the verdict of the one in flight."""
+    planner = _one_phase_with_late_half(turnaround=0.1)
+    key = SeqKey(2, 1)
+    planner.submitted(_propose(key), 101.0)
+    planner.submitted(_propose(key), 101.01)  # drafted ahead
+    planner.replied(_verdict(key), 101.2)
+    assert key not in planner._awaited
+    planner.replied(_verdict(key), 101.4)
+    assert key in planner._awaited
+
+
+def test_ended_sequences_and_streams_are_forgotten():
+    planner = _one_phase_with_late_half(turnaround=0.1)
+    planner.replied(_verdict(KEYS[4], finished=True), 100.1)
+    planner.replied(ErrorOut(KEYS[5], ErrorCode.DEADLINE_EXCEEDED, "idle"), 100.1)
+    planner.submitted(CloseCmd(KEYS[6]), 100.1)
+    planner.replied(DroppedOut(KEYS[0], 10, 12), 100.1)  # stale, the sequence goes on: its next one is coming
+    assert set(planner._awaited) == {KEYS[7]}
+    planner.stream_closed(1)
+    assert not planner._awaited and not planner._outstanding and not planner._block_tokens
+    assert not planner._turnaround and not planner._compute
+
+
+# -- the engine's cap ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return make_text_pair(tmp_path_factory.mktemp("phases"), "qwen2")
+
+
+def test_a_capped_step_verifies_the_others_first_in_the_next_and_outputs_do_not_change(pair):
+    target, _ = pair
+    engine = build_engine(VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4))
+    prompts = {SeqKey(1, i): [3 + i, 7, 11, 13] for i in range(1, 5)}
+    n = 12
+    oracle = {key: greedy_continuation(target, prompt, n) for key, prompt in prompts.items()}
+    for key, prompt in prompts.items():
+        engine.submit(OpenCmd(key, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=n,
+                                                                 ignore_eos=True).with_seed()))
+    engine.step()  # the prefills
+    out: dict[SeqKey, list[int]] = {key: [] for key in prompts}
+    served: list[set[SeqKey]] = []
+    pending: set[SeqKey] = set()
+    for _ in range(40):
+        for key in prompts:
+            if len(out[key]) < n and key not in pending:
+                j = len(out[key])
+                engine.submit(ProposeCmd(key, len(prompts[key]) + j, tuple(oracle[key][j:j + 3]), None))
+                pending.add(key)
+        verdicts = [o for o in engine.step(max_verifications=2).outcomes if isinstance(o, VerdictOut)]
+        if not verdicts:
+            break
+        assert len(verdicts) <= 2
+        served.append({v.key for v in verdicts})
+        for v in verdicts:
+            out[v.key].extend(v.token_ids)
+            pending.discard(v.key)
+    assert served[0] | served[1] == set(prompts)  # those left out of a step go first in the next
+    assert out == oracle
+
+
+def test_draft_seconds_must_be_a_finite_time():
+    limits = Limits(vocab_size=100, max_model_len=64, max_draft_tokens=4, max_q_support=16)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ServiceError) as err:
+            check_proposal(_propose(SeqKey(1, 1), draft_seconds=bad), limits)
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT
+    check_proposal(_propose(SeqKey(1, 1), draft_seconds=0.25), limits)
+
+
+def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
+    """AsyncEngine asks the planner before each step and passes its cap to the engine."""
+    import asyncio
+
+    from verifier_service.async_engine import AsyncEngine
+    from verifier_service.metrics import VerifierMetrics
+
+    target, _ = pair
+    engine = build_engine(VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4))
+    real_step, caps, verified = engine.step, [], []
+
+    def step(max_verifications=None):
+        caps.append(max_verifications)
+        result = real_step(max_verifications)
+        verified.append(sum(isinstance(o, VerdictOut) for o in result.outcomes))
+        return result
+
+    engine.step = step
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True).with_seed()
+
+    async def scenario() -> list[list[VerdictOut]]:
+        async_engine = AsyncEngine(engine, VerifierMetrics())
+        async_engine.phases.max_verifications = lambda: 1
+        async_engine.start()
+        stream_id, outbox = async_engine.open_stream()
+        keys = [SeqKey(stream_id, i) for i in (1, 2)]
+        for key in keys:
+            async_engine.submit(OpenCmd(key, (3, 4, 5, 6), greedy))
+        for key in keys:
+            async_engine.submit(ProposeCmd(key, 4, (7, 7), None))
+        verdicts = [await asyncio.wait_for(outbox.get(), 30) for _ in keys]
+        await async_engine.stop()
+        return verdicts
+
+    verdicts = asyncio.run(scenario())
+    assert {v.key.seq_id for v in verdicts} == {1, 2}
+    assert 1 in caps  # the plan's cap reached the engine
+    assert max(verified) == 1  # one verification per step, though both proposals came together
