@@ -160,3 +160,34 @@ def test_probes_try_one_token_more_and_the_prior_is_per_group():
     tracker.observe(("b", 1), 1, 1)
     tracker.observe(("c", 1), 1, 1)  # a third group: the least recently seen ("garbage") goes
     assert tracker.rates(("garbage", 2), 1)[0] == pytest.approx(tracker.default_rate)
+
+
+def test_time_waiting_for_drafting_makes_longer_drafts_dearer_unless_a_phase_hides_it():
+    """A CPU verifier (mostly fixed cost) that waits 1 s per round, all of it the drafts drafting 4 tokens at
+    0.25 s each: drafting is the dearest part of a long block, and the choice falls; the same 1 s taken as a
+    wait no length changes keeps k = 4. With the wait hidden (two phases: idle near 0) drafting costs nothing."""
+    from verifier_service.goodput import DraftLengthController
+
+    def controller(idle_s: float, draft_s_per_token: float | None) -> DraftLengthController:
+        c = DraftLengthController(4, step_time=model_of(lambda n: 0.5 + 0.02 * n), probe_every=0)
+        c.idle_s, c.mean_chosen_k = idle_s, 4.0
+        for _ in range(50):
+            if draft_s_per_token is not None:
+                c.observe_drafting(draft_s_per_token)
+            c.idle_split(8)  # the share of the wait that is drafting settles
+        return c
+
+    caps = {i: 4 for i in range(8)}
+
+    def mean_k(c: DraftLengthController) -> float:
+        c.acceptance.default_rate = 0.6
+        chosen = c.choose(caps)
+        return sum(chosen.draft_lengths.values()) / len(caps)
+
+    assert mean_k(controller(1.0, None)) == 4  # the draft does not say: the wait is fixed, as before
+    waiting = controller(1.0, 0.25)
+    assert waiting.exposure == pytest.approx(1.0, abs=0.01)
+    assert mean_k(waiting) < 2
+    hidden = controller(0.0, 0.25)
+    assert hidden.exposure == pytest.approx(0.0, abs=0.01)
+    assert mean_k(hidden) == mean_k(controller(0.0, None))

@@ -41,13 +41,21 @@ def _propose(key: SeqKey, k: int = 4, draft_seconds: float | None = None) -> Pro
     return ProposeCmd(key, 10, tuple(range(1, k + 1)), None, draft_seconds=draft_seconds)
 
 
-def _round(planner: PhasePlanner, keys: list[SeqKey], sent: float, turnaround: float,
-           draft_seconds: float | None = None) -> None:
-    """Every key answered at `sent`, and its next proposal in `turnaround` later."""
+def _rounds(planner: PhasePlanner, keys: list[SeqKey], turnaround: float, draft_seconds: float | None = None,
+            *, rounds: int = 3, step_s: float = 0.5, start: float = 0.0) -> float:
+    """Each key proposes at `start`; then `rounds` times: all are answered `step_s` later and propose again
+    `turnaround` after that. Returns the time of the last proposals (all keys are in then)."""
+    t = start
     for key in keys:
-        planner.replied(_verdict(key), sent)
-    for key in keys:
-        planner.submitted(_propose(key, draft_seconds=draft_seconds), sent + turnaround)
+        planner.submitted(_propose(key, draft_seconds=draft_seconds), t)
+    for _ in range(rounds):
+        t += step_s
+        for key in keys:
+            planner.replied(_verdict(key), t)
+        t += turnaround
+        for key in keys:
+            planner.submitted(_propose(key, draft_seconds=draft_seconds), t)
+    return t
 
 
 KEYS = [SeqKey(1, i) for i in range(1, 9)]
@@ -58,123 +66,160 @@ KEYS = [SeqKey(1, i) for i in range(1, 9)]
 
 def test_a_verifier_that_waits_for_its_drafts_longer_than_a_step_costs_splits_them_in_two_phases():
     planner = _planner(fixed_s=0.5, per_token_s=0.02)  # a CPU verifier: mostly fixed cost
-    for r in range(3):
-        _round(planner, KEYS, sent=10.0 * r, turnaround=1.0, draft_seconds=0.8)
-    plan = planner.plan_phases()
+    now = _rounds(planner, KEYS, turnaround=1.0, draft_seconds=0.8)
+    plan = planner.plan_phases(now)
     assert plan.num_phases == 2
     assert plan.round_s < plan.one_phase_s
     assert planner.max_verifications() == 4  # half of the 8 sequences per step
-    assert planner.hold(30.0, 30.0) is None  # two phases: nothing is held
+    assert planner.hold(now, now) is None  # two phases: nothing is held
 
 
 def test_drafts_that_come_back_fast_keep_one_phase_and_no_cap():
     planner = _planner(fixed_s=0.5, per_token_s=0.02)
-    for r in range(3):
-        _round(planner, KEYS, sent=10.0 * r, turnaround=0.1, draft_seconds=0.08)
-    assert planner.plan_phases().num_phases == 1
+    now = _rounds(planner, KEYS, turnaround=0.1, draft_seconds=0.08)
+    assert planner.plan_phases(now).num_phases == 1
     assert planner.max_verifications() is None
 
 
 def test_a_draft_slower_than_the_verifier_keeps_one_phase():
     """A CPU draft beside a GPU verifier: splitting would make the draft draft twice per round."""
     planner = _planner(fixed_s=0.010, per_token_s=0.0002)
-    for r in range(3):
-        _round(planner, KEYS, sent=10.0 * r, turnaround=0.2, draft_seconds=0.19)
-    assert planner.plan_phases().num_phases == 1
+    now = _rounds(planner, KEYS, turnaround=0.2, draft_seconds=0.19, step_s=0.02)
+    assert planner.plan_phases(now).num_phases == 1
 
 
 def test_a_draft_that_does_not_say_its_compute_is_taken_to_compute_all_the_time_it_is_away():
     """Without Proposal.draft_seconds the turnaround is all compute: the same times that split with a draft that
-    says it computes 0.3 s of its 1 s away do not split."""
-    said, unsaid = _planner(0.5, 0.02), _planner(0.5, 0.02)
-    for r in range(3):
-        _round(said, KEYS, sent=10.0 * r, turnaround=1.2, draft_seconds=0.3)
-        _round(unsaid, KEYS, sent=10.0 * r, turnaround=1.2)
-    assert said.plan_phases().num_phases == 2
-    assert unsaid.plan_phases().num_phases == 1
+    says it computes 0.3 s of its 1.2 s away do not split; nor does a draft that claims more than its time away."""
+    said, unsaid, inflated = _planner(0.5, 0.02), _planner(0.5, 0.02), _planner(0.5, 0.02)
+    now = _rounds(said, KEYS, turnaround=1.2, draft_seconds=0.3)
+    _rounds(unsaid, KEYS, turnaround=1.2)
+    _rounds(inflated, KEYS, turnaround=1.2, draft_seconds=1e30)
+    assert said.plan_phases(now).num_phases == 2
+    assert unsaid.plan_phases(now).num_phases == 1
+    assert inflated.plan_phases(now).num_phases == 1
+    assert inflated._streams[1].compute_s() == pytest.approx(1.2)  # clamped to the time away
 
 
-def test_no_plan_without_a_step_seen_or_a_turnaround_measured():
+def test_no_plan_without_a_step_seen_a_turnaround_measured_or_outside_the_step_sizes_seen():
     planner = PhasePlanner()
-    _round(planner, KEYS, sent=0.0, turnaround=1.0)
-    assert planner.plan_phases().num_phases == 1  # no step time yet
+    now = _rounds(planner, KEYS, turnaround=1.0)
+    assert planner.plan_phases(now).num_phases == 1  # no step time yet
     planner = _planner(0.5, 0.02)
     for key in KEYS:
-        planner.replied(_verdict(key), 0.0)
-    assert planner.plan_phases().num_phases == 1  # nothing came back yet
+        planner.submitted(_propose(key), 0.0)
+    for key in KEYS:
+        planner.replied(_verdict(key), 0.5)
+    assert planner.plan_phases(0.6).num_phases == 1  # nothing came back yet
+    planner = PhasePlanner()
+    planner.stepped(40, 1.3)  # one step size seen: t(20) would be taken for half of t(40), no fixed cost
+    now = _rounds(planner, KEYS, turnaround=1.0, draft_seconds=0.1)
+    assert planner.plan_phases(now).num_phases == 1
+
+
+def test_two_phases_are_left_only_once_no_shorter():
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    # t(40) = 1.3, t(20) = 0.9: one phase 1.3 + d, two phases max(1.8, d + 0.9), so two win for d > 0.5
+    now = _rounds(planner, KEYS, turnaround=0.52, draft_seconds=0.1, rounds=30)
+    assert planner.plan_phases(now).num_phases == 1  # 1.80 against 1.82: not 5 % shorter
+    now = _rounds(planner, KEYS, turnaround=0.7, draft_seconds=0.1, rounds=30, start=now)
+    assert planner.plan_phases(now).num_phases == 2
+    now = _rounds(planner, KEYS, turnaround=0.52, draft_seconds=0.1, rounds=30, start=now)
+    assert planner.plan_phases(now).num_phases == 2  # still shorter: it stays
+    now = _rounds(planner, KEYS, turnaround=0.3, draft_seconds=0.1, rounds=30, start=now)
+    assert planner.plan_phases(now).num_phases == 1
 
 
 # -- the hold, under one phase --------------------------------------------------------------------------------
 
 
-def _one_phase_with_late_half(turnaround: float) -> PhasePlanner:
-    """8 sequences with a 0.1 s turnaround measured; at t = 100 all are answered, and half of them are back."""
+def _one_phase_with_late_half(turnaround: float) -> tuple[PhasePlanner, float]:
+    """8 sequences with a `turnaround` measured; then all are answered and half of them are back. Returns the
+    planner and when the answers went out."""
     planner = _planner(fixed_s=0.5, per_token_s=0.02)
-    for r in range(3):
-        _round(planner, KEYS, sent=10.0 * r, turnaround=turnaround, draft_seconds=turnaround * 0.9)
+    now = _rounds(planner, KEYS, turnaround=turnaround, draft_seconds=turnaround * 0.9) + 0.5
     for key in KEYS:
-        planner.replied(_verdict(key), 100.0)
+        planner.replied(_verdict(key), now)
     for key in KEYS[:4]:
-        planner.submitted(_propose(key), 100.0 + turnaround * 0.5)
-    assert planner.plan_phases().num_phases == 1
-    return planner
+        planner.submitted(_propose(key), now + turnaround * 0.5)
+    assert planner.plan_phases(now + turnaround * 0.5).num_phases == 1
+    return planner, now
 
 
 def test_a_step_waits_for_the_sequences_answered_with_it_when_they_are_due_before_the_saving():
-    planner = _one_phase_with_late_half(turnaround=0.1)
-    now = 100.05
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    now = sent + 0.05
     decision = planner.hold(now, now)
     assert decision is not None
     assert decision.num_awaited == 4
-    assert 100.1 < decision.deadline < 100.2  # when they are due (their turnaround, plus slack)
+    assert sent + 0.1 < decision.deadline < sent + 0.2  # when they are due (their turnaround, plus slack)
     assert decision.deadline - now < decision.saving_s
 
 
 def test_a_step_starts_once_the_awaited_are_in_or_overdue():
-    planner = _one_phase_with_late_half(turnaround=0.1)
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
     for key in KEYS[4:6]:
-        planner.submitted(_propose(key), 100.08)
-    assert planner.hold(100.08, 100.05).num_awaited == 2
-    assert planner.hold(100.5, 100.05) is None  # the other two are late: nothing is held for them
+        planner.submitted(_propose(key), sent + 0.08)
+    assert planner.hold(sent + 0.08, sent + 0.05).num_awaited == 2
+    assert planner.hold(sent + 0.5, sent + 0.05) is None  # the other two are late: nothing is held for them
     for key in KEYS[6:]:
-        planner.submitted(_propose(key), 100.09)
-    assert planner.hold(100.09, 100.05) is None  # all in
+        planner.submitted(_propose(key), sent + 0.09)
+    assert planner.hold(sent + 0.09, sent + 0.05) is None  # all in
 
 
 def test_no_hold_longer_than_the_step_it_saves():
     """With a step's fixed cost of 0.5 s, sequences due in about 0.6 s are not waited for."""
     planner = _planner(fixed_s=0.5, per_token_s=0.02)
-    for r in range(3):
-        _round(planner, KEYS, sent=10.0 * r, turnaround=0.6, draft_seconds=0.05)
+    now = _rounds(planner, KEYS, turnaround=0.6, draft_seconds=0.05) + 0.5
     for key in KEYS:
-        planner.replied(_verdict(key), 100.0)
-    planner.submitted(_propose(KEYS[0]), 100.0)
-    planner.plan_phases()
-    assert planner.hold(100.0, 100.0) is None
+        planner.replied(_verdict(key), now)
+    planner.submitted(_propose(KEYS[0]), now)
+    planner.plan_phases(now)
+    assert planner.hold(now, now) is None
+
+
+def test_a_stream_late_twice_in_a_row_is_not_waited_for():
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    assert planner.hold(sent + 0.05, sent + 0.05) is not None
+    for late in range(2):
+        for key in KEYS[4:]:
+            planner.submitted(_propose(key), sent + 0.5)  # well past due
+        sent += 1.0
+        for key in KEYS:
+            planner.replied(_verdict(key), sent)
+        for key in KEYS[:4]:
+            planner.submitted(_propose(key), sent + 0.05)
+    assert planner.hold(sent + 0.05, sent + 0.05) is None
 
 
 def test_a_sequence_whose_next_proposal_is_already_in_is_not_awaited():
     """Pipelined drafting: the next block arrives before the verdict of the one in flight."""
-    planner = _one_phase_with_late_half(turnaround=0.1)
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
     key = SeqKey(2, 1)
-    planner.submitted(_propose(key), 101.0)
-    planner.submitted(_propose(key), 101.01)  # drafted ahead
-    planner.replied(_verdict(key), 101.2)
+    planner.submitted(_propose(key), sent + 1.0)
+    planner.submitted(_propose(key), sent + 1.01)  # drafted ahead
+    planner.replied(_verdict(key), sent + 1.2)
     assert key not in planner._awaited
-    planner.replied(_verdict(key), 101.4)
+    planner.replied(_verdict(key), sent + 1.4)
     assert key in planner._awaited
 
 
-def test_ended_sequences_and_streams_are_forgotten():
-    planner = _one_phase_with_late_half(turnaround=0.1)
-    planner.replied(_verdict(KEYS[4], finished=True), 100.1)
-    planner.replied(ErrorOut(KEYS[5], ErrorCode.DEADLINE_EXCEEDED, "idle"), 100.1)
-    planner.submitted(CloseCmd(KEYS[6]), 100.1)
-    planner.replied(DroppedOut(KEYS[0], 10, 12), 100.1)  # stale, the sequence goes on: its next one is coming
+def test_ended_closed_silent_and_unknown_sequences_are_forgotten():
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    planner.submitted(_propose(KEYS[4]), sent + 0.1)
+    planner.replied(_verdict(KEYS[4], finished=True), sent + 0.2)
+    planner.replied(ErrorOut(KEYS[5], ErrorCode.DEADLINE_EXCEEDED, "idle"), sent + 0.2)
+    planner.submitted(CloseCmd(KEYS[6]), sent + 0.2)
+    planner.replied(_verdict(KEYS[6]), sent + 0.2)  # its verdict was in flight when it closed: ignored
+    planner.replied(DroppedOut(KEYS[0], 10, 12), sent + 0.2)  # stale, the sequence goes on: its next one comes
+    planner.submitted(_propose(SeqKey(1, 0)), sent + 0.2)  # seq 0 names no sequence
+    planner.replied(_verdict(SeqKey(3, 9)), sent + 0.2)  # never proposed here
     assert set(planner._awaited) == {KEYS[7]}
+    assert set(planner._outstanding) == set(KEYS[1:4])
+    planner.plan_phases(sent + 10.0)  # silent for far longer than its turnaround
+    assert not planner._awaited
     planner.stream_closed(1)
-    assert not planner._awaited and not planner._outstanding and not planner._block_tokens
-    assert not planner._turnaround and not planner._compute
+    assert not planner._outstanding and not planner._block_tokens and not planner._streams
 
 
 # -- the engine's cap ------------------------------------------------------------------------------------------

@@ -282,8 +282,8 @@ class AsyncEngine:
         planner = self.phases
         if planner is None or not (planner.num_present or self.engine.has_runnable_work()):
             return 0.0, None
-        planner.plan_phases()
         started = time.monotonic()
+        planner.plan_phases(started)
         while not self._stopping:
             now = time.monotonic()
             decision = planner.hold(now, started)
@@ -295,7 +295,7 @@ class AsyncEngine:
             except TimeoutError:
                 break
         held = time.monotonic() - started
-        if held > 0.0005:
+        if held > 0.0005:  # NOTE: below this, the loop's own turn: not a hold
             self.metrics.step_hold_seconds.observe(held)
         return held, planner.max_verifications()
 
@@ -304,7 +304,11 @@ class AsyncEngine:
             await self._wait_for_work()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
             await coalesce(min(0.002, 0.02 * self._last_step_s))
-            held, cap = await self._plan_step()
+            try:
+                held, cap = await self._plan_step()
+            except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps: step unplanned
+                log.exception("phase_plan_failed")
+                held, cap = 0.0, None
             self._wakeup.clear()
             if self.phases is not None:
                 self.phases.step_started()
@@ -321,9 +325,10 @@ class AsyncEngine:
                     self.phases.stepped(result.stats.num_tokens, result.stats.step_time_s)
             now = time.monotonic()
             for outcome in result.outcomes:
-                if self.phases is not None:
-                    self.phases.replied(outcome, now)
                 self.send(outcome)
+                # NOTE: only what reaches an open stream: a stream closed while the step ran was forgotten
+                if self.phases is not None and outcome.key.stream_id in self._streams:
+                    self.phases.replied(outcome, now)
             self._record(result, held)
             # NOTE: no step is running here, so reading the engine's state from the loop is safe; an empty step
             # would cost a thread hop that a proposal arriving meanwhile has to wait for.

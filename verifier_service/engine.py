@@ -142,6 +142,11 @@ class VerifierEngine:
         idle_s = None if self._last_step_end is None else max(0.0, step_started - self._last_step_end)
         self._last_step_end = now
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
+        drafted = [item.proposal for item in scheduled.verifications
+                   if item.proposal.draft_seconds is not None and item.proposal.num_draft_tokens]
+        if drafted:  # a batch's time is its longest block's: per token, the step's mean over its longest block
+            control.observe_drafting(sum(p.draft_seconds for p in drafted) / len(drafted)
+                                     / max(p.num_draft_tokens for p in drafted))
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too

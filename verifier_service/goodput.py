@@ -200,11 +200,14 @@ class Allocation:
 
 
 def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel, other_tokens: int = 0,
-                         other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0) -> Allocation:
+                         other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
+                         idle_per_draft_token: float = 0.0) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
-    `idle_s`: the verifier's time between steps (waiting for proposals), which a step's tokens do not lengthen.
+    `idle_s`: the verifier's time between steps (waiting for proposals), which a step's tokens do not lengthen;
+    `idle_per_draft_token`: what each drafted token adds to it (the draft's time to draft it, where the verifier
+    waits for that).
     `tolerance`: of the totals whose goodput is within this fraction of the best, the largest is taken.
     Without a step observed yet every candidate gets its cap."""
     cands = list(candidates)
@@ -213,8 +216,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
 
-    def cost(n: int) -> float:
-        return step_time.predict(n) + idle_s if n else 0.0
+    def cost(n: int, m: int) -> float:
+        return step_time.predict(n) + idle_s + idle_per_draft_token * m if n else 0.0
 
     # every candidate's marginal gains, merged largest first: gain j of c is prod_{m<=j} alpha_{c,m}
     heap: list[tuple[float, int, int, float]] = []  # (-gain, candidate index, j, running product)
@@ -230,7 +233,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     goodputs: list[float] = []
     while True:
         n = base + other_tokens + m
-        goodput = expected / cost(n) if n else 0.0
+        goodput = expected / cost(n, m) if n else 0.0
         goodputs.append(goodput)
         if goodput > best_goodput * (1 + 1e-9):
             best_m, best_goodput = m, goodput
@@ -251,7 +254,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         counts[i] += 1
     lengths = {c.key: counts[i] for i, c in enumerate(cands)}
     n = base + other_tokens + best_m
-    return Allocation(lengths, expected_at[best_m], n, cost(n))
+    return Allocation(lengths, expected_at[best_m], n, cost(n, best_m))
 
 
 @dataclass
@@ -274,6 +277,12 @@ class DraftLengthController:
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
     idle_s: float = 0.0  # moving average of the time between steps
+    # the drafts' seconds per drafted token (Proposal.draft_seconds over the longest block of its step), and the
+    # mean draft length chosen: the share of idle_s that is the verifier waiting for drafting (see choose)
+    draft_decay: float = 0.8
+    draft_s_per_token: float | None = None
+    mean_chosen_k: float = 0.0
+    exposure: float = 0.0  # e, below
     _choices: int = 0
 
     def __post_init__(self) -> None:
@@ -290,6 +299,32 @@ class DraftLengthController:
             idle = min(max(0.0, idle_s), self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
+    def observe_drafting(self, seconds_per_token: float) -> None:
+        """The drafts' model time per drafted token in the step just run."""
+        if not seconds_per_token >= 0.0:
+            return
+        if self.draft_s_per_token is None:
+            self.draft_s_per_token = seconds_per_token
+        else:
+            d = self.draft_decay
+            self.draft_s_per_token = d * self.draft_s_per_token + (1 - d) * seconds_per_token
+
+    def idle_split(self, num_candidates: int) -> tuple[float, float]:
+        """(idle seconds per step that no draft length changes, seconds each drafted token adds). The verifier
+        waited idle_s before each step, of which drafting at the mean length chosen took D = s * k; the share of
+        D it waited for is e = min(1, idle_s / D) (1: one phase, the verifier waits for every draft; 0: two
+        phases, drafting hidden behind the other half's step), a moving average kept while k = 0. A block of k tokens then adds e * s * k to the
+        wait, and a total of M drafted tokens over the candidates e * s * M / candidates (drafts of one batch
+        take as long as its longest, about the mean length when lengths are alike)."""
+        s = self.draft_s_per_token
+        if not s or num_candidates <= 0:
+            return self.idle_s, 0.0
+        drafting = s * self.mean_chosen_k
+        if self.mean_chosen_k >= 0.5:  # e is measured while drafts are drafted; under k = 0 the last one holds
+            d = self.draft_decay
+            self.exposure = d * self.exposure + (1 - d) * min(1.0, self.idle_s / drafting)
+        return max(0.0, self.idle_s - self.exposure * drafting), self.exposure * s / num_candidates
+
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)
 
@@ -301,8 +336,12 @@ class DraftLengthController:
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
         tokens."""
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in caps.items()]
-        chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, self.idle_s,
-                                      self.tolerance)
+        fixed_idle, per_token = self.idle_split(len(candidates))
+        chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
+                                      self.tolerance, per_token)
+        if chosen.draft_lengths:
+            mean_k = sum(chosen.draft_lengths.values()) / len(chosen.draft_lengths)
+            self.mean_chosen_k = self.draft_decay * self.mean_chosen_k + (1 - self.draft_decay) * mean_k
         self._choices += 1
         if self.probe_every and self._choices % self.probe_every == 0:
             lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}

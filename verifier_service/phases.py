@@ -24,10 +24,17 @@ least `margin` shorter) and enforces it before each step:
 - two phases: a step verifies at most half of the sequences (max_verifications), so that a phase whose
   proposals all arrived at once splits in two, and each half drafts while the other is verified.
 
-An arrival is expected at the verdict's time + d + twice d's mean deviation. A sequence later than that, or
-whose stream has no estimate yet, holds nothing, and no hold lasts longer than the saving it buys: a client that
-never proposes again, or always late, costs the others at most what a slow honest draft would. A step is never
-held for a sequence whose next proposal is already in (pipelined drafting), nor on a verifier with no work.
+An arrival is expected at the verdict's time + d + twice d's mean deviation. d is the stream's own; in the
+plan, d is the mean over the sequences (a stream with many sequences weighs more, one slow client does not set
+it alone) and c the largest of the streams' (a stream's c is at most its d: compute cannot outlast the time
+away; a draft that does not say its compute is taken to compute all the time it is away). Two phases are planned
+only where the step-time model interpolates (between step sizes it has seen: outside them it scales in
+proportion and knows no fixed cost), entered when 5 % shorter and left only once not shorter. A sequence later
+than expected, or whose stream has no estimate yet, holds nothing; a stream that came late twice in a row is not
+waited for until it comes on time; no hold lasts longer than the saving it buys; and a sequence silent for four
+of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always late,
+costs the others at most what a slow honest draft would, once per step. A step is never held for a sequence
+whose next proposal is already in (pipelined drafting), nor on a verifier with no work.
 
 Lives on the asyncio side (async_engine), between steps: no locks."""
 
@@ -36,8 +43,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import structlog
+
 from verifier_service.goodput import StepTimeModel
-from verifier_service.types import CloseCmd, DroppedOut, ErrorOut, OpenCmd, Outcome, ProposeCmd, SeqKey, VerdictOut
+from verifier_service.types import (
+    CloseCmd,
+    Command,
+    DroppedOut,
+    ErrorOut,
+    OpenCmd,
+    Outcome,
+    ProposeCmd,
+    SeqKey,
+    VerdictOut,
+)
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -67,32 +88,54 @@ class PhasePlan:
 
 
 @dataclass
+class _StreamTimes:
+    turnaround: _Average | None = None
+    compute: _Average | None = None  # Proposal.draft_seconds
+    late_in_a_row: int = 0
+
+    def due(self, sent: float, slack_s: float) -> float | None:
+        t = self.turnaround
+        return None if t is None else sent + t.mean + 2 * t.deviation + slack_s
+
+    def compute_s(self) -> float | None:
+        if self.turnaround is None:
+            return None
+        return self.turnaround.mean if self.compute is None else min(self.compute.mean, self.turnaround.mean)
+
+
+@dataclass
 class PhasePlanner:
     decay: float = 0.8  # weight of a stream's past turnarounds
-    min_slack_s: float = 0.001  # added to an expected arrival, with twice the stream's mean deviation
+    # NOTE: a timer's granularity; an arrival is due at d + 2 deviations + this
+    min_slack_s: float = 0.001
     margin: float = 0.05  # two phases only when this much shorter a round than one
+    max_late: int = 2  # a stream late this many times in a row is not waited for
     step_time: StepTimeModel = field(default_factory=lambda: StepTimeModel(decay=0.9))
-    # answered, next proposal not in yet: key -> when the verdict went out
-    _awaited: dict[SeqKey, float] = field(default_factory=dict)
-    _outstanding: dict[SeqKey, int] = field(default_factory=dict)  # proposals in and not yet answered
-    _block_tokens: dict[SeqKey, int] = field(default_factory=dict)  # tokens the sequence's next block feeds
-    _turnaround: dict[int, _Average] = field(default_factory=dict)  # per stream
-    _compute: dict[int, _Average] = field(default_factory=dict)  # per stream: Proposal.draft_seconds
-    num_present: int = 0  # opens and proposals arrived since the last step started
     plan: PhasePlan | None = None  # the last one planned (metrics, logs)
+    num_present: int = field(default=0, init=False)  # opens and proposals arrived since the last step started
+    # answered, next proposal not in yet: key -> when the verdict went out
+    _awaited: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)
+    _outstanding: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # in, not answered
+    _block_tokens: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # its next block's
+    _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
 
     # -- what the loop reports ---------------------------------------------------------------------------------
 
-    def submitted(self, command: object, now: float) -> None:
+    def submitted(self, command: Command, now: float) -> None:
         if isinstance(command, ProposeCmd):
             key = command.key
+            if not key.seq_id:  # no such sequence: the engine refuses it
+                return
             self._outstanding[key] = self._outstanding.get(key, 0) + 1
             self._block_tokens[key] = command.num_draft_tokens + 1
+            times = self._streams.setdefault(key.stream_id, _StreamTimes())
             sent = self._awaited.pop(key, None)
             if sent is not None:
-                self._add(self._turnaround, key.stream_id, max(0.0, now - sent))
+                due = times.due(sent, self.min_slack_s)
+                times.late_in_a_row = times.late_in_a_row + 1 if due is not None and now > due else 0
+                times.turnaround = _add(times.turnaround, max(0.0, now - sent), self.decay)
             if command.draft_seconds is not None:
-                self._add(self._compute, key.stream_id, command.draft_seconds)
+                times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
             self._forget(command.key)
             return
@@ -104,8 +147,7 @@ class PhasePlanner:
         for table in (self._awaited, self._outstanding, self._block_tokens):
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
-        self._turnaround.pop(stream_id, None)
-        self._compute.pop(stream_id, None)
+        self._streams.pop(stream_id, None)
 
     def step_started(self) -> None:
         self.num_present = 0
@@ -114,8 +156,9 @@ class PhasePlanner:
         self.step_time.observe(num_tokens, seconds)
 
     def replied(self, outcome: Outcome, now: float) -> None:
-        """An outcome the loop sends: a verdict the sequence goes on from is awaited back, unless its next
-        proposal is already in (pipelined drafting); an ended sequence is forgotten."""
+        """An outcome sent to an open stream: a verdict the sequence goes on from is awaited back, unless its
+        next proposal is already in (pipelined drafting); an ended sequence is forgotten. A verdict of a proposal
+        this planner never counted, or forgot (its sequence closed meanwhile), is ignored."""
         key = outcome.key
         if isinstance(outcome, ErrorOut):
             if key.seq_id:
@@ -123,10 +166,12 @@ class PhasePlanner:
             return
         if not isinstance(outcome, VerdictOut | DroppedOut):
             return
+        outstanding = self._outstanding.pop(key, 0)
+        if not outstanding:
+            return
         if isinstance(outcome, VerdictOut) and outcome.finish_reason is not None:
             self._forget(key)
             return
-        outstanding = self._outstanding.pop(key, 0)
         if outstanding > 1:
             self._outstanding[key] = outstanding - 1
             return
@@ -138,30 +183,37 @@ class PhasePlanner:
 
     # -- the decisions -----------------------------------------------------------------------------------------
 
-    def plan_phases(self) -> PhasePlan:
-        """One phase or two, for the sequences the verifier knows to come back (see the module's docstring)."""
-        keys = [*self._awaited, *(k for k in self._outstanding if k not in self._awaited)]
-        turnarounds = [self._turnaround[k.stream_id].mean for k in keys if k.stream_id in self._turnaround]
+    def plan_phases(self, now: float) -> PhasePlan:
+        """One phase or two, for the sequences the verifier expects back (see the module's docstring)."""
+        self._drop_silent(now)
+        keys = [*self._awaited, *self._outstanding]
+        one_phase = PhasePlan(1, 0.0, 0.0)
+        times = [self._streams.get(k.stream_id) for k in keys]
+        turnarounds = [s.turnaround.mean for s in times if s is not None and s.turnaround is not None]
         if len(keys) < 2 or not turnarounds or not self.step_time.ready:
-            self.plan = PhasePlan(1, 0.0, 0.0)
-            return self.plan
+            return self._set_plan(one_phase)
         d = sum(turnarounds) / len(turnarounds)
-        # a stream whose draft does not say its compute may be computing all the time it is away
-        c = max((self._compute[s].mean if s in self._compute else self._turnaround[s].mean)
-                for s in {k.stream_id for k in keys} if s in self._turnaround)
+        c = max(self._streams[sid].compute_s() or 0.0 for sid in {k.stream_id for k in keys}
+                if sid in self._streams)
         tokens = sum(self._block_tokens.get(k, 1) for k in keys)
+        half_tokens = math.ceil(tokens / 2)
+        points = self.step_time.points()
+        if not points[0][0] <= half_tokens <= tokens <= points[-1][0]:
+            return self._set_plan(one_phase)  # outside what it has seen, t knows no fixed cost
         t = self.step_time.predict
         one = t(tokens) + d
-        half = t(math.ceil(tokens / 2))
+        half = t(half_tokens)
         two = max(2 * half, d + half, 2 * c)
-        self.plan = PhasePlan(2, two, one) if two < one * (1 - self.margin) else PhasePlan(1, one, one)
-        return self.plan
+        staying = self.plan is not None and self.plan.num_phases == 2
+        if two < one * (1 - self.margin) or (staying and two < one):
+            return self._set_plan(PhasePlan(2, two, one))
+        return self._set_plan(PhasePlan(1, one, one))
 
     def max_verifications(self) -> int | None:
         """The cap on the verifications of the next step: half the sequences under two phases; None: no cap."""
         if self.plan is None or self.plan.num_phases == 1:
             return None
-        return math.ceil((len(self._awaited) + sum(1 for k in self._outstanding if k not in self._awaited)) / 2)
+        return math.ceil((len(self._awaited) + len(self._outstanding)) / 2)
 
     def hold(self, now: float, hold_started: float) -> HoldDecision | None:
         """Under one phase: whether the step that would start now waits, and until when; None: start it.
@@ -170,11 +222,11 @@ class PhasePlanner:
             return None
         arrivals = []
         for key, sent in self._awaited.items():
-            turnaround = self._turnaround.get(key.stream_id)
-            if turnaround is None:
+            times = self._streams.get(key.stream_id)
+            if times is None or times.late_in_a_row >= self.max_late:
                 continue
-            due = sent + turnaround.mean + 2 * turnaround.deviation + self.min_slack_s
-            if due > now:
+            due = times.due(sent, self.min_slack_s)
+            if due is not None and due > now:
                 arrivals.append((due, self._block_tokens.get(key, 1)))
         if not arrivals:
             return None
@@ -192,13 +244,33 @@ class PhasePlanner:
 
     # -- internals ---------------------------------------------------------------------------------------------
 
-    def _add(self, table: dict[int, _Average], stream_id: int, x: float) -> None:
-        if stream_id in table:
-            table[stream_id].add(x, self.decay)
-        else:
-            table[stream_id] = _Average(x)
+    def _set_plan(self, plan: PhasePlan) -> PhasePlan:
+        if self.plan is not None and plan.num_phases != self.plan.num_phases:
+            log.info("phase_plan", num_phases=plan.num_phases, round_ms=round(plan.round_s * 1e3, 1),
+                     one_phase_round_ms=round(plan.one_phase_s * 1e3, 1))
+        self.plan = plan
+        return plan
+
+    def _drop_silent(self, now: float) -> None:
+        """Sequences awaited for four of their stream's turnarounds and a second more leave the plan (a client
+        that went quiet; the idle timeout ends the sequence later)."""
+        silent = []
+        for key, sent in self._awaited.items():
+            times = self._streams.get(key.stream_id)
+            away = times.turnaround.mean if times is not None and times.turnaround is not None else 0.0
+            if now - sent > 4 * away + 1.0:
+                silent.append(key)
+        for key in silent:
+            self._forget(key)
 
     def _forget(self, key: SeqKey) -> None:
         self._awaited.pop(key, None)
         self._outstanding.pop(key, None)
         self._block_tokens.pop(key, None)
+
+
+def _add(average: _Average | None, x: float, decay: float) -> _Average:
+    if average is None:
+        return _Average(x)
+    average.add(x, decay)
+    return average

@@ -141,6 +141,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         self._num_steps += 1
         order = self._service_order()
+        # under a cap, a sequence whose proposal waits for the next step is no victim for preemption either
+        deferred = {s.key for s in order if s.proposals} if max_verifications is not None else set()
         out.tokens_by_stream = dict.fromkeys(self._stream_last_served, 0)
         for seq in order:
             if budget <= 0:
@@ -151,7 +153,7 @@ class Scheduler:
             capped = max_verifications is not None and num_verifications >= max_verifications
             if capped and not seq.needs_prefill:
                 continue
-            item = self._schedule_one(seq, budget, out, verify=not capped)
+            item = self._schedule_one(seq, budget, out, verify=not capped, spare=deferred)
             if item is not None:
                 num_verifications += item.proposal is not None
                 out.scheduled.append(item)
@@ -267,14 +269,15 @@ class Scheduler:
                                            num_prefill_tokens=prefill_end - seq.num_cached))
         return candidates
 
-    def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput, *,
-                      verify: bool = True) -> ScheduledSeq | None:
-        """verify=False: only a prefill chunk (the step's verifications are capped)."""
+    def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput, *, verify: bool = True,
+                      spare: set[SeqKey] = frozenset()) -> ScheduledSeq | None:
+        """verify=False: only a prefill chunk (the step's verifications are capped). `spare`: sequences
+        preempted only when no other sequence outside the step can be."""
         busy = {item.seq.key for item in out.scheduled}
         for item in self._candidates(seq, budget):
             if not verify and item.proposal is not None:
                 continue
-            copies = self._reserve(item, busy)
+            copies = self._reserve(item, busy, spare)
             if copies is not None:
                 if item.proposal is not None:
                     seq.proposals.popleft()
@@ -287,7 +290,8 @@ class Scheduler:
                 return None
         return None
 
-    def _reserve(self, item: ScheduledSeq, busy: set[SeqKey]) -> list[tuple[int, int]] | None:
+    def _reserve(self, item: ScheduledSeq, busy: set[SeqKey],
+                 spare: set[SeqKey] = frozenset()) -> list[tuple[int, int]] | None:
         """Blocks for positions [start, end) of the item's sequence, exclusively its own: the copy-on-write
         copies to apply before the forward, or None (nothing changed) when they cannot be had. While the pool
         is short, preempt the most recently admitted other sequence with no work in this step."""
@@ -295,7 +299,8 @@ class Scheduler:
             copies = self.blocks.reserve(item.seq.key, item.start, item.end)
             if copies is not None:
                 return copies
-            victim = self._pick_victim(item.seq, busy)
+            victim = self._pick_victim(item.seq, busy | spare) or (self._pick_victim(item.seq, busy) if spare
+                                                                     else None)
             if victim is None:
                 return None
             self._preempt(victim)
