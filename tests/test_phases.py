@@ -8,7 +8,7 @@ import pytest
 from common.errors import ErrorCode, ServiceError
 from common.sampling import FinishReason, SamplingParams
 from verifier_service.config import VerifierConfig
-from verifier_service.phases import PhasePlanner
+from verifier_service.phases import HoldDecision, PhasePlanner
 from verifier_service.server import build_engine
 from verifier_service.types import (
     CloseCmd,
@@ -44,9 +44,10 @@ def _propose(key: SeqKey, k: int = 4, draft_seconds: float | None = None) -> Pro
 def _rounds(planner: PhasePlanner, keys: list[SeqKey], turnaround: float, draft_seconds: float | None = None,
             *, rounds: int = 3, step_s: float = 0.5, start: float = 0.0) -> float:
     """Each key proposes at `start`; then `rounds` times: all are answered `step_s` later and propose again
-    `turnaround` after that. Returns the time of the last proposals (all keys are in then)."""
+    `turnaround` after that. Returns the time of the last proposals (all keys are in then). A `start` continues
+    earlier rounds: the keys are in already."""
     t = start
-    for key in keys:
+    for key in keys if not start else ():
         planner.submitted(_propose(key, draft_seconds=draft_seconds), t)
     for _ in range(rounds):
         t += step_s
@@ -179,17 +180,27 @@ def test_no_hold_longer_than_the_step_it_saves():
 
 
 def test_a_stream_late_twice_in_a_row_is_not_waited_for():
-    planner, sent = _one_phase_with_late_half(turnaround=0.1)
-    assert planner.hold(sent + 0.05, sent + 0.05) is not None
-    for late in range(2):
-        for key in KEYS[4:]:
-            planner.submitted(_propose(key), sent + 0.5)  # well past due
-        sent += 1.0
-        for key in KEYS:
-            planner.replied(_verdict(key), sent)
-        for key in KEYS[:4]:
-            planner.submitted(_propose(key), sent + 0.05)
-    assert planner.hold(sent + 0.05, sent + 0.05) is None
+    """Stream 2's sequences come back just past due, twice: the steps stop waiting for them (its own arrivals
+    on time would make it waited for again)."""
+    others = [SeqKey(2, i) for i in range(1, 5)]
+
+    def late_twice(max_late: int) -> HoldDecision | None:
+        planner = _planner(fixed_s=0.5, per_token_s=0.02)
+        planner.max_late = max_late
+        now = _rounds(planner, KEYS[:4] + others, turnaround=0.1, draft_seconds=0.09) + 0.5
+        for _ in range(3):
+            for key in KEYS[:4] + others:
+                planner.replied(_verdict(key), now)
+            for key in KEYS[:4]:
+                planner.submitted(_propose(key), now + 0.05)
+            decision = planner.hold(now + 0.05, now + 0.05)
+            for key in others:
+                planner.submitted(_propose(key), planner._streams[2].due(now, planner.min_slack_s) + 0.01)
+            now += 1.0
+        return decision
+
+    assert late_twice(max_late=99) is not None  # still due soon enough to wait for
+    assert late_twice(max_late=2) is None
 
 
 def test_a_sequence_whose_next_proposal_is_already_in_is_not_awaited():

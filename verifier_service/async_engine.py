@@ -182,9 +182,10 @@ class StreamOutbox:
 class AsyncEngine:
     def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
                  executor: ThreadPoolExecutor | None = None, *, limits: StreamLimits | None = None,
-                 phases: bool = True) -> None:
+                 phases: str = "hold") -> None:
         """executor: the one thread every step runs on; pass the one that loaded the model (see
-        common.compute_thread). phases: plan when steps start (phases.py)."""
+        common.compute_thread). phases: when steps start (phases.py): "hold" (one phase, a step waits for the
+        sequences answered with it), "split" (and two phases where those are faster), "off" (at once)."""
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or StreamLimits()
@@ -195,7 +196,7 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._last_step_s = 0.0
-        self.phases = PhasePlanner() if phases else None
+        self.phases = None if phases == "off" else PhasePlanner(split=phases == "split")
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)
 
     def start(self) -> None:

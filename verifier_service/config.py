@@ -71,10 +71,11 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")
-    phases: bool = option(True, "plan when steps start from the verifier's step times and the drafts' turnaround: "
-                          "hold a step for the sequences answered together while waiting costs less than the step it "
-                          "saves, or verify half of them per step when drafting one half while the other is verified "
-                          "is faster (phases.py); false: step as soon as work is in")
+    phases: str = option("hold", "when steps start (phases.py): hold: a step waits for the sequences answered with "
+                         "it while that costs less than the step it saves; split: also verify half of them per step "
+                         "when drafting one half while the other is verified is faster (for drafts on other hosts: "
+                         "on one host their overlap slows both); off: step as soon as work is in",
+                         choices=("hold", "split", "off"))
     metrics_port: int = option(0, "Prometheus /metrics port (0: off)")
     log_level: str = option("INFO", "log level")
 

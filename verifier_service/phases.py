@@ -110,6 +110,7 @@ class PhasePlanner:
     min_slack_s: float = 0.001
     margin: float = 0.05  # two phases only when this much shorter a round than one
     max_late: int = 2  # a stream late this many times in a row is not waited for
+    split: bool = True  # False: one phase always (--phases hold)
     step_time: StepTimeModel = field(default_factory=lambda: StepTimeModel(decay=0.9))
     plan: PhasePlan | None = None  # the last one planned (metrics, logs)
     num_present: int = field(default=0, init=False)  # opens and proposals arrived since the last step started
@@ -190,7 +191,7 @@ class PhasePlanner:
         one_phase = PhasePlan(1, 0.0, 0.0)
         times = [self._streams.get(k.stream_id) for k in keys]
         turnarounds = [s.turnaround.mean for s in times if s is not None and s.turnaround is not None]
-        if len(keys) < 2 or not turnarounds or not self.step_time.ready:
+        if not self.split or len(keys) < 2 or not turnarounds or not self.step_time.ready:
             return self._set_plan(one_phase)
         d = sum(turnarounds) / len(turnarounds)
         c = max(self._streams[sid].compute_s() or 0.0 for sid in {k.stream_id for k in keys}
