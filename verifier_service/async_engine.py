@@ -307,9 +307,9 @@ class AsyncEngine:
             await coalesce(min(0.002, 0.02 * self._last_step_s))
             try:
                 held, cap = await self._plan_step()
-            except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps: step unplanned
+            except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps: they go on, unplanned
                 log.exception("phase_plan_failed")
-                held, cap = 0.0, None
+                self.phases, held, cap = None, 0.0, None
             self._wakeup.clear()
             if self.phases is not None:
                 self.phases.step_started()
@@ -322,19 +322,30 @@ class AsyncEngine:
                 self._credit_applied()
             if result.stats is not None:
                 self._last_step_s = result.stats.step_time_s
-                if self.phases is not None:
-                    self.phases.stepped(result.stats.num_tokens, result.stats.step_time_s)
-            now = time.monotonic()
             for outcome in result.outcomes:
                 self.send(outcome)
-                # NOTE: only what reaches an open stream: a stream closed while the step ran was forgotten
-                if self.phases is not None and outcome.key.stream_id in self._streams:
-                    self.phases.replied(outcome, now)
+            self._feed_planner(result)
             self._record(result, held)
             # NOTE: no step is running here, so reading the engine's state from the loop is safe; an empty step
             # would cost a thread hop that a proposal arriving meanwhile has to wait for.
             if self.engine.has_pending_commands() or (result.stats is not None and self.engine.has_runnable_work()):
                 self._wakeup.set()
+
+    def _feed_planner(self, result: StepResult) -> None:
+        """The step's time and its replies to open streams (a stream closed while the step ran was forgotten).
+        A failure turns the plan off: the steps go on, unplanned."""
+        if self.phases is None:
+            return
+        try:
+            if result.stats is not None:
+                self.phases.stepped(result.stats.num_tokens, result.stats.step_time_s)
+            now = time.monotonic()
+            for outcome in result.outcomes:
+                if outcome.key.stream_id in self._streams:
+                    self.phases.replied(outcome, now)
+        except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps
+            log.exception("phase_plan_failed")
+            self.phases = None
 
     def _record(self, result: StepResult, held_s: float = 0.0) -> None:
         engine = self.engine

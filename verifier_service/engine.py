@@ -142,11 +142,7 @@ class VerifierEngine:
         idle_s = None if self._last_step_end is None else max(0.0, step_started - self._last_step_end)
         self._last_step_end = now
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
-        drafted = [item.proposal for item in scheduled.verifications
-                   if item.proposal.draft_seconds is not None and item.proposal.num_draft_tokens]
-        if drafted:  # a batch's time is its longest block's: per token, the step's mean over its longest block
-            control.observe_drafting(sum(p.draft_seconds for p in drafted) / len(drafted)
-                                     / max(p.num_draft_tokens for p in drafted))
+        self._observe_drafting(scheduled, control)
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
@@ -169,6 +165,22 @@ class VerifierEngine:
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]
+
+    @staticmethod
+    def _observe_drafting(scheduled: SchedulerOutput, control: DraftLengthController) -> None:
+        """Proposal.draft_seconds of the blocks verified: per stream (one draft process) its batch's time over its
+        longest block; one phase waits for the slowest stream. A claim past max_idle_s counts as that much."""
+        by_stream: dict[int, tuple[float, int]] = {}
+        for item in scheduled.verifications:
+            p = item.proposal
+            if p.draft_seconds is None or not p.num_draft_tokens:
+                continue
+            seconds, k = by_stream.get(p.key.stream_id, (0.0, 0))
+            by_stream[p.key.stream_id] = (max(seconds, min(p.draft_seconds, control.max_idle_s)),
+                                          max(k, p.num_draft_tokens))
+        if by_stream:
+            control.observe_drafting(max(s for s, _ in by_stream.values()),
+                                     max(s / k for s, k in by_stream.values()))
 
     def _end_expired_sequences(self) -> list[Outcome]:
         """Sequences end with DEADLINE_EXCEEDED, and their KV blocks go back to the pool, when their client's

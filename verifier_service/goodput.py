@@ -299,31 +299,32 @@ class DraftLengthController:
             idle = min(max(0.0, idle_s), self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
-    def observe_drafting(self, seconds_per_token: float) -> None:
-        """The drafts' model time per drafted token in the step just run."""
-        if not seconds_per_token >= 0.0:
+    def observe_drafting(self, seconds: float, seconds_per_token: float) -> None:
+        """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch),
+        `seconds_per_token` per drafted token. Call it after observe_step: the share e of drafting the verifier
+        waited for is its wait before the step against `seconds` (both capped at max_idle_s)."""
+        if not (seconds > 0.0 and seconds_per_token > 0.0):
             return
+        d = self.draft_decay
         if self.draft_s_per_token is None:
             self.draft_s_per_token = seconds_per_token
         else:
-            d = self.draft_decay
             self.draft_s_per_token = d * self.draft_s_per_token + (1 - d) * seconds_per_token
+        waited = min(1.0, self.idle_s / min(seconds, self.max_idle_s))
+        self.exposure = d * self.exposure + (1 - d) * waited
 
     def idle_split(self, num_candidates: int) -> tuple[float, float]:
         """(idle seconds per step that no draft length changes, seconds each drafted token adds). The verifier
-        waited idle_s before each step, of which drafting at the mean length chosen took D = s * k; the share of
-        D it waited for is e = min(1, idle_s / D) (1: one phase, the verifier waits for every draft; 0: two
-        phases, drafting hidden behind the other half's step), a moving average kept while k = 0. A block of k tokens then adds e * s * k to the
-        wait, and a total of M drafted tokens over the candidates e * s * M / candidates (drafts of one batch
-        take as long as its longest, about the mean length when lengths are alike)."""
+        waits idle_s before each step, of which drafting at the mean length chosen takes s * k; it waits for a
+        share e of the drafting (observe_drafting: 1 in one phase, where it waits for every draft; 0 where
+        drafting hides behind other work; kept while nothing is drafted). A block of k tokens adds e * s * k to
+        the wait, and a total of M drafted tokens over the candidates e * s * M / candidates (a batch takes as
+        long as its longest block, about the mean length when lengths are alike)."""
         s = self.draft_s_per_token
         if not s or num_candidates <= 0:
             return self.idle_s, 0.0
-        drafting = s * self.mean_chosen_k
-        if self.mean_chosen_k >= 0.5:  # e is measured while drafts are drafted; under k = 0 the last one holds
-            d = self.draft_decay
-            self.exposure = d * self.exposure + (1 - d) * min(1.0, self.idle_s / drafting)
-        return max(0.0, self.idle_s - self.exposure * drafting), self.exposure * s / num_candidates
+        return (max(0.0, self.idle_s - self.exposure * s * self.mean_chosen_k),
+                self.exposure * s / num_candidates)
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)

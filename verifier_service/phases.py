@@ -30,8 +30,8 @@ it alone) and c the largest of the streams' (a stream's c is at most its d: comp
 away; a draft that does not say its compute is taken to compute all the time it is away). Two phases are planned
 only where the step-time model interpolates (between step sizes it has seen: outside them it scales in
 proportion and knows no fixed cost), entered when 5 % shorter and left only once not shorter. A sequence later
-than expected, or whose stream has no estimate yet, holds nothing; a stream that came late twice in a row is not
-waited for until it comes on time; no hold lasts longer than the saving it buys; and a sequence silent for four
+than expected, or whose stream has no estimate yet, holds nothing; a stream whose last two proposals came late (none on
+time between) is not waited for until one comes on time; no hold lasts longer than the saving it buys; and a sequence silent for four
 of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always late,
 costs the others at most what a slow honest draft would, once per step. A step is never held for a sequence
 whose next proposal is already in (pipelined drafting), nor on a verifier with no work.

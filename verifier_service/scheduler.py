@@ -299,8 +299,9 @@ class Scheduler:
             copies = self.blocks.reserve(item.seq.key, item.start, item.end)
             if copies is not None:
                 return copies
-            victim = self._pick_victim(item.seq, busy | spare) or (self._pick_victim(item.seq, busy) if spare
-                                                                     else None)
+            # a capped prefill chunk never evicts a proposal that waits for the next step
+            victim = self._pick_victim(item.seq, busy | spare) or (
+                self._pick_victim(item.seq, busy) if spare and item.proposal is not None else None)
             if victim is None:
                 return None
             self._preempt(victim)
