@@ -23,7 +23,9 @@ def quantized(request, tmp_path_factory):
         gguf_source(target)
         gguf_source(draft)
     flags = ("--quantization", request.param.split("-")[0])
-    with LocalStack.start(target, draft, log_dir=root / "logs", verifier_args=flags, draft_args=flags) as stack:
+    # a fixed k: the point is speculation against the quantized target (auto may choose k = 0 for this tiny pair)
+    with LocalStack.start(target, draft, log_dir=root / "logs", verifier_args=flags,
+                          draft_args=(*flags, "--speculation", "fixed")) as stack:
         if request.param == "int4-gguf":
             for service in ("verifier", "draft"):
                 mapped = [json.loads(line) for line in (root / "logs" / f"{service}.log").read_text().splitlines()
