@@ -279,7 +279,15 @@ class AsyncEngine:
     async def _plan_step(self) -> tuple[float, int | None]:
         """Before a step: plan the phases, then wait while PhasePlanner finds it worth waiting for the proposals
         on their way (each arrival decides again), when there is work to step. Returns the seconds held and the
-        cap on the step's verifications."""
+        cap on the step's verifications. A failure turns the plan off: the steps go on, unplanned."""
+        try:
+            return await self._planned_hold()
+        except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps
+            log.exception("phase_plan_failed")
+            self.phases = None
+            return 0.0, None
+
+    async def _planned_hold(self) -> tuple[float, int | None]:
         planner = self.phases
         if planner is None or not (planner.num_present or self.engine.has_runnable_work()):
             return 0.0, None
@@ -305,11 +313,7 @@ class AsyncEngine:
             await self._wait_for_work()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
             await coalesce(min(0.002, 0.02 * self._last_step_s))
-            try:
-                held, cap = await self._plan_step()
-            except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps: they go on, unplanned
-                log.exception("phase_plan_failed")
-                self.phases, held, cap = None, 0.0, None
+            held, cap = await self._plan_step()
             self._wakeup.clear()
             if self.phases is not None:
                 self.phases.step_started()
