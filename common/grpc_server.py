@@ -115,12 +115,16 @@ def build_grpc_server(host: str, port: int, *, add_servicers: Callable[[grpc.aio
     return GrpcServer(server, health_servicer, tuple(service_names), bound)
 
 
-async def serve_until_signal(server: GrpcServer, *, on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Run until SIGINT or SIGTERM, then stop the server and call `on_stop` for the service's own parts."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def serve_until_signal(server: GrpcServer, *, on_stop: Callable[[], Awaitable[None]] | None = None,
+                             stop: asyncio.Event | None = None) -> None:
+    """Run until SIGINT or SIGTERM, then stop the server and call `on_stop` for the service's own parts. With
+    `stop`, run until it is set instead, and leave the process's signals alone: a service embedded in another
+    program (the test suite runs services on threads of its own process) is stopped by its host."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
     finally:

@@ -6,7 +6,6 @@ import asyncio
 
 import structlog
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
 from common.compute_thread import compute_thread
@@ -15,6 +14,7 @@ from common.device import describe_device, resolve_device, resolve_dtype_name
 from common.errors import ErrorCode, ServiceError
 from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, num_blocks_for_budget
+from common.metrics_http import start_metrics_server
 from common.model_loading import LoadedModel, load_model, load_tokenizer
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.static_forward import build_static_forward
@@ -87,7 +87,8 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
     return loaded, model
 
 
-async def serve(config: DraftConfig) -> None:
+async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_signal)."""
     proposer: Proposer | None = None
     drafter: Drafter
     metrics = DraftMetrics()
@@ -113,8 +114,9 @@ async def serve(config: DraftConfig) -> None:
     if proposer is not None:
         proposer.start()
     generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics)
+    metrics_server = None
     if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        metrics_server = start_metrics_server(config.metrics_port, config.host, metrics.registry)
     servicer = DraftServicer(generator)
     server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
                                add_servicers=lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
@@ -132,5 +134,7 @@ async def serve(config: DraftConfig) -> None:
         if proposer is not None:
             await proposer.stop()
         await link.close()
+        if metrics_server is not None:
+            metrics_server.close()
 
-    await serve_until_signal(server, on_stop=stop_draft)
+    await serve_until_signal(server, on_stop=stop_draft, stop=stop)

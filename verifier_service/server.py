@@ -6,7 +6,6 @@ import asyncio
 
 import structlog
 import torch
-from prometheus_client import start_http_server
 
 from common.block_manager import BlockManager
 from common.compute_thread import compute_thread
@@ -14,6 +13,7 @@ from common.config import parse_dtype
 from common.device import describe_device, kv_budget_from_utilization, resolve_device, resolve_dtype_name
 from common.grpc_server import build_grpc_server, serve_until_signal
 from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
+from common.metrics_http import start_metrics_server
 from common.model_loading import LoadedModel, load_model
 from common.paged_model import PagedCausalLM, kv_cache_spec, profile_peak_memory
 from common.static_forward import build_static_forward
@@ -89,7 +89,8 @@ def weights_label(quantization: str, from_gguf: bool) -> str:
     return "int4-gguf" if quantization == "int4" and from_gguf else quantization
 
 
-async def serve(config: VerifierConfig) -> None:
+async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_signal)."""
     executor = compute_thread("verifier-engine")  # the model loads on the thread that steps it
     engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
@@ -99,8 +100,9 @@ async def serve(config: VerifierConfig) -> None:
     server = build_grpc_server(
         config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
         add_servicers=lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s))
+    metrics_server = None
     if config.metrics_port:
-        start_http_server(config.metrics_port, addr=config.host, registry=metrics.registry)
+        metrics_server = start_metrics_server(config.metrics_port, config.host, metrics.registry)
     async_engine.start()
     await server.start()
     info = describe_device(engine.device)
@@ -108,4 +110,10 @@ async def serve(config: VerifierConfig) -> None:
              vocab_size=engine.loaded.vocab_size, device=info.device, device_name=info.name, platform=info.platform,
              dtype=engine.dtype, metrics_port=config.metrics_port or None, tls=bool(config.tls_cert),
              mutual_tls=bool(config.tls_client_ca), tokens_required=bool(config.auth_token_file))
-    await serve_until_signal(server, on_stop=async_engine.stop)
+
+    async def stop_verifier() -> None:
+        await async_engine.stop()
+        if metrics_server is not None:
+            metrics_server.close()
+
+    await serve_until_signal(server, on_stop=stop_verifier, stop=stop)
