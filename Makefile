@@ -21,11 +21,15 @@ models: $(STAMP)
 demo: models
 	$(VENV)/bin/specwire demo
 
+# Two workers, one per core of the 2-core machine the suite is sized for. A file's tests stay on one worker, so its
+# module fixtures (stacks of service processes) start once, and files are handed out in collection order, which
+# tests/conftest.py starts with the longest ones (xdist would otherwise order them by their number of tests).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-all: $(STAMP)
-	$(PY) -m pytest -m ''
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m ''
 
 # Builds the image and runs compose.yaml for real (scripts/compose_check.py); exit 77 = no Docker engine possible.
 test-compose: $(STAMP)

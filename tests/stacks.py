@@ -1,18 +1,141 @@
-"""Session fixtures' helpers: tiny model pairs on disk and verifier + draft processes on loopback."""
+"""Session fixtures' helpers: a verifier and a draft service on loopback, as child processes or on threads of the
+test process.
+
+Child processes (`Stack`) are what users run: the tests that kill, restart or pin a service, or read its logs or
+its process environment, need them. Every other test needs only the protocol, and gets the same services, their
+real gRPC servers and metrics endpoints, on threads of this process (`InProcessStack`): starting one costs no
+interpreter, torch or transformers import, and no model module import after the first.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specwire.launch import Service, Stack, free_port, scrape_metric
 
 
 @dataclass
+class InProcessService:
+    """A verifier or draft service running `serve(config, stop=...)` on its own event loop and thread."""
+
+    name: str
+    address: str
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop | None = None
+    stop_event: asyncio.Event | None = None
+    error: BaseException | None = None
+    proc: None = None  # no process to signal: kill and restart need a process stack
+
+    def stop(self, timeout_s: float = 15.0) -> int:
+        if self.loop is not None and self.stop_event is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.stop_event.set)
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"{self.name} did not stop within {timeout_s:g}s")
+        return 0
+
+    def log_text(self) -> str:
+        return ""  # its logs go to the test process's own output
+
+
+def _serve_function(command: str):
+    if command == "verifier":
+        from verifier_service.config import VerifierConfig
+        from verifier_service.server import serve
+        return VerifierConfig, serve
+    if command == "draft":
+        from draft_service.config import DraftConfig
+        from draft_service.server import serve
+        return DraftConfig, serve
+    raise ValueError(f"an in-process stack runs verifiers and drafts, not {command!r}")
+
+
+@dataclass
+class InProcessStack:
+    """`Stack`'s interface for services on threads of this process, parsed from the same command lines."""
+
+    services: list[InProcessService] = field(default_factory=list)
+
+    def start(self, name: str, args: list[str], *, log_dir: Path | None = None, port: int | None = None,
+              timeout_s: float = 120.0, env: dict[str, str] | None = None,
+              credentials: grpc.ChannelCredentials | None = None) -> InProcessService:
+        from common.config import config_from_args
+        from specwire.cli import build_parser
+
+        if env:
+            raise ValueError("an in-process service shares the test process's environment: use a process stack")
+        port = port or free_port()
+        parsed = build_parser().parse_args([*args, "--host", "127.0.0.1", "--port", str(port)])
+        config_cls, serve = _serve_function(args[0])
+        config = config_from_args(config_cls, parsed)
+        ready = threading.Event()
+        service = InProcessService(name, f"127.0.0.1:{port}", threading.Thread())
+
+        async def main() -> None:
+            service.loop, service.stop_event = asyncio.get_running_loop(), asyncio.Event()
+            ready.set()
+            await serve(config, stop=service.stop_event)
+
+        def run() -> None:
+            try:
+                asyncio.run(main())
+            except BaseException as err:  # noqa: BLE001 - reported by start() or seen as a dead service
+                service.error = err
+            finally:
+                ready.set()
+
+        service.thread = threading.Thread(target=run, name=f"in-process-{name}", daemon=True)
+        service.thread.start()
+        ready.wait()
+        self.services.append(service)
+        try:
+            _wait_serving(service, timeout_s, credentials)
+        except Exception as err:
+            raise RuntimeError(f"{name} failed to start: {err}") from service.error or err
+        return service
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+
+    def __enter__(self) -> InProcessStack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _wait_serving(service: InProcessService, timeout_s: float, credentials: grpc.ChannelCredentials | None) -> None:
+    deadline = time.monotonic() + timeout_s
+    address = service.address
+    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    with channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if not service.thread.is_alive():
+                raise RuntimeError(f"{service.name} stopped: {service.error!r}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.02)
+    raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+
+
+@dataclass
 class RunningStack:
-    stack: Stack
+    stack: Stack | InProcessStack
     verifier: str
     draft: str
     metrics_url: str
@@ -30,6 +153,7 @@ class RunningStack:
     def kill(self, name: str) -> None:
         """SIGKILL: no graceful shutdown, no goodbye on any stream."""
         proc = self.service(name).proc
+        assert proc is not None, "kill needs a process stack (start_stack(..., in_process=False))"
         proc.send_signal(signal.SIGKILL)
         proc.wait()
 
@@ -68,8 +192,10 @@ class RunningStack:
 
 def start_stack(target_dir: Path, draft_dir: Path, log_dir: Path, *, k: int = 4, dtype: str = "float64",
                 block_size: int = 4, env: dict[str, str] | None = None, extra_verifier: list[str] = (),
-                extra_draft: list[str] = (), verifier_credentials=None, draft_credentials=None) -> RunningStack:
-    stack = Stack()
+                extra_draft: list[str] = (), verifier_credentials=None, draft_credentials=None,
+                in_process: bool = False) -> RunningStack:
+    """A verifier and a draft of the tiny pair; `in_process`: on threads of this process (see InProcessStack)."""
+    stack = InProcessStack() if in_process else Stack()
     metrics_port, draft_metrics_port = free_port(), free_port()
     verifier_args = ["verifier", "--model", str(target_dir), "--dtype", dtype, "--max-draft-tokens", "8",
                      "--metrics-port", str(metrics_port), "--num-blocks", "256", "--block-size", str(block_size),

@@ -14,6 +14,8 @@ import pytest
 from specwire.launch import free_port, scrape_metric
 from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
+from stacks import InProcessStack
+
 INVALID, NOT_FOUND, ABORTED, EXHAUSTED = (
     grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.ABORTED.value[0],
     grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
@@ -242,9 +244,7 @@ def test_a_stream_sending_only_protocol_errors_is_ended(text_stack):
 def limited(text_stack, tmp_path_factory):
     """A verifier with small limits: 3 streams, 4 sequences, 40 waiting tokens, a 1 s handshake, 16 replies of
     backlog, 8 KV blocks of 4 tokens."""
-    from specwire.launch import Stack
-
-    with Stack() as stack:
+    with InProcessStack() as stack:
         metrics_port = free_port()
         verifier = stack.start("limited-verifier", [
             "verifier", "--model", str(text_stack.target_dir), "--dtype", "float64", "--num-blocks", "8",

@@ -37,7 +37,8 @@ def coupled_stack(tmp_path_factory):
                    d / "garbage-draft")
     # the default draft drafts a fixed k (its k = 4 request's bytes per draft token are measured below); the
     # "auto" one follows the verifier's choice of length (the services' default)
-    running = start_stack(target, draft, d / "logs", extra_draft=["--wire-mode", "coupled", "--speculation", "fixed"])
+    running = start_stack(target, draft, d / "logs", extra_draft=["--wire-mode", "coupled", "--speculation", "fixed"],
+                          in_process=True)
     drafts = {"default": running.draft}
     try:
         for name, extra in [("adaptive", ["--speculation", "adaptive"]),

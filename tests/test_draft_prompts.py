@@ -337,8 +337,8 @@ def test_a_long_prefill_takes_one_chunk_per_batch_and_other_sequences_draft_betw
 def chunked_stack(models_dir):
     """A draft service that feeds its model at most 16 tokens a forward, against a 512-token target."""
     target, draft = make_text_pair(models_dir, "qwen2")
-    running = start_stack(target, draft, models_dir / "logs-chunked", extra_draft=["--max-num-batched-tokens", "16",
-                                                                                  "--max-prompt-bytes", "64KiB"])
+    running = start_stack(target, draft, models_dir / "logs-chunked", in_process=True,
+                          extra_draft=["--max-num-batched-tokens", "16", "--max-prompt-bytes", "64KiB"])
     yield running
     running.stack.stop()
 

@@ -20,6 +20,7 @@ import specwire
 from specwire.launch import free_port
 from specwire.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, verifier_pb2_grpc, wire
 
+from stacks import InProcessStack
 from tiny_models import build_model, model_config, save, word_tokenizer
 
 
@@ -191,9 +192,7 @@ def test_a_wrong_address_fails_fast_with_unavailable():
 
 
 def test_a_sequence_opened_and_left_idle_is_ended_by_the_verifier(text_stack, tmp_path):
-    from specwire.launch import Stack
-
-    with Stack() as stack:
+    with InProcessStack() as stack:
         verifier = stack.start("idle-verifier", ["verifier", "--model", str(text_stack.target_dir), "--dtype",
                                                  "float64", "--num-blocks", "64", "--block-size", "4",
                                                  "--sequence-idle-timeout", "1"], log_dir=tmp_path, timeout_s=120)

@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
-from test_e2e import assert_first_two_tokens_follow_the_target
 
 import specwire
 
+from distributions import STAT_VOCAB, assert_first_two_tokens_follow_the_target
 from stacks import start_stack
 from tiny_models import build_model, greedy_continuation, make_text_pair, model_config, perturbed, save, word_tokenizer
 
@@ -23,7 +23,6 @@ DEVICE = os.environ.get("SPECWIRE_TEST_DEVICE", "cpu")
 TRITON_ENV = {"SPECWIRE_KERNELS": "triton", **({"TRITON_INTERPRET": "1"} if DEVICE == "cpu" else {})}
 # bench/gpu_check.py runs the module a second time with graphs captured and replayed (a GPU only)
 GRAPHS = ["--cuda-graphs"] if os.environ.get("SPECWIRE_TEST_CUDA_GRAPHS") == "1" else []
-STAT_VOCAB = 8
 
 
 def _stack(target, draft, log_dir, *, k=4):

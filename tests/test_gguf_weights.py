@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
-from gguf_files import q4_k_blocks, quantized, write_gguf
 
 from common.block_manager import BlockManager
 from common.cpu_linear import Int4Linear, quantize_int4
@@ -16,6 +15,7 @@ from common.kv_cache import KVCache
 from common.model_loading import record_source, source_gguf
 from common.paged_model import PagedCausalLM, kv_cache_spec
 
+from gguf_files import q4_k_blocks, quantized, write_gguf
 from tiny_models import build_model, model_config
 
 

@@ -25,7 +25,7 @@ PHASES = (1, len(PROMPTS), 2)  # streams at once: alone, a burst, then light aga
 def auto_stack(tmp_path_factory):
     root = tmp_path_factory.mktemp("goodput-e2e")
     target, draft = make_text_pair(root, "qwen2")
-    running = start_stack(target, draft, root / "logs")  # the draft's default: --speculation auto
+    running = start_stack(target, draft, root / "logs", in_process=True)  # the draft's default: --speculation auto
     fixed, _ = running.start_draft("draft-fixed", ["--speculation", "fixed"])
     pipelined, _ = running.start_draft("draft-auto-pipelined", ["--pipeline"])
     yield running, fixed.address, pipelined.address

@@ -1,5 +1,5 @@
 """Load through real servers (bench/load.py): 64 concurrent streams of mixed greedy and seeded sampled requests
-for 30 s (5 min in the slow profile), with a KV pool far smaller than the streams' demand, so sequences queue
+for 10 s (5 min in the slow profile), with a KV pool far smaller than the streams' demand, so sequences queue
 and are preempted. Zero errors, every output (greedy and seeded) equal to its quiet run, bounded memory, zero
 blocks after."""
 
@@ -40,8 +40,9 @@ def _run(running, duration_s: float) -> None:
     assert report.requests >= 64
 
 
-def test_64_streams_for_half_a_minute(load_stack):
-    _run(load_stack, 30)
+def test_64_streams_for_ten_seconds(load_stack):
+    """10 s: about 260 requests on 2 cores (782 in 30 s measured), and the pool runs short within the first."""
+    _run(load_stack, 10)
 
 
 @pytest.mark.slow

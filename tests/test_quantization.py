@@ -7,14 +7,19 @@ import json
 
 import pytest
 import torch
-from gguf_files import gguf_source
 
 from specwire.testing import LocalStack, text_pair
+
+from gguf_files import gguf_source
 
 PROMPTS = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43]]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4", "int4-gguf"])
+# int4-gguf in every run: it maps GGUF Q4 blocks as they are and runs the int4 kernels. int8 and the requantized
+# int4 differ only in how the weights are made (test_paged_model checks both against the fake-quantized model
+# in-process in every run), so their runs through the services are in the slow profile.
+@pytest.fixture(scope="module", params=[pytest.param("int8", marks=pytest.mark.slow),
+                                        pytest.param("int4", marks=pytest.mark.slow), "int4-gguf"])
 def quantized(request, tmp_path_factory):
     """int4-gguf: both models are conversions of Q4_0 GGUF files, whose blocks the services map as they are."""
     root = tmp_path_factory.mktemp(request.param)

@@ -3,6 +3,7 @@ it was built for (through the services), a scripted text must be unambiguous, an
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specwire import AsyncClient
 from specwire.testing import LocalStack, acceptance_pair, table_distribution, table_model, text_model
+
+from stacks import start_stack
 
 
 def test_a_table_model_computes_its_table(tmp_path):
@@ -46,9 +50,18 @@ def test_an_acceptance_pair_is_accepted_at_its_rate(tmp_path):
     """Sampled at temperature 1, sparse q: per-token acceptance accepted / (accepted + rejected rounds) within
     4 sigma of the rate built in (each draft is accepted with probability exactly 0.6, independently)."""
     target, draft = acceptance_pair(tmp_path, 0.6)
-    with LocalStack.start(target, draft, log_dir=tmp_path / "logs") as stack, stack.client() as client:
-        results = [client.generate(prompt_token_ids=[1, 2, 3], max_tokens=48, temperature=1.0, seed=s,
-                                   ignore_eos=True) for s in range(16)]
+
+    async def generate_all(address):
+        async with AsyncClient(address) as client:
+            return await asyncio.gather(*[client.generate(prompt_token_ids=[1, 2, 3], max_tokens=48, temperature=1.0,
+                                                          seed=s, ignore_eos=True) for s in range(16)])
+
+    # the services on threads of this process (the pair is the subject; LocalStack is the restart test's)
+    running = start_stack(target, draft, tmp_path / "logs", dtype="float32", in_process=True)
+    try:
+        results = asyncio.run(generate_all(running.draft))
+    finally:
+        running.stack.stop()
     accepted = sum(r.stats.num_accepted_tokens for r in results)
     trials = accepted + sum(r.stats.num_rejected_rounds for r in results)
     rate = accepted / trials
