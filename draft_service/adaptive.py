@@ -47,46 +47,47 @@ class AdaptiveDraftLength:
         return max(k for k, rate in enumerate(rates) if rate >= best * (1 - self.tolerance))
 
 
+
 @dataclass
-class PipelineWidth:
-    """How many pipelined branches a sequence drafts per round (draft_service.generation._draft_ahead); one
-    instance per draft process, fed by every sequence's rounds.
+class RoundLength:
+    """Each round's draft length for one sequence: at most `k`; under --speculation auto, the verifier's latest
+    choice (`choice`, None before its first) capped by the own-cost rule; under adaptive, the own-cost rule alone.
 
-    Drafting ahead is free only while it ends before the verdict it runs beside: the verdict that arrives first
-    waits for it. So each round measures that stall (from the verdict's arrival to its processing): a stall
-    above `narrow_share` of the round drops a branch, one below `widen_share` adds one back. At width 0
-    pipelining is off for the sequence, and one branch is tried again every `probe_rounds` rounds. The width
-    only decides which proposals are sent early, never what is verified: outputs do not depend on it. With
-    `learn` False the width stays as set (--pipeline-width).
-    """
+    The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
+    and waiting times; under auto it only caps what the verifier may choose (drafting for many streams on few
+    cores is slow), and reacts more slowly than alone (one rejection otherwise cut k for the next rounds,
+    measured on 2 cores)."""
 
-    max_width: int
-    width: int = -1  # -1: start at max_width
-    narrow_share: float = 0.2
-    widen_share: float = 0.05
-    probe_rounds: int = 16
-    learn: bool = True
-    _off_rounds: int = 0
+    k: int
+    own: AdaptiveDraftLength | None = None
+    follows_verifier: bool = False
+    choice: int | None = None
 
-    def __post_init__(self) -> None:
-        if self.width < 0:
-            self.width = self.max_width
+    @classmethod
+    def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool,
+                 recent_choice: int | None) -> RoundLength:
+        """`mode`: --speculation; `varies`: whether this sequence's k may vary at all; `recent_choice`: the
+        verifier's last choice for any sequence of this process, so a request that starts under load does not
+        begin with a full-k block."""
+        own = None
+        if varies and weighs_own_cost:
+            own = (AdaptiveDraftLength(k, decay=0.95, tolerance=0.03) if mode == "auto" else AdaptiveDraftLength(k))
+        follows = varies and mode == "auto"
+        return cls(k, own, follows, recent_choice if follows else None)
 
-    def next_width(self) -> int:
-        if self.width > 0:
-            return self.width
-        self._off_rounds += 1
-        if self._off_rounds >= self.probe_rounds:
-            self._off_rounds = 0
-            return 1
-        return 0
+    def next_round(self) -> tuple[int, int | None]:
+        """(this round's draft length, the cap to send with its proposal for the verifier's choice, or None)."""
+        own_cap = self.own.next_k() if self.own else self.k
+        if self.follows_verifier:
+            # at least 1: the verifier brings k to 0 under load, and a draft that asked for 0 would never measure
+            # its drafting again (the own-cost rule's draft time is learnt from drafted rounds)
+            own_cap = max(1, own_cap)
+        k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
+        return k_round, (own_cap if self.follows_verifier else None)
 
-    def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
-        if not self.learn or width_used == 0 or round_s <= 0:
-            return
-        if stall_s > self.narrow_share * round_s:
-            self.width = width_used - 1
-        elif stall_s < self.widen_share * round_s:
-            self.width = min(self.max_width, width_used + 1)
-        else:
-            self.width = width_used
+    def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float,
+                wait_s: float) -> None:
+        if self.follows_verifier:
+            self.choice = next_draft_tokens
+        if self.own:
+            self.own.observe(num_drafted, num_accepted, draft_s, wait_s)

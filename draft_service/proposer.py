@@ -30,6 +30,7 @@ from common.errors import ErrorCode, ServiceError
 from common.paged_model import ForwardBatch, PagedCausalLM
 from common.sampling import SparseProbs
 from common.static_forward import StaticForward
+from draft_service.pipelining import ALTERNATIVES  # guesses kept per drafted position for pipelined branches
 from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
@@ -37,7 +38,6 @@ from kernels.sampling_probs import compute_probs
 
 log = structlog.get_logger(__name__)
 
-ALTERNATIVES = 2  # guesses kept per drafted position for pipelined branches (draft_service.generation)
 
 
 @dataclass(frozen=True)

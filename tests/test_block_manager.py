@@ -237,3 +237,18 @@ def test_reserve_copies_and_grows_all_or_nothing():
     table = bm.table("a")
     assert copies == [(1, table[1])] and len(table) == 3 and bm.num_free_blocks == 0
     assert all(bm.blocks[b].ref_count == 1 for b in table[1:]) and bm.blocks[table[0]].ref_count == 2
+
+
+def test_block_manager_allocate_truncate_free_keeps_the_pool_whole():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", 9)  # 3 blocks
+    assert bm.allocate("b", 16)  # 4 blocks
+    assert not bm.allocate("c", 8)  # 2 needed, 1 free: refused, nothing taken
+    assert bm.num_free_blocks == 1 and not bm.has("c") or bm.table("c") == []
+    bm.truncate("a", 5)  # rollback to 5 tokens: 2 blocks
+    assert len(bm.table("a")) == 2 and bm.num_free_blocks == 2
+    assert bm.slots("a", 3, 6) == [bm.table("a")[0] * 4 + 3, bm.table("a")[1] * 4, bm.table("a")[1] * 4 + 1]
+    bm.free("a")
+    bm.free("b")
+    bm.free("c")
+    assert bm.num_free_blocks == 8 and bm.num_used_blocks == 0

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from common.config import add_config_flags, config_from_args
+from common.config import add_config_flags, config_from_args, parse_bytes
 from draft_service.config import DraftConfig
 from verifier_service.config import VerifierConfig
 
@@ -97,3 +97,9 @@ def test_speculation_modes_parse_and_adaptive_k_is_their_older_name(monkeypatch)
         DraftConfig(model="m", speculation="sometimes")
     assert VerifierConfig(model="m").goodput is True
     assert _parse(VerifierConfig, ["--model", "m", "--goodput", "false"], monkeypatch).goodput is False
+
+
+def test_parse_bytes():
+    assert parse_bytes("1GiB") == 1 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")

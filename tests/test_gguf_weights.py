@@ -121,3 +121,33 @@ def test_a_converted_directory_remembers_its_gguf(tmp_path):
     assert source_gguf(gguf) == gguf
     gguf.write_bytes(b"GGUF")  # a different file now: not the source any more
     assert source_gguf(model_dir) is None
+
+
+def test_gguf_path_is_converted_once_and_cached(tmp_path, monkeypatch):
+    """The GGUF route: a .gguf file resolves to a converted directory in the cache, converted only once
+    (the conversion itself ran on the real pair through `make models`; here it is stubbed)."""
+    from common import model_loading
+
+    monkeypatch.setenv("SPECWIRE_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def fake_convert(gguf, out):
+        calls.append(gguf)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_loading, "convert_gguf", fake_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    first = model_loading.resolve_model_dir(gguf)
+    second = model_loading.resolve_model_dir(gguf)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "only.gguf").write_bytes(b"GGUF")
+    assert first == second and first.parent == tmp_path / "cache" / "converted" and len(calls) == 1
+    assert model_loading.resolve_model_dir(folder).name.startswith("only-")
+    with pytest.raises(FileNotFoundError):
+        model_loading.resolve_model_dir(tmp_path / "missing")
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(ValueError):
+        model_loading.resolve_model_dir(tmp_path / "model.bin")

@@ -15,11 +15,12 @@ from test_verifier_link import ScriptedVerifier, _serve, _until
 from common.errors import ErrorCode, ServiceError
 from common.model_loading import model_fingerprint
 from common.sampling import SamplingParams
+from common.tokenizer import tokenizer_fingerprint
 from draft_service.types import StreamLost
 from draft_service.verifier_link import VerifierLink
 from specwire.v1 import verifier_pb2, wire
 
-from tiny_models import build_model, byte_bpe_tokenizer, model_config, save
+from tiny_models import build_model, byte_bpe_tokenizer, model_config, save, word_tokenizer
 
 FP_A, FP_B = "a" * 64, "b" * 64
 
@@ -187,3 +188,8 @@ def test_a_salted_sequence_is_not_resumed_on_a_verifier_that_would_ignore_the_sa
     err = _restart_and_resume(_info(), _info(features=(wire.FEATURE_COUPLED,)), cache_salt="tenant-7")
     assert isinstance(err, ServiceError) and err.code is ErrorCode.FAILED_PRECONDITION
     assert "cache_salt" in err.message
+
+
+def test_tokenizer_fingerprint_tells_tokenizers_apart():
+    assert tokenizer_fingerprint(byte_bpe_tokenizer()) == tokenizer_fingerprint(byte_bpe_tokenizer())
+    assert tokenizer_fingerprint(byte_bpe_tokenizer()) != tokenizer_fingerprint(word_tokenizer(320))

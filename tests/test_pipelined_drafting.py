@@ -25,9 +25,10 @@ from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode
 from draft_service.config import DraftConfig
 from draft_service.drafters import ModelDrafter, NgramDrafter
-from draft_service.generation import Generator, _Flight
+from draft_service.generation import Generator
 from draft_service.metrics import DraftMetrics
 from draft_service.ngram import propose_ngram
+from draft_service.pipelining import Flight
 from draft_service.proposer import Drafted, DraftJob, DraftModel, Proposer
 from draft_service.sequence import DraftSequence
 from draft_service.types import (
@@ -280,14 +281,14 @@ def test_a_pipelined_block_is_the_unpipelined_block_on_every_branch(reference_mo
                     seq = DraftSequence(params, list(prompt))
                     block = await gen.drafter.draft(seq, 4)
                     sent.clear()
-                    aheads = await gen._draft_ahead(1, seq, block, 4, 8, _Flight())
+                    aheads = await gen.pipeline.draft_branches(seq, block, 4, 8, Flight(gen.link, 1))
                     assert len(aheads) == len(sent) >= 2
                     for start, ahead_block, assumed in sent:
                         assert start == len(prompt) + len(assumed)
                         ref = DraftSequence(params, [*prompt, *assumed])
                         assert ahead_block == await plain.generator.drafter.draft(ref, 4)
                         await plain.generator.drafter.release(ref)
-                    await gen.drafter.release(*(a.branch for a in aheads), seq)
+                    await gen.drafter.release(*(a.seq for a in aheads), seq)
             assert service.model.blocks.num_free_blocks == NUM_BLOCKS
         finally:
             await service.stop()
@@ -486,10 +487,10 @@ def test_a_short_draft_pool_drafts_fewer_branches_not_none():
             start, end = seq.num_cached, seq.num_context + k + k
             need = blocks.blocks_for(end) - len(blocks.table(seq)) + (1 if start % BLOCK else 0)
             assert blocks.allocate("hog", (blocks.num_free_blocks - need) * BLOCK)
-            aheads = await gen._draft_ahead(seq_id, seq, block, k, 3, _Flight())
+            aheads = await gen.pipeline.draft_branches(seq, block, k, 3, Flight(gen.link, seq_id))
             assert [a.num_accepted for a in aheads] == [block.num_draft_tokens]
             assert [len(p[1].token_ids) for p in link.seqs[seq_id].proposals] == [k]
-            await gen.drafter.release(*(a.branch for a in aheads), seq)
+            await gen.drafter.release(*(a.seq for a in aheads), seq)
             blocks.free("hog")
             assert blocks.num_free_blocks == NUM_BLOCKS
         finally:
@@ -584,3 +585,26 @@ def test_a_model_drafted_block_says_how_long_its_batch_took(reference_model, pip
     drafted = [b for b in blocks["model"] if b.num_draft_tokens]
     assert drafted and all(b.draft_seconds is not None and b.draft_seconds > 0 for b in drafted)
     assert all(b.draft_seconds is None for b in blocks["ngram"])
+
+
+def test_pipeline_width_narrows_while_drafting_ahead_stalls_verdicts_and_probes_when_off():
+    from draft_service.pipelining import PipelineWidth
+
+    width = PipelineWidth(max_width=3)
+    assert width.next_width() == 3
+    width.observe(3, stall_s=0.05, round_s=0.1)  # the verdict waited half the round for the drafts
+    assert width.next_width() == 2
+    width.observe(2, stall_s=0.05, round_s=0.1)
+    width.observe(1, stall_s=0.05, round_s=0.1)
+    assert [width.next_width() for _ in range(15)] == [0] * 15  # off...
+    assert width.next_width() == 1  # ...then one branch is tried again
+    width.observe(1, stall_s=0.0, round_s=0.1)  # it fit: widen step by step up to the cap
+    assert width.next_width() == 2
+    width.observe(2, stall_s=0.0, round_s=0.1)
+    width.observe(3, stall_s=0.0, round_s=0.1)
+    assert width.next_width() == 3
+    width.observe(3, stall_s=0.01, round_s=0.1)  # in between: stays
+    assert width.next_width() == 3
+    fixed = PipelineWidth(max_width=8, width=2, learn=False)  # --pipeline-width 2
+    fixed.observe(2, stall_s=0.09, round_s=0.1)
+    assert fixed.next_width() == 2

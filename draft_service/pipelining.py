@@ -1,0 +1,221 @@
+"""Pipelined drafting: while a block's verdict is in flight, draft the next block on branches that each assume one
+verdict, and propose each at once, marked with what it assumed.
+
+A branch assumes either that the whole block is accepted and then the draft's guess of the bonus token, or that
+its first j drafts are accepted and the next one is corrected to one of the draft's best other tokens (the
+ALTERNATIVES it kept per position). The verifier verifies the one proposal whose assumption the verdict
+confirms, if any, and drops the others, so what is verified never depends on pipelining. Two calls, one on each
+side of a verdict: `Pipeline.draft_branches` and `Pipeline.settle`; `PipelineWidth` decides how many branches a
+round drafts, from what drafting ahead costs the rounds beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+
+from common.errors import ServiceError
+from draft_service.metrics import DraftMetrics
+from draft_service.sequence import DraftSequence
+from draft_service.types import DraftBlock, VerdictEvent
+from draft_service.verifier_link import LinkDown, VerifierLink
+
+if TYPE_CHECKING:
+    from draft_service.drafters import Drafter
+
+log = structlog.get_logger(__name__)
+
+ALTERNATIVES = 2  # guesses the draft model keeps per drafted position (draft_service.proposer)
+
+# Pipelined branches per round: the verifier queues at most 16 proposals per sequence (MAX_QUEUED_PROPOSALS); the
+# block in flight takes one, and the last round's branches are dropped as soon as the new ones arrive.
+MAX_BRANCHES = 8
+
+
+@dataclass
+class Flight:
+    """One sequence's proposals on the wire that the verifier has not answered."""
+
+    link: VerifierLink
+    seq_id: int
+    proposed: bool = False  # the block at the sequence's end has been sent on the current stream
+    stale: int = 0  # pipelined proposals whose guess missed: the verifier drops them, their ProposalDropped is due
+    resumed: bool = False  # the stream broke during the last wait: any pipelined proposal was lost with it
+    proposal_bytes: int = 0  # serialized size of every proposal sent
+    # --speculation auto: this service's cap on the next block, sent with each proposal to ask for the
+    # verifier's choice of its length; None: the draft length is this service's alone
+    max_draft_tokens: int | None = None
+
+    def propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> None:
+        """Send `block` for positions from `start` (raises LinkDown when the stream is down)."""
+        self.proposal_bytes += self.link.propose(self.seq_id, start, block, send_draft_probs=seq.sends_draft_probs,
+                                                 assumed_token_ids=assumed, max_draft_tokens=self.max_draft_tokens)
+
+    def try_propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> bool:
+        """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""
+        try:
+            self.propose(seq, start, block, assumed)
+        except LinkDown:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class Branch:
+    """A pipelined proposal: `block`, drafted on `seq` after the in-flight block's first `num_accepted` drafts
+    and `guess`, the verifier's bonus token (all accepted) or corrected token (the next one rejected)."""
+
+    num_accepted: int
+    guess: int
+    seq: DraftSequence
+    block: DraftBlock
+    sent: bool
+
+
+@dataclass
+class PipelineWidth:
+    """How many pipelined branches a sequence drafts per round; one instance per draft process, fed by every
+    sequence's rounds.
+
+    Drafting ahead is free only while it ends before the verdict it runs beside: the verdict that arrives first
+    waits for it. So each round measures that stall (from the verdict's arrival to its processing): a stall
+    above `narrow_share` of the round drops a branch, one below `widen_share` adds one back. At width 0
+    pipelining is off for the sequence, and one branch is tried again every `probe_rounds` rounds. The width
+    only decides which proposals are sent early, never what is verified: outputs do not depend on it. With
+    `learn` False the width stays as set (--pipeline-width).
+    """
+
+    max_width: int
+    width: int = -1  # -1: start at max_width
+    narrow_share: float = 0.2
+    widen_share: float = 0.05
+    probe_rounds: int = 16
+    learn: bool = True
+    _off_rounds: int = 0
+
+    def __post_init__(self) -> None:
+        if self.width < 0:
+            self.width = self.max_width
+
+    def next_width(self) -> int:
+        if self.width > 0:
+            return self.width
+        self._off_rounds += 1
+        if self._off_rounds >= self.probe_rounds:
+            self._off_rounds = 0
+            return 1
+        return 0
+
+    def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
+        if not self.learn or width_used == 0 or round_s <= 0:
+            return
+        if stall_s > self.narrow_share * round_s:
+            self.width = width_used - 1
+        elif stall_s < self.widen_share * round_s:
+            self.width = min(self.max_width, width_used + 1)
+        else:
+            self.width = width_used
+
+
+class Pipeline:
+    """The draft process's pipelining: `width` None when it is off (--pipeline false)."""
+
+    def __init__(self, drafter: Drafter, metrics: DraftMetrics, width: PipelineWidth | None) -> None:
+        self.drafter = drafter
+        self.metrics = metrics
+        self.width = width
+
+    @classmethod
+    def from_flags(cls, drafter: Drafter, metrics: DraftMetrics, pipeline: bool, fixed_width: int) -> Pipeline:
+        """--pipeline and --pipeline-width (0: learnt, from 2). One width for the whole process: it learns from
+        every sequence's rounds, and a short request does not start over at the widest (drafting cost is the
+        process's, not the sequence's)."""
+        width = None
+        if pipeline:
+            fixed = fixed_width > 0
+            width = PipelineWidth(MAX_BRANCHES, width=fixed_width if fixed else 2, learn=not fixed)
+        return cls(drafter, metrics, width)
+
+    def width_for(self, k: int) -> int:
+        """Branches to draft beside a block of `k` drafts: no more than there are guesses."""
+        return min(self.width.next_width(), 1 + k * ALTERNATIVES) if self.width else 0
+
+    def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
+        if self.width:
+            self.width.observe(width_used, stall_s, round_s)
+
+    async def draft_branches(self, seq: DraftSequence, block: DraftBlock, k: int, width: int,
+                             flight: Flight) -> list[Branch]:
+        """While `block`'s verdict is in flight, draft and propose up to `width` branches of `k` drafts each:
+        the full-acceptance branch first, then the best guess at each position (earliest first), then the second
+        best. All branches draft in one batch, sharing the sequence's cache blocks."""
+        if not width or block.num_draft_tokens == 0 or k == 0:
+            return []
+        plans: list[tuple[int, int | None, DraftSequence]] = [
+            (block.num_draft_tokens, None, seq.branch(list(block.token_ids)))]
+        alternatives = block.alternatives or ()
+        ranks = max((len(a) for a in alternatives), default=0)
+        guesses = [(j, alts[rank]) for rank in range(ranks) for j, alts in enumerate(alternatives) if rank < len(alts)]
+        for j, alternative in guesses[:max(0, width - 1)]:
+            plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))
+        try:
+            # the full-acceptance branch drafts its guess of the bonus token, then the block after it as the
+            # next unpipelined round would: a pipelined proposal is always the one that round would send
+            drafted = await asyncio.gather(*(self.drafter.draft_after_guess(branch, k) if guess is None
+                                             else self.drafter.draft(branch, k) for _, guess, branch in plans),
+                                           return_exceptions=True)
+            return await self._propose_branches(seq, plans, drafted, flight)
+        except BaseException:
+            # cancelled (the client went away) or failed while the branches draft: none of them may keep a block
+            await self.drafter.release(*(branch for _, _, branch in plans))
+            raise
+
+    async def _propose_branches(self, seq: DraftSequence, plans: list[tuple[int, int | None, DraftSequence]],
+                                drafted: list, flight: Flight) -> list[Branch]:
+        branches, unused, short = [], [], []
+        for (j, guess, branch), d in zip(plans, drafted, strict=True):
+            if isinstance(d, ServiceError):  # e.g. the draft's KV pool cannot hold this branch
+                short.append(d)
+                unused.append(branch)
+                continue
+            if isinstance(d, BaseException):
+                raise d
+            if guess is None:
+                if d is None:  # non-finite draft logits: no guess
+                    unused.append(branch)
+                    continue
+                guess, d = d
+            sent = flight.try_propose(seq, seq.num_tokens + j + 1, d, tuple(branch.assumed_token_ids))
+            branches.append(Branch(j, guess, branch, d, sent))
+        if short:  # fewer branches this round; none at all only when not even one fit
+            log.warning("pipelined_drafting_short", code=short[0].code.name, message=short[0].message,
+                        branches_dropped=len(short), branches_kept=len(branches))
+        await self.drafter.release(*unused)
+        return branches
+
+    async def settle(self, seq: DraftSequence, block: DraftBlock, verdict: VerdictEvent, branches: list[Branch],
+                     flight: Flight, finished: bool) -> DraftBlock | None:
+        """After `block`'s verdict (already applied to `seq`): the sequence continues on the branch that guessed
+        it (its block, already proposed, is the new block in flight) and the other branches are freed; their
+        proposals will be dropped. Returns the block in flight, or None when no branch guessed right."""
+        if not branches:
+            return None
+        match = None
+        if not flight.resumed and not finished:
+            match = next((b for b in branches if verdict.token_ids == (*block.token_ids[:b.num_accepted], b.guess)),
+                         None)
+        missed = [branch for branch in branches if branch is not match]
+        await self.drafter.release(*(branch.seq for branch in missed))
+        if not flight.resumed:  # the verifier drops their proposals: their ProposalDropped is expected
+            flight.stale += sum(branch.sent for branch in missed)
+        self.metrics.pipelined_proposals.labels(outcome="dropped").inc(len(missed))
+        if match is None:
+            return None
+        self.metrics.pipelined_proposals.labels(outcome="used").inc()
+        await self.drafter.adopt(seq, match.seq)
+        seq.assumed_token_ids.extend(match.block.token_ids)
+        flight.proposed = match.sent
+        return match.block
