@@ -1,12 +1,13 @@
 """Where a round's draft block comes from, chosen once per service: the draft model (batched across sequences by
-the Proposer) or prompt lookup (n-gram, no model)."""
+the DraftBatcher) or prompt lookup (n-gram, no model)."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from draft_service.batcher import DraftBatcher
+from draft_service.draft_model import DraftJob
 from draft_service.ngram import propose_ngram
-from draft_service.proposer import DraftJob, Proposer
 from draft_service.sequence import DraftSequence
 from draft_service.types import EMPTY_BLOCK, DraftBlock
 
@@ -41,31 +42,31 @@ class ModelDrafter:
     """Drafts with the draft model; a block ends early when the draft's confidence in its next token falls below
     `min_confidence` (0 drafts all k)."""
 
-    def __init__(self, proposer: Proposer, min_confidence: float = 0.0) -> None:
-        self.proposer = proposer
+    def __init__(self, batcher: DraftBatcher, min_confidence: float = 0.0) -> None:
+        self.batcher = batcher
         self.min_confidence = min_confidence
 
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         if k == 0:
             return EMPTY_BLOCK
-        return (await self.proposer.draft(DraftJob(seq, k, self.min_confidence))).block
+        return (await self.batcher.draft(DraftJob(seq, k, self.min_confidence))).block
 
     async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
         # one batch job: the guess is sampled from the logits the block's drafting starts from anyway
-        drafted = await self.proposer.draft(DraftJob(seq, k, self.min_confidence, guess_first=True))
+        drafted = await self.batcher.draft(DraftJob(seq, k, self.min_confidence, guess_first=True))
         if drafted.guess is None:
             return None
         seq.assumed_token_ids.append(drafted.guess)
         return drafted.guess, drafted.block
 
     async def release(self, *seqs: DraftSequence) -> None:
-        await self.proposer.release(*seqs)
+        await self.batcher.release(*seqs)
 
     async def wait_for_batch(self) -> None:
-        await self.proposer.wait_for_batch()
+        await self.batcher.wait_for_batch()
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
-        await self.proposer.adopt(seq, branch)
+        await self.batcher.adopt(seq, branch)
 
 
 class NgramDrafter:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-ALTERNATIVES = 2  # guesses the draft model keeps per drafted position (draft_service.proposer)
+ALTERNATIVES = 2  # guesses the draft model keeps per drafted position (draft_service.draft_sampling)
 
 # Pipelined branches per round: the verifier queues at most 16 proposals per sequence (MAX_QUEUED_PROPOSALS); the
 # block in flight takes one, and the last round's branches are dropped as soon as the new ones arrive.

@@ -19,11 +19,12 @@ from common.model_loading import LoadedModel, load_model, load_tokenizer
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.static_forward import build_static_forward
 from common.tokenizer import tokenizer_fingerprint
+from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftConfig
+from draft_service.draft_model import DraftModel
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.generation import Generator
 from draft_service.metrics import DraftMetrics
-from draft_service.proposer import DraftModel, Proposer
 from draft_service.servicer import DraftServicer
 from draft_service.verifier_link import LinkSecurity, VerifierLink
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
@@ -89,7 +90,7 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
 
 async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_signal)."""
-    proposer: Proposer | None = None
+    batcher: DraftBatcher | None = None
     drafter: Drafter
     metrics = DraftMetrics()
     if config.proposer == "ngram":  # prompt lookup: the tokenizer is all it needs
@@ -100,10 +101,10 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
         executor = compute_thread("draft-model")  # the model loads on the thread that runs it
         loaded, model = await asyncio.get_running_loop().run_in_executor(executor, build_draft_model, config,
                                                                           metrics)
-        proposer = Proposer(model, executor)
+        batcher = DraftBatcher(model, executor)
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
-        drafter = ModelDrafter(proposer, config.draft_confidence_threshold)
+        drafter = ModelDrafter(batcher, config.draft_confidence_threshold)
     security = LinkSecurity.from_files(tls=config.verifier_uses_tls, ca=config.verifier_tls_ca,
                                        cert=config.verifier_tls_cert, key=config.verifier_tls_key,
                                        server_name=config.verifier_tls_server_name,
@@ -111,8 +112,8 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
     link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
                         tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc)
     await connect_at_start(link, config.connect_timeout_s)
-    if proposer is not None:
-        proposer.start()
+    if batcher is not None:
+        batcher.start()
     generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics)
     metrics_server = None
     if config.metrics_port:
@@ -131,8 +132,8 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
     async def stop_draft() -> None:
         watcher.cancel()
         generator.prompts.close()
-        if proposer is not None:
-            await proposer.stop()
+        if batcher is not None:
+            await batcher.stop()
         await link.close()
         if metrics_server is not None:
             metrics_server.close()

@@ -19,7 +19,7 @@ from kernels.kv_cache_write import write_kv_kernel
 from kernels.paged_attention import paged_attention_kernel
 from kernels.philox import uniform64_kernel
 from kernels.platform import ATTENTION_TILES, VOCAB_BLOCK, elementwise_warps, vocab_warps
-from kernels.rejection_sampler import rejection_sample_kernel, sample_recovered_kernel
+from kernels.rejection_sampler import rejection_sample_kernel, sample_target_kernel
 from kernels.sampling_probs import sampling_probs_kernel
 
 TARGETS = {
@@ -76,11 +76,11 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
     rec_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
                "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
                "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}
-    specs.append((KernelSpec("sample_recovered", sample_recovered_kernel, rec_sig,
+    specs.append((KernelSpec("sample_target", sample_target_kernel, rec_sig,
                              {"HAS_DRAFT_PROBS": True, "BLOCK_V": VOCAB_BLOCK}, False), vocab_warps(rocm)))
     rs_sig = {"out_ptr": "*i64", "draft_token_ids_ptr": "*i64", "cu_num_draft_ptr": "*i64", "target_probs_ptr": "*fp32",
               "target_argmax_ptr": "*i64", "draft_probs_ptr": "*fp32", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
-              "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "recovered_ptr": "*i64", "vocab_size": "i32",
+              "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "target_sample_ptr": "*i64", "vocab_size": "i32",
               "out_stride": "i32"}
     specs.append((KernelSpec("rejection_sample", rejection_sample_kernel, rs_sig, {"HAS_DRAFT_PROBS": True}, False), 1))
     ph_sig = {"out_ptr": "*fp64", "seeds_ptr": "*i64", "positions_ptr": "*i64", "purpose": "i32", "n": "i32"}

@@ -40,7 +40,7 @@ TARGET_SAMPLE = tl.constexpr(int(Purpose.TARGET_SAMPLE))
 
 
 @triton.jit
-def sample_recovered_kernel(
+def sample_target_kernel(
     out_ptr,  # [num_target_rows] int64: the token each row would emit if the round ended there
     target_probs_ptr,  # [num_target_rows, vocab_size]
     draft_token_ids_ptr,  # [num_draft_tokens] int64
@@ -116,7 +116,7 @@ def rejection_sample_kernel(
     is_coupled_ptr,  # [batch] bool
     seeds_ptr,  # [batch] int64
     positions_ptr,  # [batch] int64
-    recovered_ptr,  # [num_target_rows] int64 from sample_recovered_kernel
+    target_sample_ptr,  # [num_target_rows] int64 from sample_target_kernel
     vocab_size,
     out_stride,
     HAS_DRAFT_PROBS: tl.constexpr,
@@ -140,7 +140,7 @@ def rejection_sample_kernel(
                 final = tl.load(target_argmax_ptr + row)
                 accept = x == final
             elif coupled:
-                final = tl.load(recovered_ptr + row)  # y = argmax p / E at this position
+                final = tl.load(target_sample_ptr + row)  # y = argmax p / E at this position
                 accept = x == final
             else:
                 p_x = tl.load(target_probs_ptr + row * vocab_size + x).to(tl.float64)
@@ -150,7 +150,7 @@ def rejection_sample_kernel(
                         q_x = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + x).to(tl.float64)
                 u = uniform64(seed, position + j, ACCEPT, position * 0)
                 accept = u * q_x < p_x
-                final = tl.load(recovered_ptr + row)
+                final = tl.load(target_sample_ptr + row)
             if accept:
                 tl.store(out_row + j, x)
             else:
@@ -161,7 +161,7 @@ def rejection_sample_kernel(
         if greedy:
             tl.store(out_row + k, tl.load(target_argmax_ptr + row))
         else:
-            tl.store(out_row + k, tl.load(recovered_ptr + row))
+            tl.store(out_row + k, tl.load(target_sample_ptr + row))
 
 
 @dataclass(frozen=True)
@@ -277,17 +277,18 @@ def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Ten
     q = spec.draft_probs.contiguous() if has_q else target_probs  # a valid pointer the kernel never reads
     # an empty tensor gets a one-element stand-in: the kernels never read it, but the pointer must be valid
     drafts = spec.draft_token_ids if spec.num_draft_tokens else torch.zeros(1, dtype=torch.int64, device=device)
-    # step 1: the token each target row would emit if the round ended there
-    recovered = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=device)  # [num_draft_tokens + batch]
+    # step 1: the target's own sample at each row, the token it emits if the round ends there: the recovered token
+    # at a rejection, the bonus token after the last draft, the coupled token of a coupled sequence
+    target_samples = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=device)  # [num_draft_tokens + batch]
     coupled = sampling.coupled_mask()
-    sample_recovered_kernel[(batch, max_k + 1)](
-        recovered, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot, coupled,
+    sample_target_kernel[(batch, max_k + 1)](
+        target_samples, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot, coupled,
         sampling.seeds, sampling.positions, vocab, HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK,
         num_warps=vocab_warps())
-    # step 2: accept drafts up to the first rejection, then emit the recovered (or bonus) token
+    # step 2: accept drafts up to the first rejection, then emit that row's target sample
     rejection_sample_kernel[(batch,)](
         out, drafts, spec.cu_num_draft_tokens, target_probs, target_argmax, q, sampling.is_greedy, spec.is_one_hot,
-        coupled, sampling.seeds, sampling.positions, recovered, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
+        coupled, sampling.seeds, sampling.positions, target_samples, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
     return out
 
 

@@ -32,7 +32,7 @@ def test_the_draft_samples_from_exactly_the_q_it_sends_and_the_verifier_normalis
     import numpy as np
     import torch
 
-    from draft_service.proposer import DraftModel
+    from draft_service.draft_model import DraftModel
     from draft_service.sequence import DraftSequence
     from kernels.philox import Purpose, exponential64_reference
     from verifier_service.verification import VerifyItem, pack_inputs
@@ -59,7 +59,7 @@ def test_the_draft_samples_from_exactly_the_q_it_sends_and_the_verifier_normalis
 def test_non_finite_logits_fail_only_their_own_sequence():
     import torch
 
-    from draft_service.proposer import DraftModel
+    from draft_service.draft_model import DraftModel
     from draft_service.sequence import DraftSequence
     from verifier_service.verification import VerifyItem, verify_batch
 

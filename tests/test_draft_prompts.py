@@ -19,10 +19,11 @@ from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
 from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
+from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftConfig
+from draft_service.draft_model import DraftJob, DraftModel, Prefilling
 from draft_service.drafters import NgramDrafter
 from draft_service.generation import Generator
-from draft_service.proposer import DraftJob, DraftModel, Prefilling, Proposer
 from draft_service.sequence import DraftSequence
 from draft_service.servicer import DraftServicer
 from draft_service.types import GenerationRequest, GenerationStats, VerdictEvent, VerifierIdentity
@@ -237,7 +238,7 @@ def _draft_model(budget: int | None) -> tuple[DraftModel, list[int]]:
 
 
 def _draft_all(draft: DraftModel, jobs: list[DraftJob]) -> list:
-    """DraftModel.draft until no job is Prefilling (what the Proposer does across its batches)."""
+    """DraftModel.draft until no job is Prefilling (what the DraftBatcher does across its batches)."""
     results: list = [None] * len(jobs)
     todo = list(range(len(jobs)))
     while todo:
@@ -281,7 +282,7 @@ def test_chunked_draft_prefill_drafts_the_same_tokens_and_keeps_every_forward_wi
 
 
 def test_a_long_prefill_takes_one_chunk_per_batch_and_other_sequences_draft_between_its_chunks():
-    """Through the Proposer: while a 45-token prompt is fed 8 tokens a batch, a short sequence drafts three rounds
+    """Through the DraftBatcher: while a 45-token prompt is fed 8 tokens a batch, a short sequence drafts three rounds
     (each waits for the one before); the long prompt's block is the unchunked one, and no batch fed it more than
     one chunk."""
     reference, _ = _draft_model(None)
@@ -300,7 +301,7 @@ def test_a_long_prefill_takes_one_chunk_per_batch_and_other_sequences_draft_betw
     draft.draft = recording
 
     async def main():
-        proposer = Proposer(draft, ThreadPoolExecutor(1))
+        proposer = DraftBatcher(draft, ThreadPoolExecutor(1))
         proposer.start()
         try:
             async def long_request():

@@ -1,4 +1,4 @@
-"""Pipelined drafting in process: a real draft model and Proposer, the draft service's Generator, and an in-process
+"""Pipelined drafting in process: a real draft model and DraftBatcher, the draft service's Generator, and an in-process
 stand-in for the verifier's side of the Verify stream. Checked here, for every proposer and option: a pipelined
 proposal is the block an unpipelined round drafts after the same verified tokens (so seeded outputs do not depend
 on --pipeline), a cancel at any point leaves no draft KV block behind, a sequence the draft's pool cannot hold
@@ -23,13 +23,14 @@ from common.errors import ErrorCode, ServiceError
 from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode
+from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftConfig
+from draft_service.draft_model import Drafted, DraftJob, DraftModel
 from draft_service.drafters import ModelDrafter, NgramDrafter
 from draft_service.generation import Generator
 from draft_service.metrics import DraftMetrics
 from draft_service.ngram import propose_ngram
 from draft_service.pipelining import Flight
-from draft_service.proposer import Drafted, DraftJob, DraftModel, Proposer
 from draft_service.sequence import DraftSequence
 from draft_service.types import (
     DraftBlock,
@@ -187,11 +188,11 @@ class _Service:
     generator: Generator
     link: FakeVerifier
     model: DraftModel | None
-    proposer: Proposer | None
+    batcher: DraftBatcher | None
 
     async def stop(self) -> None:
-        if self.proposer is not None:
-            await self.proposer.stop()
+        if self.batcher is not None:
+            await self.batcher.stop()
 
 
 def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: int = 4, threshold: float = 0.0,
@@ -204,7 +205,7 @@ def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: 
         drafter = NgramDrafter()
     else:
         model = model or _draft_model()
-        prop = Proposer(model, ThreadPoolExecutor(1, thread_name_prefix="test-draft"))
+        prop = DraftBatcher(model, ThreadPoolExecutor(1, thread_name_prefix="test-draft"))
         prop.start()
         drafter = ModelDrafter(prop, threshold)
     return _Service(Generator(config, word_tokenizer(VOCAB), VOCAB, link, drafter, DraftMetrics()), link, model,
@@ -319,7 +320,7 @@ def test_cancelling_at_random_points_leaks_no_draft_block(reference_model):
                     asyncio.get_running_loop().call_later(rng.uniform(0, 0.2), task.cancel)
                 await asyncio.gather(*tasks, return_exceptions=True)
                 # whatever the model's thread still runs for them comes first
-                await asyncio.get_running_loop().run_in_executor(service.proposer._executor, lambda: None)
+                await asyncio.get_running_loop().run_in_executor(service.batcher._executor, lambda: None)
                 blocks = service.model.blocks
                 assert blocks.num_free_blocks == NUM_BLOCKS, (round_, blocks.sequences())
             cancelled = [seq_id for seq_id, s in link.seqs.items() if len(s.tokens) - s.num_prompt < 40]
@@ -341,20 +342,20 @@ def test_a_sequence_the_draft_pool_cannot_hold_fails_alone():
     alone = _draft_model(num_blocks=6)
     assert alone.draft([DraftJob(DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5]), 4)])[0] == out[0]
 
-    async def through_the_proposer():
-        proposer = Proposer(_draft_model(num_blocks=6), ThreadPoolExecutor(1))
-        proposer.start()
+    async def through_the_batcher():
+        batcher = DraftBatcher(_draft_model(num_blocks=6), ThreadPoolExecutor(1))
+        batcher.start()
         try:
             one, two = await asyncio.gather(
-                proposer.draft(DraftJob(DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5]), 4)),
-                proposer.draft(DraftJob(DraftSequence(SamplingParams(temperature=0.0), list(range(40))), 4)),
+                batcher.draft(DraftJob(DraftSequence(SamplingParams(temperature=0.0), [3, 4, 5]), 4)),
+                batcher.draft(DraftJob(DraftSequence(SamplingParams(temperature=0.0), list(range(40))), 4)),
                 return_exceptions=True)
         finally:
-            await proposer.stop()
+            await batcher.stop()
         assert one == out[0]
         assert isinstance(two, ServiceError) and two.code is ErrorCode.RESOURCE_EXHAUSTED
 
-    asyncio.run(through_the_proposer())
+    asyncio.run(through_the_batcher())
 
 
 class QLimitedVerifier(FakeVerifier):
@@ -532,19 +533,19 @@ def test_a_round_of_k_0_waits_for_the_batch_drafting_beside_it():
             return [Drafted(DraftBlock((1,), None), None) for _ in jobs]
 
     async def run() -> list[str]:
-        proposer = Proposer(SlowModel(), ThreadPoolExecutor(1))
-        proposer.start()
+        batcher = DraftBatcher(SlowModel(), ThreadPoolExecutor(1))
+        batcher.start()
         order: list[str] = []
         try:
-            await asyncio.wait_for(proposer.wait_for_batch(), 1)  # no batch: at once
+            await asyncio.wait_for(batcher.wait_for_batch(), 1)  # no batch: at once
             order.append("idle")
 
             async def drafting():
-                await proposer.draft(DraftJob(None, 2, 0.0))
+                await batcher.draft(DraftJob(None, 2, 0.0))
                 order.append("drafted")
 
             async def empty():
-                await proposer.wait_for_batch()
+                await batcher.wait_for_batch()
                 order.append("empty")
 
             tasks = [asyncio.create_task(drafting()), asyncio.create_task(empty())]
@@ -553,7 +554,7 @@ def test_a_round_of_k_0_waits_for_the_batch_drafting_beside_it():
             release.set()
             await asyncio.wait_for(asyncio.gather(*tasks), 10)
         finally:
-            await proposer.stop()
+            await batcher.stop()
         return order
 
     order = asyncio.run(run())
