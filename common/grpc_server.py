@@ -108,14 +108,17 @@ def build_grpc_server(host: str, port: int, *, add_servicers: Callable[[grpc.aio
         reflection.enable_server_reflection((*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     credentials = server_credentials(security.tls_cert, security.tls_key, security.tls_client_ca)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, credentials) if credentials is not None
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError as err:  # grpc's "Failed to bind to address": in use, or not an address of this host
+        raise OSError(f"cannot bind {address} (is another service listening there?): {err}") from err
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise OSError(f"cannot bind {address}")
     return GrpcServer(server, health_servicer, tuple(service_names), bound)
 
 
-async def serve_until_signal(server: GrpcServer, *, on_stop: Callable[[], Awaitable[None]] | None = None,
+async def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], Awaitable[None]] | None = None,
                              stop: asyncio.Event | None = None) -> None:
     """Run until SIGINT or SIGTERM, then stop the server and call `on_stop` for the service's own parts. With
     `stop`, run until it is set instead, and leave the process's signals alone: a service embedded in another

@@ -12,7 +12,7 @@ from common.compute_thread import compute_thread
 from common.config import parse_dtype
 from common.device import describe_device, resolve_device, resolve_dtype_name
 from common.errors import ErrorCode, ServiceError
-from common.grpc_server import build_grpc_server, serve_until_signal
+from common.grpc_server import build_grpc_server, serve_until_stopped
 from common.kv_cache import KVCache, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
 from common.model_loading import LoadedModel, load_model, load_tokenizer
@@ -89,7 +89,7 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
 
 
 async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_signal)."""
+    """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_stopped)."""
     batcher: DraftBatcher | None = None
     drafter: Drafter
     metrics = DraftMetrics()
@@ -130,12 +130,14 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
              verifier_tls=config.verifier_uses_tls)
 
     async def stop_draft() -> None:
-        watcher.cancel()
-        generator.prompts.close()
-        if batcher is not None:
-            await batcher.stop()
-        await link.close()
-        if metrics_server is not None:
-            metrics_server.close()
+        try:
+            watcher.cancel()
+            generator.prompts.close()
+            if batcher is not None:
+                await batcher.stop()
+            await link.close()
+        finally:
+            if metrics_server is not None:
+                await asyncio.to_thread(metrics_server.close)
 
-    await serve_until_signal(server, on_stop=stop_draft, stop=stop)
+    await serve_until_stopped(server, on_stop=stop_draft, stop=stop)

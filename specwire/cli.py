@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # a bad flag value, a missing file, a port in use
         print(f"error: {err}", file=sys.stderr)
         return 2
 

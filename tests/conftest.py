@@ -14,6 +14,12 @@ from distributions import STAT_VOCAB  # noqa: E402
 from stacks import start_stack  # noqa: E402
 from tiny_models import build_model, make_text_pair, model_config, perturbed, save, word_tokenizer  # noqa: E402
 
+# Under `make test`'s two workers on 2 cores, each worker's torch work (its tests and the services on its threads)
+# gets one thread: what a colocated verifier and draft get on 2 cores (launch.colocated_threads), and no OpenMP
+# team larger than the cores it shares.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory):
@@ -34,8 +40,6 @@ def text_stack(request, models_dir):
     running = start_stack(target, draft, models_dir / f"logs-{request.param}", in_process=True)
     yield running
     running.stack.stop()
-
-
 
 
 @pytest.fixture(scope="session")

@@ -43,7 +43,9 @@ class InProcessService:
         return 0
 
     def log_text(self) -> str:
-        return ""  # its logs go to the test process's own output
+        # its logs go to the test process's own output: a check on them would pass vacuously
+        raise NotImplementedError(f"{self.name} runs in the test process and has no log of its own: use a process "
+                                  "stack to read a service's log")
 
 
 def _serve_function(command: str):
@@ -103,9 +105,17 @@ class InProcessStack:
         return service
 
     def stop(self) -> None:
+        """Stop every service, the last started first, even when one fails to stop (the first failure is raised
+        after the others have stopped)."""
+        errors = []
         for service in reversed(self.services):
-            service.stop()
+            try:
+                service.stop()
+            except Exception as err:  # noqa: BLE001 - raised below, once the rest are stopped
+                errors.append(err)
         self.services.clear()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> InProcessStack:
         return self
@@ -207,8 +217,11 @@ def start_stack(target_dir: Path, draft_dir: Path, log_dir: Path, *, k: int = 4,
                       "--num-speculative-tokens", str(k), "--block-size", str(block_size),
                       "--metrics-port", str(draft_metrics_port), *extra_draft]
         d = stack.start("draft", draft_args, log_dir=log_dir, timeout_s=120, env=env, credentials=draft_credentials)
-    except Exception:
-        stack.stop()
+    except Exception as start_error:
+        try:
+            stack.stop()
+        except Exception as stop_error:  # noqa: BLE001 - the start failure is the one to report
+            start_error.add_note(f"stopping the other services failed too: {stop_error!r}")
         raise
     return RunningStack(stack, v.address, d.address, f"http://127.0.0.1:{metrics_port}/metrics",
                         f"http://127.0.0.1:{draft_metrics_port}/metrics", target_dir, draft_dir, log_dir,

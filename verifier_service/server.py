@@ -11,7 +11,7 @@ from common.block_manager import BlockManager
 from common.compute_thread import compute_thread
 from common.config import parse_dtype
 from common.device import describe_device, kv_budget_from_utilization, resolve_device, resolve_dtype_name
-from common.grpc_server import build_grpc_server, serve_until_signal
+from common.grpc_server import build_grpc_server, serve_until_stopped
 from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
 from common.model_loading import LoadedModel, load_model
@@ -90,7 +90,7 @@ def weights_label(quantization: str, from_gguf: bool) -> str:
 
 
 async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_signal)."""
+    """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_stopped)."""
     executor = compute_thread("verifier-engine")  # the model loads on the thread that steps it
     engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
@@ -112,8 +112,10 @@ async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) ->
              mutual_tls=bool(config.tls_client_ca), tokens_required=bool(config.auth_token_file))
 
     async def stop_verifier() -> None:
-        await async_engine.stop()
-        if metrics_server is not None:
-            metrics_server.close()
+        try:
+            await async_engine.stop()
+        finally:
+            if metrics_server is not None:
+                await asyncio.to_thread(metrics_server.close)
 
-    await serve_until_signal(server, on_stop=stop_verifier, stop=stop)
+    await serve_until_stopped(server, on_stop=stop_verifier, stop=stop)

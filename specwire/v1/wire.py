@@ -37,6 +37,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
+    # a second server on a port in use fails to bind instead of silently sharing its connections (Linux's
+    # SO_REUSEPORT, which gRPC sets by default, splits the connections between both)
+    ("grpc.so_reuseport", 0),
 ]
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     *_MESSAGE_LIMITS,

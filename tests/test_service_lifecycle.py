@@ -1,0 +1,51 @@
+"""A service's ports over its life: a second service on a port in use fails to start instead of sharing it, and a
+stopped service gives back its gRPC and metrics ports (services on threads of the test process, as the suite runs
+them, and as any program that embeds one does)."""
+
+from __future__ import annotations
+
+import socket
+
+from specwire.launch import free_port, scrape_metric
+
+from stacks import InProcessStack
+
+
+def _verifier_args(target_dir, metrics_port: int) -> list[str]:
+    return ["verifier", "--model", str(target_dir), "--dtype", "float64", "--num-blocks", "16", "--block-size", "4",
+            "--metrics-port", str(metrics_port)]
+
+
+def _can_bind(port: int) -> bool:
+    """Whether a server could listen on `port` now (SO_REUSEADDR, as servers set: a connection of the old one
+    in TIME_WAIT does not count, a socket still listening does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def test_a_second_verifier_on_a_port_in_use_fails_to_start(text_stack):
+    """gRPC sets SO_REUSEPORT by default, under which both servers would bind the port and the kernel would split
+    the drafts' connections between two verifiers; the services turn it off (wire.SERVER_OPTIONS)."""
+    port = free_port()
+    with InProcessStack() as stack:
+        stack.start("first", _verifier_args(text_stack.target_dir, free_port()), port=port)
+        # its address answers SERVING already (the first verifier), so the start returns: the second's own fate
+        # is its thread's
+        second = stack.start("second", _verifier_args(text_stack.target_dir, free_port()), port=port)
+        second.thread.join(60)
+        assert not second.thread.is_alive() and isinstance(second.error, OSError), second.error
+        assert "cannot bind" in str(second.error)
+
+
+def test_a_stopped_verifier_gives_back_its_ports(text_stack):
+    port, metrics_port = free_port(), free_port()
+    with InProcessStack() as stack:
+        stack.start("verifier", _verifier_args(text_stack.target_dir, metrics_port), port=port)
+        assert scrape_metric(f"http://127.0.0.1:{metrics_port}/metrics", "specwire_kv_blocks_total") == 16
+    assert _can_bind(metrics_port), "the metrics endpoint still holds its port"
+    assert _can_bind(port), "the gRPC server still holds its port"
