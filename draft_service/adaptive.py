@@ -47,7 +47,6 @@ class AdaptiveDraftLength:
         return max(k for k, rate in enumerate(rates) if rate >= best * (1 - self.tolerance))
 
 
-
 @dataclass
 class RoundLength:
     """Each round's draft length for one sequence: at most `k`; under --speculation auto, the verifier's latest

@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 
 from common.sampling import SparseProbs
-from draft_service.pipelining import ALTERNATIVES
 from draft_service.sequence import DraftSequence
 from kernels.philox import Purpose, exponential64_reference
 from kernels.sampling_probs import compute_probs
+
+# the guesses of a correction kept per drafted position: pipelining drafts a branch after each
+# (draft_service.pipelining)
+ALTERNATIVES = 2
 
 # (token, the q it was sampled from or None for greedy, the draft's confidence, its guesses of a correction)
 Sample = tuple[int | None, SparseProbs | None, float, tuple[int, ...]]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from common.errors import ServiceError
+from draft_service.draft_sampling import ALTERNATIVES
 from draft_service.metrics import DraftMetrics
 from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock, VerdictEvent
@@ -27,8 +28,6 @@ if TYPE_CHECKING:
     from draft_service.drafters import Drafter
 
 log = structlog.get_logger(__name__)
-
-ALTERNATIVES = 2  # guesses the draft model keeps per drafted position (draft_service.draft_sampling)
 
 # Pipelined branches per round: the verifier queues at most 16 proposals per sequence (MAX_QUEUED_PROPOSALS); the
 # block in flight takes one, and the last round's branches are dropped as soon as the new ones arrive.

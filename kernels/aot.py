@@ -73,10 +73,10 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
         if dt == "bf16":  # the static buffers (common.static_forward) carry int32 slots, -1 for padding
             specs.append((KernelSpec(f"write_kv[{dt},i32 slots]", write_kv_kernel, {**kv_sig, "slot_ptr": "*i32"},
                                      {"ROW": 1024, "BLOCK": 1024}, False), elementwise_warps(rocm)))
-    rec_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
+    target_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
                "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
                "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}
-    specs.append((KernelSpec("sample_target", sample_target_kernel, rec_sig,
+    specs.append((KernelSpec("sample_target", sample_target_kernel, target_sig,
                              {"HAS_DRAFT_PROBS": True, "BLOCK_V": VOCAB_BLOCK}, False), vocab_warps(rocm)))
     rs_sig = {"out_ptr": "*i64", "draft_token_ids_ptr": "*i64", "cu_num_draft_ptr": "*i64", "target_probs_ptr": "*fp32",
               "target_argmax_ptr": "*i64", "draft_probs_ptr": "*fp32", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",

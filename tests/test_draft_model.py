@@ -1,4 +1,4 @@
-"""The draft model's own steps (draft_service.sequence, proposer.DraftModel): roll-back keeps the confirmed prefix,
+"""The draft model's own steps (draft_service.sequence, draft_model.DraftModel, draft_sampling): roll-back keeps the confirmed prefix,
 the draft samples from exactly the q it sends, a non-finite row fails only its own sequence."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from verifier_service.validation import Limits, check_open, check_proposal_on
 log = structlog.get_logger(__name__)
 
 # Backpressure: proposals a sequence may have waiting. A synchronous draft has one; a pipelined one its block in
-# flight and up to 8 branches (draft_service.generation.MAX_BRANCHES).
+# flight and up to 8 branches (draft_service.pipelining.MAX_BRANCHES).
 MAX_QUEUED_PROPOSALS = 16
 EXPIRY_SCAN_INTERVAL_S = 0.25
 
@@ -297,7 +297,7 @@ class VerifierEngine:
                                        "(or it has already finished)")
                 # the rest of validation.check_proposal ran on the stream's side (servicer), off this thread
                 check_proposal_on(cmd, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
-                dropped = self.scheduler.drop_dead_proposals(seq)
+                dropped = self.scheduler.drop_never_verifiable(seq)
                 if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
                     raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "
                                        f"{len(seq.proposals)} proposals waiting; a draft may run at most "

@@ -11,6 +11,18 @@ class VerifierMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self._add_token_metrics(r)
+        self._add_step_metrics(r)
+        self._add_pool_and_stream_metrics(r)
+        self._add_router_and_goodput_metrics(r)
+        self._emitted_ema = 0.0
+        self._seconds_ema = 0.0
+        # Streams whose series may exist. A step in flight when a stream closes still reports it; only streams
+        # in this set get a series, so a closed stream's series stays removed.
+        self._open_streams: set[int] = set()
+
+    def _add_token_metrics(self, r: CollectorRegistry) -> None:
+        """Drafts, accepted tokens (per position), emitted, prefilled and cached tokens, preemptions."""
         self.num_drafts = Counter("specwire_spec_decode_num_drafts", "Verification rounds", registry=r)
         self.num_draft_tokens = Counter("specwire_spec_decode_num_draft_tokens", "Draft tokens verified", registry=r)
         self.num_accepted_tokens = Counter("specwire_spec_decode_num_accepted_tokens", "Draft tokens accepted",
@@ -23,6 +35,9 @@ class VerifierMetrics:
                                          "Prompt tokens served from the prefix cache instead of computed", registry=r)
         self.preemptions = Counter("specwire_preemptions", "Sequences preempted (recomputed later)", registry=r)
         self.waiting_sequences = Gauge("specwire_waiting_sequences", "Sequences queued for KV blocks", registry=r)
+
+    def _add_step_metrics(self, r: CollectorRegistry) -> None:
+        """Each forward pass: its time (wall, host, device), hold and batch size."""
         self.steps = Counter("specwire_steps", "Forward passes", registry=r)
         self.step_seconds = Histogram("specwire_step_seconds", "Wall time of one verification step", registry=r,
                                       buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
@@ -40,6 +55,9 @@ class VerifierMetrics:
                                            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2))
         self.batch_size = Histogram("specwire_step_batch_size", "Sequences per step", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+
+    def _add_pool_and_stream_metrics(self, r: CollectorRegistry) -> None:
+        """Live sequences, the KV pool, Verify streams and their share of the budget."""
         self.live_sequences = Gauge("specwire_live_sequences", "Open sequences", registry=r)
         self.kv_blocks_used = Gauge("specwire_kv_blocks_used", "KV blocks held by sequences", registry=r)
         self.kv_blocks_total = Gauge("specwire_kv_blocks_total", "KV blocks in the pool", registry=r)
@@ -51,6 +69,9 @@ class VerifierMetrics:
                                      "Verify stream", ["stream"], registry=r)
         self.budget_fairness = Gauge("specwire_token_budget_fairness", "Jain's index of the last step's tokens "
                                      "per stream with work (1: equal shares, 1/n: one stream took all)", registry=r)
+
+    def _add_router_and_goodput_metrics(self, r: CollectorRegistry) -> None:
+        """What routers read (vLLM's names under the specwire: prefix) and the goodput control."""
         # What routers read to pick a replica, named as vLLM's (vllm:num_requests_waiting, ...) under this
         # prefix so that an endpoint picker reads them the same way (README: metrics for routers).
         self.requests_waiting = Gauge("specwire:num_requests_waiting", "Sequences opened (or preempted) and waiting "
@@ -67,11 +88,6 @@ class VerifierMetrics:
                                        "the last choice of draft lengths expects of its step", registry=r)
         self.goodput = Gauge("specwire_goodput_tokens_per_second", "Verified tokens per second of step time "
                              "(the ratio of moving sums over about 16 steps)", registry=r)
-        self._emitted_ema = 0.0
-        self._seconds_ema = 0.0
-        # Streams whose series may exist. A step in flight when a stream closes still reports it; only streams
-        # in this set get a series, so a closed stream's series stays removed.
-        self._open_streams: set[int] = set()
 
     def open_stream(self, stream_id: int) -> None:
         self._open_streams.add(stream_id)

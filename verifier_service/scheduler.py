@@ -149,7 +149,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for a sequence earlier in this step
                 continue
-            out.outcomes.extend(self._drop_stale_proposals(seq))
+            out.outcomes.extend(self._drop_until_verifiable(seq))
             capped = max_verifications is not None and num_verifications >= max_verifications
             if capped and not seq.needs_prefill:
                 continue
@@ -221,24 +221,25 @@ class Scheduler:
 
     # -- what a sequence runs ---------------------------------------------------------------------------------
 
-    def _drop_stale_proposals(self, seq: Sequence) -> list[DroppedOut]:
-        """A proposal that starts anywhere but at the sequence's end, or assumed other tokens than those verified
-        before it, was drafted from a prefix the verdicts did not confirm (a pipelined draft's guess that
-        missed). Only a proposal drafted from the exact verified prefix is verified, so outputs do not depend on
-        pipelining."""
-        dropped = self.drop_dead_proposals(seq)
-        while seq.proposals and not _follows(seq.proposals[0], seq):
+    def _drop_until_verifiable(self, seq: Sequence) -> list[DroppedOut]:
+        """Before a step: drop the proposals that can never be verified (drop_never_verifiable), then those at
+        the head of the queue that cannot be verified now. A proposal that starts anywhere but at the sequence's
+        end, or assumed other tokens than those verified before it, was drafted from a prefix the verdicts did not
+        confirm (a pipelined draft's guess that missed). Only a proposal drafted from the exact verified prefix
+        is verified, so outputs do not depend on pipelining."""
+        dropped = self.drop_never_verifiable(seq)
+        while seq.proposals and not _verifiable_now(seq.proposals[0], seq):
             stale = seq.proposals.popleft()
             dropped.append(DroppedOut(seq.key, stale.start_position, seq.num_tokens))
         return dropped
 
-    def drop_dead_proposals(self, seq: Sequence) -> list[DroppedOut]:
-        """Drop, wherever they wait, the proposals no verdict can make current any more (the other branches of
-        a pipelined draft), so they do not fill the sequence's queue."""
+    def drop_never_verifiable(self, seq: Sequence) -> list[DroppedOut]:
+        """Drop, wherever they wait in the queue, the proposals no later verdict can make verifiable (the other
+        branches of a pipelined draft), so they do not fill the sequence's queue."""
         dropped: list[DroppedOut] = []
         kept: deque[ProposeCmd] = deque()
         for p in seq.proposals:
-            if _dead(p, seq):
+            if _never_verifiable(p, seq):
                 dropped.append(DroppedOut(seq.key, p.start_position, seq.num_tokens))
             else:
                 kept.append(p)
@@ -354,12 +355,13 @@ class Scheduler:
         return None
 
 
-def _follows(proposal: ProposeCmd, seq: Sequence) -> bool:
+def _verifiable_now(proposal: ProposeCmd, seq: Sequence) -> bool:
+    """It starts at the sequence's end, and the tokens it assumed are the last verified ones."""
     start, assumed = proposal.start_position, proposal.assumed_token_ids
     return start == seq.num_tokens and (not assumed or tuple(seq.token_ids[start - len(assumed):]) == assumed)
 
 
-def _dead(proposal: ProposeCmd, seq: Sequence) -> bool:
+def _never_verifiable(proposal: ProposeCmd, seq: Sequence) -> bool:
     """It starts before the sequence's end, or assumed a token that differs from one verified since."""
     n = seq.num_tokens
     start, assumed = proposal.start_position, proposal.assumed_token_ids

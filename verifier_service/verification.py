@@ -130,7 +130,7 @@ def pack_host(items: list[VerifyItem]) -> HostInputs:
         for j, q in enumerate(it.draft_probs or ()):  # q rows are indexed by flat draft token
             q_rows.extend([cu[i] + j] * len(q.token_ids))
             q_token_ids.extend(q.token_ids)
-            # the float32 values the draft sampled from, divided by their exactly rounded sum (see the proposer)
+            # the float32 values the draft sampled from, divided by their exactly rounded sum (see draft_service.draft_sampling)
             total = math.fsum(q.probs)
             q_probs.extend(p / total for p in q.probs)
     ints += [sampled_rows, top_k, q_rows, q_token_ids]
