@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verifier_service.goodput import AcceptanceTracker, Candidate, StepTimeModel, choose_draft_lengths
+from verifier_service.goodput import Candidate, choose_draft_lengths
+from verifier_service.step_time import AcceptanceTracker, StepTimeModel
 
 
 def model_of(fn, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)) -> StepTimeModel:

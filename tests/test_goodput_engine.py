@@ -11,8 +11,8 @@ import pytest
 from common.sampling import SamplingParams
 from specwire.v1 import wire
 from verifier_service.config import VerifierConfig
-from verifier_service.goodput import StepTimeModel
 from verifier_service.server import build_engine, verifier_info
+from verifier_service.step_time import StepTimeModel
 from verifier_service.types import CloseCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
 
 from tiny_models import greedy_continuation, make_text_pair

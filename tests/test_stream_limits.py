@@ -16,9 +16,10 @@ from common.errors import ErrorCode, ServiceError
 from common.sampling import SamplingParams, SparseProbs
 from draft_service.verifier_link import VerifierLink
 from specwire.v1 import verifier_pb2
-from verifier_service.async_engine import AsyncEngine, StreamLimits, StreamOutbox
+from verifier_service.async_engine import AsyncEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.servicer import VerifierServicer
+from verifier_service.stream_outbox import StreamLimits, StreamOutbox
 from verifier_service.types import DroppedOut, ErrorOut, OpenCmd, ProposeCmd, RefusedCmd, SeqKey
 from verifier_service.validation import Limits
 

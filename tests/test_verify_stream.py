@@ -17,11 +17,12 @@ from common.compute_thread import compute_thread
 from common.sampling import SamplingParams
 from draft_service.verifier_link import VerifierLink
 from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from verifier_service.async_engine import AsyncEngine, StreamLimits
+from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import VerifierConfig
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.server import build_engine, verifier_info
 from verifier_service.servicer import VerifierServicer
+from verifier_service.stream_outbox import StreamLimits
 from verifier_service.types import OpenCmd, SeqKey
 
 from tiny_models import make_text_pair

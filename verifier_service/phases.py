@@ -3,7 +3,7 @@
 A sequence alternates between the verifier (its proposal is verified in a step) and its draft (the verdict
 travels back, the draft drafts the next block, the proposal travels here). Sequences answered by the same step
 come back at about the same time and form a phase. How many phases there should be follows from two times: the
-verifier's step t(n) for n tokens (goodput.StepTimeModel, learned from its own steps here) and the draft's
+verifier's step t(n) for n tokens (step_time.StepTimeModel, learned from its own steps here) and the draft's
 turnaround d, from a verdict to the same sequence's next proposal (a moving average per Verify stream), of
 which c is the draft model's own compute (Proposal.draft_seconds; the rest is the network and waits). For
 sequences feeding N tokens in all, one round of every sequence takes
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from verifier_service.goodput import StepTimeModel
+from verifier_service.step_time import StepTimeModel
 from verifier_service.types import (
     CloseCmd,
     Command,

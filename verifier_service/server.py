@@ -18,11 +18,12 @@ from common.model_loading import LoadedModel, load_model
 from common.paged_model import PagedCausalLM, kv_cache_spec, profile_peak_memory
 from common.static_forward import build_static_forward
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
-from verifier_service.async_engine import AsyncEngine, StreamLimits
+from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import CPU_KV_CACHE_MEMORY, VerifierConfig
 from verifier_service.engine import VerifierEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.servicer import VerifierServicer
+from verifier_service.stream_outbox import StreamLimits
 
 log = structlog.get_logger(__name__)
 

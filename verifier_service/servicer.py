@@ -14,7 +14,8 @@ import structlog
 
 from common.errors import ErrorCode, ServiceError
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
-from verifier_service.async_engine import AsyncEngine, StreamOutbox
+from verifier_service.async_engine import AsyncEngine
+from verifier_service.stream_outbox import StreamOutbox
 from verifier_service.types import (
     CloseCmd,
     DroppedOut,

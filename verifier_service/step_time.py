@@ -1,0 +1,156 @@
+"""What the goodput controller (verifier_service.goodput) learns from the verifier's own steps: the step's time
+as a function of its tokens (StepTimeModel), and each sequence's acceptance per draft position, conditional on
+the positions before it having been accepted, shrunk towards the rates of all sequences (AcceptanceTracker)."""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+# Token counts of the step-time model's buckets: dense where decode batches live, then geometric.
+_BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
+                             1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+def _bucket(num_tokens: int) -> int:
+    return min(bisect.bisect_left(_BUCKETS, num_tokens), len(_BUCKETS) - 1)
+
+
+@dataclass
+class StepTimeModel:
+    """t(n): the verifier's step time for a step of n tokens, from the steps it ran.
+
+    Each bucket of token counts keeps an exponential moving average of the (tokens, seconds) of its steps.
+    Between observed buckets t is interpolated linearly; outside them it is scaled in proportion to the tokens
+    (t(n) = t(n0) * n / n0), the compute-bound guess: it makes untried smaller steps look cheap and untried
+    larger ones dear, so the controller tries plain decoding under load and learns what it really costs, and
+    never bets on a long draft being free before it has seen one. The curve is made non-decreasing."""
+
+    decay: float = 0.8  # weight of a bucket's past in its average
+    _tokens: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
+    _seconds: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
+    # points() until the next observation: predict() runs once per drafted token a choice considers
+    _points: list[tuple[float, float]] | None = None
+    _xs: list[float] = field(default_factory=list)
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or not seconds > 0:
+            return
+        self._points = None
+        b = _bucket(num_tokens)
+        if self._tokens[b] is None:
+            self._tokens[b], self._seconds[b] = float(num_tokens), seconds
+        else:
+            d = self.decay
+            self._tokens[b] = d * self._tokens[b] + (1 - d) * num_tokens
+            self._seconds[b] = d * self._seconds[b] + (1 - d) * seconds
+
+    @property
+    def ready(self) -> bool:
+        return any(t is not None for t in self._tokens)
+
+    def points(self) -> list[tuple[float, float]]:
+        """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds."""
+        if self._points is None:
+            pts = sorted((n, s) for n, s in zip(self._tokens, self._seconds, strict=True) if n is not None)
+            out: list[tuple[float, float]] = []
+            for n, s in pts:
+                if out and s < out[-1][1]:
+                    s = out[-1][1]
+                out.append((n, s))
+            self._points, self._xs = out, [n for n, _ in out]
+        return self._points
+
+    def predict(self, num_tokens: int) -> float:
+        pts = self.points()
+        if not pts:
+            raise ValueError("no step observed yet")
+        n = float(num_tokens)
+        if n <= pts[0][0]:
+            return pts[0][1] * n / pts[0][0]
+        if n >= pts[-1][0]:
+            return pts[-1][1] * n / pts[-1][0]
+        i = bisect.bisect_left(self._xs, n)
+        (n0, s0), (n1, s1) = pts[i - 1], pts[i]
+        return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
+
+
+@dataclass
+class AcceptanceTracker:
+    """Acceptance per draft position, alpha_j = P(draft j accepted | drafts 1..j-1 accepted), per sequence and
+    over the sequences of its group (`group_of`: the engine groups by Verify stream, i.e. by draft process and so
+    by draft model, so that one client's drafts never set another's prior). Counts decay at every verdict,
+    drafted or not, so a sequence whose drafts stopped (k = 0 for low acceptance) drifts back to its group's rates;
+    the controller's probes judge it again. At most `max_groups` groups are kept, the least recently seen go."""
+
+    max_positions: int
+    decay: float = 0.9  # per verdict, for a sequence's own counts
+    global_decay: float = 0.995  # per verdict, for the shared counts
+    prior_strength: float = 2.0  # pseudo-counts of the shared rates in a sequence's estimate
+    default_rate: float = 0.7  # the shared rate before anything is observed
+    group_of: Callable[[object], object] = lambda key: None
+    max_groups: int = 1024
+    _groups: OrderedDict = field(default_factory=OrderedDict)  # group -> (tried, accepted) per position
+    _tried: dict[object, list[float]] = field(default_factory=dict)
+    _accepted: dict[object, list[float]] = field(default_factory=dict)
+
+    def _shared(self, key: object, *, touch: bool) -> tuple[list[float], list[float]] | None:
+        group = self.group_of(key)
+        counts = self._groups.get(group)
+        if counts is None and touch:
+            counts = self._groups[group] = ([0.0] * self.max_positions, [0.0] * self.max_positions)
+            while len(self._groups) > self.max_groups:
+                self._groups.popitem(last=False)
+        if counts is not None and touch:
+            self._groups.move_to_end(group)
+        return counts
+
+    def observe(self, key: object, num_drafted: int, num_accepted: int) -> None:
+        """One verdict: drafts 1..num_accepted were accepted and, if fewer than drafted, the next was rejected;
+        later positions were never judged."""
+        tried = self._tried.setdefault(key, [0.0] * self.max_positions)
+        accepted = self._accepted.setdefault(key, [0.0] * self.max_positions)
+        for j in range(self.max_positions):
+            tried[j] *= self.decay
+            accepted[j] *= self.decay
+        judged = min(num_drafted, num_accepted + 1, self.max_positions)
+        if not judged:
+            return
+        g_tried, g_accepted = self._shared(key, touch=True)
+        g = self.global_decay
+        g_tried[:] = [t * g for t in g_tried]
+        g_accepted[:] = [a * g for a in g_accepted]
+        for j in range(judged):
+            hit = 1.0 if j < num_accepted else 0.0
+            tried[j] += 1.0
+            accepted[j] += hit
+            g_tried[j] += 1.0
+            g_accepted[j] += hit
+
+    def forget(self, key: object) -> None:
+        self._tried.pop(key, None)
+        self._accepted.pop(key, None)
+
+    def shared_rate(self, j: int, key: object = None) -> float:
+        """alpha_j over `key`'s group (the default rate for a group not seen yet)."""
+        counts = self._shared(key, touch=False)
+        if counts is None:
+            return self.default_rate
+        g_tried, g_accepted = counts
+        return (g_accepted[j] + self.default_rate) / (g_tried[j] + 1.0)
+
+    def rates(self, key: object, k: int) -> list[float]:
+        """alpha_1..alpha_k for `key`."""
+        tried = self._tried.get(key)
+        accepted = self._accepted.get(key)
+        m = self.prior_strength
+        out = []
+        for j in range(min(k, self.max_positions)):
+            prior = self.shared_rate(j, key)
+            if tried is None:
+                out.append(prior)
+            else:
+                out.append((accepted[j] + m * prior) / (tried[j] + m))
+        return out
