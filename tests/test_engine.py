@@ -160,7 +160,7 @@ def test_a_sequence_idle_past_the_timeout_is_ended_and_its_blocks_freed(pair):
 
 
 def test_a_draft_that_floods_proposals_gets_resource_exhausted(pair):
-    from verifier_service.engine import MAX_QUEUED_PROPOSALS
+    from verifier_service.admission import MAX_QUEUED_PROPOSALS
 
     target, _ = pair
     engine = _engine(target, num_blocks=32)

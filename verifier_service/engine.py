@@ -19,10 +19,10 @@ from common.errors import ErrorCode, ServiceError
 from common.model_loading import LoadedModel
 from common.paged_model import PagedCausalLM
 from common.static_forward import StaticForward
+from verifier_service.admission import Admission, AdmissionLimits
 from verifier_service.goodput import DraftLengthController
-from verifier_service.model_runner import VerifierRunner
+from verifier_service.model_runner import RunnerOutput, VerifierRunner
 from verifier_service.scheduler import Scheduler, SchedulerOutput
-from verifier_service.sequence import Sequence, SequenceStatus
 from verifier_service.types import (
     CloseCmd,
     CloseStreamCmd,
@@ -37,15 +37,9 @@ from verifier_service.types import (
     StepStats,
     VerdictOut,
 )
-from verifier_service.validation import Limits, check_open, check_proposal_on
+from verifier_service.validation import Limits
 
 log = structlog.get_logger(__name__)
-
-# Backpressure: proposals a sequence may have waiting. A synchronous draft has one; a pipelined one its block in
-# flight and up to 8 branches (draft_service.pipelining.MAX_BRANCHES).
-MAX_QUEUED_PROPOSALS = 16
-EXPIRY_SCAN_INTERVAL_S = 0.25
-
 
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
@@ -65,12 +59,10 @@ class VerifierEngine:
                                    eos_token_ids=frozenset(loaded.eos_token_ids),
                                    on_release=self.goodput.forget if self.goodput else None)
         self.runner = VerifierRunner(model, blocks, static)
-        self.sequence_idle_timeout_s = sequence_idle_timeout_s
-        self.max_sequences_per_stream = max_sequences_per_stream
-        self.max_sequences = max_sequences
-        self.max_waiting_tokens = max_waiting_tokens
+        self.admission = Admission(self.scheduler, blocks, self.limits, AdmissionLimits(
+            max_sequences_per_stream=max_sequences_per_stream, max_sequences=max_sequences,
+            max_waiting_tokens=max_waiting_tokens, sequence_idle_timeout_s=sequence_idle_timeout_s))
         self._applied: Counter[int] = Counter()  # stream id -> commands applied since take_applied()
-        self._next_expiry_scan = 0.0  # the scan walks every sequence: a few times a second, not every step
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._last_step_end: float | None = None  # time.perf_counter() when the last forward's step ended
 
@@ -95,7 +87,7 @@ class VerifierEngine:
         for the next step. Prefill is not capped."""
         step_started = time.perf_counter()
         outcomes = self._apply_commands()
-        outcomes.extend(self._end_expired_sequences())
+        outcomes.extend(self.admission.expired())
         scheduled = self.scheduler.schedule(max_verifications)
         outcomes.extend(scheduled.outcomes)
         if not scheduled.scheduled:
@@ -109,6 +101,12 @@ class VerifierEngine:
         now = time.monotonic()
         for item in scheduled.scheduled:
             item.seq.last_active = now
+        stats = self._step_stats(scheduled, ran, verdicts)
+        outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats, step_started))
+        return StepResult(outcomes, stats)
+
+    @staticmethod
+    def _step_stats(scheduled: SchedulerOutput, ran: RunnerOutput, verdicts: list[VerdictOut | ErrorOut]) -> StepStats:
         stats = StepStats(
             num_seqs=len(scheduled.scheduled),
             num_tokens=ran.num_tokens,
@@ -126,8 +124,7 @@ class VerifierEngine:
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:
                 stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
-        outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats, step_started))
-        return StepResult(outcomes, stats)
+        return stats
 
     def _choose_draft_lengths(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],
                               stats: StepStats, step_started: float) -> list[VerdictOut | ErrorOut]:
@@ -182,36 +179,9 @@ class VerifierEngine:
             control.observe_drafting(max(s for s, _ in by_stream.values()),
                                      max(s / k for s, k in by_stream.values()))
 
-    def _end_expired_sequences(self) -> list[Outcome]:
-        """Sequences end with DEADLINE_EXCEEDED, and their KV blocks go back to the pool, when their client's
-        deadline has passed, or when they have waited longer than the idle timeout for their next proposal (a
-        draft that opened them and went quiet, or a peer that vanished without closing its stream)."""
-        now = time.monotonic()
-        if now < self._next_expiry_scan:
-            return []
-        self._next_expiry_scan = now + EXPIRY_SCAN_INTERVAL_S
-        idle_s = self.sequence_idle_timeout_s
-        ended: list[Outcome] = []
-        for seq in list(self.scheduler.sequences.values()):
-            if seq.deadline is not None and now >= seq.deadline:
-                reason = "the client's deadline passed: the sequence was ended and its KV blocks freed"
-            elif idle_s and not seq.proposals and now - seq.last_active > idle_s:
-                reason = (f"no proposal for {idle_s:g}s (--sequence-idle-timeout): the sequence was ended and its "
-                          "KV blocks freed")
-            else:
-                continue
-            self.scheduler.release(seq.key)
-            log.info("sequence_expired", seq_id=seq.key.seq_id, stream_id=seq.key.stream_id, reason=reason)
-            ended.append(ErrorOut(seq.key, ErrorCode.DEADLINE_EXCEEDED, reason))
-        return ended
-
     def next_expiry(self) -> float | None:
         """When the next sequence would expire (time.monotonic()), or None: the engine loop's wake-up time."""
-        times = [seq.deadline for seq in self.scheduler.sequences.values() if seq.deadline is not None]
-        if self.sequence_idle_timeout_s and self.scheduler.sequences:
-            times.append(min(seq.last_active for seq in self.scheduler.sequences.values())
-                         + self.sequence_idle_timeout_s)
-        return max(min(times), self._next_expiry_scan) if times else None
+        return self.admission.next_expiry()
 
     def _fail(self, scheduled: SchedulerOutput, err: Exception) -> list[Outcome]:
         """A step that raised ends exactly the sequences it ran, with INTERNAL, and frees their blocks: their
@@ -249,62 +219,14 @@ class VerifierEngine:
                 errors.append(ErrorOut(cmd.key, err.code, err.message))
         return errors
 
-    def _check_limits(self, cmd: OpenCmd) -> None:
-        """What one stream and all streams together may hold, O(1) so that it runs before the prompt is checked:
-        a new sequence past a limit is refused (RESOURCE_EXHAUSTED); the ones already open are never touched."""
-        if self.scheduler.sequences_on(cmd.key.stream_id) >= self.max_sequences_per_stream:
-            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"this stream already has "
-                               f"{self.max_sequences_per_stream} open sequences "
-                               "(--max-sequences-per-stream): finish or close some first")
-        if len(self.scheduler.sequences) >= self.max_sequences:
-            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"the verifier already holds {self.max_sequences} "
-                               "open sequences over all streams (--max-sequences): retry later")
-        if self.scheduler.waiting:  # admission is first come, first served: this one would wait behind them
-            self._check_waiting_tokens(cmd, self.scheduler.num_waiting_tokens + len(cmd.prompt_token_ids))
-
-    def _check_waiting_tokens(self, cmd: OpenCmd, num_waiting_tokens: int) -> None:
-        """--max-waiting-tokens: counted over the sequences still waiting once admission was tried, so a burst
-        of opens that the pool takes at once is never refused by it. A resume (output already verified) is
-        never refused by it either: after a verifier restart its draft reopens every sequence it had, which
-        all fitted before."""
-        if cmd.num_output_tokens == 0 and num_waiting_tokens > self.max_waiting_tokens:
-            raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"a prompt of {len(cmd.prompt_token_ids)} tokens "
-                               f"would wait for KV blocks, bringing the tokens waiting to {num_waiting_tokens}, "
-                               f"above {self.max_waiting_tokens} (--max-waiting-tokens): retry later")
-
     def _apply(self, cmd: Command) -> list[Outcome]:
         """Apply one command; returns what it answers at once (proposals it made stale, a refused open's error),
         or raises the ServiceError that ends its sequence."""
         match cmd:
             case OpenCmd():
-                if cmd.key in self.scheduler.sequences:
-                    raise ServiceError(ErrorCode.ABORTED, f"sequence {cmd.key.seq_id} is already open on this "
-                                       "stream")
-                self._check_limits(cmd)  # O(1): before the prompt's O(n) checks
-                check_open(cmd, self.limits, self.blocks)
-                prompt = list(cmd.prompt_token_ids)
-                seq = Sequence(cmd.key, prompt, len(prompt) - cmd.num_output_tokens, cmd.sampling,
-                               last_active=time.monotonic(), deadline=cmd.deadline, cache_salt=cmd.cache_salt)
-                self.scheduler.add(seq)
-                if len(self.scheduler.waiting) == 1:  # nothing waits before it: admitted now if the pool has room
-                    self.scheduler.admit()
-                if seq.status is SequenceStatus.WAITING:
-                    self._check_waiting_tokens(cmd, self.scheduler.num_waiting_tokens)  # refused: released
+                self.admission.open(cmd)
             case ProposeCmd():
-                seq = self.scheduler.sequences.get(cmd.key)
-                if seq is None:
-                    raise ServiceError(ErrorCode.NOT_FOUND, f"unknown sequence {cmd.key.seq_id}: open it first "
-                                       "(or it has already finished)")
-                # the rest of validation.check_proposal ran on the stream's side (servicer), off this thread
-                check_proposal_on(cmd, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
-                dropped = self.scheduler.drop_never_verifiable(seq)
-                if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
-                    raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "
-                                       f"{len(seq.proposals)} proposals waiting; a draft may run at most "
-                                       f"{MAX_QUEUED_PROPOSALS} ahead of its verdicts")
-                seq.proposals.append(cmd)
-                seq.last_active = time.monotonic()
-                return dropped
+                return self.admission.propose(cmd)
             case CloseCmd():
                 self.scheduler.release(cmd.key)
             case CloseStreamCmd():
