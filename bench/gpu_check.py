@@ -132,9 +132,8 @@ def verify_step_timings(shape_name: str, shape: tuple, device: str, bandwidth: f
     from common.sampling import SamplingParams
     from common.static_forward import StaticForward
     from verifier_service.model_runner import VerifierRunner
-    from verifier_service.scheduler import ScheduledSeq, SchedulerOutput
     from verifier_service.sequence import Sequence, SequenceStatus
-    from verifier_service.types import ProposeCmd, SeqKey
+    from verifier_service.types import ProposeCmd, ScheduledSeq, SchedulerOutput, SeqKey
 
     dtype = torch.float32 if smoke else torch.bfloat16
     model = build_random_model(shape, device, dtype)

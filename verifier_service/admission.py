@@ -19,6 +19,7 @@ import structlog
 
 from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError
+from verifier_service.proposal_queue import drop_never_verifiable
 from verifier_service.scheduler import Scheduler
 from verifier_service.sequence import Sequence, SequenceStatus
 from verifier_service.types import DroppedOut, ErrorOut, OpenCmd, Outcome, ProposeCmd
@@ -72,7 +73,7 @@ class Admission:
                                "already finished)")
         # the rest of validation.check_proposal ran on the stream's side (servicer), off this thread
         check_proposal_on(cmd, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
-        dropped = self.scheduler.drop_never_verifiable(seq)
+        dropped = drop_never_verifiable(seq)
         if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
             raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "
                                f"{len(seq.proposals)} proposals waiting; a draft may run at most "

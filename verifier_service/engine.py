@@ -22,7 +22,7 @@ from common.static_forward import StaticForward
 from verifier_service.admission import Admission, AdmissionLimits
 from verifier_service.goodput import DraftLengthController
 from verifier_service.model_runner import RunnerOutput, VerifierRunner
-from verifier_service.scheduler import Scheduler, SchedulerOutput
+from verifier_service.scheduler import Scheduler
 from verifier_service.types import (
     CloseCmd,
     CloseStreamCmd,
@@ -32,6 +32,7 @@ from verifier_service.types import (
     Outcome,
     ProposeCmd,
     RefusedCmd,
+    SchedulerOutput,
     SeqKey,
     StepResult,
     StepStats,

@@ -11,7 +11,7 @@ import torch
 from common.block_manager import BlockManager
 from common.paged_model import ForwardBatch, PagedCausalLM
 from common.static_forward import StaticForward
-from verifier_service.scheduler import SchedulerOutput
+from verifier_service.types import SchedulerOutput
 from verifier_service.verification import VerifyItem, pack_host, verify_batch
 
 

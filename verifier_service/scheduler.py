@@ -13,63 +13,24 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import structlog
 
 from common.block_manager import BlockManager
 from common.errors import ErrorCode
 from common.sampling import FinishReason
+from verifier_service.proposal_queue import drop_until_verifiable
 from verifier_service.sequence import Sequence, SequenceStatus
-from verifier_service.types import DroppedOut, ErrorOut, Outcome, ProposeCmd, SeqKey, VerdictOut
+from verifier_service.types import (
+    ErrorOut,
+    ScheduledSeq,
+    SchedulerOutput,
+    SeqKey,
+    VerdictOut,
+)
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's part of a step: positions [start, end) are fed. A verification feeds the rest of the
-    prefill, if any, then [last verified token, drafts]; a prefill chunk feeds verified tokens only."""
-
-    seq: Sequence
-    start: int
-    end: int
-    proposal: ProposeCmd | None  # None: a prefill chunk
-    num_prefill_tokens: int  # verified tokens among those fed (the last one excepted in a verification)
-    # copy-on-write (source, destination) blocks to apply before the forward; set once its blocks are reserved,
-    # so only an item in the step carries copies
-    block_copies: tuple[tuple[int, int], ...] = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens fed: verified ones from `start`, then the drafts (no copy of the whole sequence)."""
-        verified = self.seq.token_ids[self.start:self.end]
-        if self.proposal is None:
-            return verified
-        return verified + list(self.proposal.draft_token_ids[:self.end - self.seq.num_tokens])
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    outcomes: list[Outcome] = field(default_factory=list)  # stale proposals dropped, sequences refused
-    num_prefix_hit_tokens: int = 0
-    num_preempted: int = 0
-    tokens_by_stream: dict[int, int] = field(default_factory=dict)  # every stream with work, scheduled or not
-
-    @property
-    def verifications(self) -> list[ScheduledSeq]:
-        return [s for s in self.scheduled if s.proposal is not None]
-
-    @property
-    def block_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write, before the forward: those of the scheduled items only, so a step that ends up empty
-        has none left unapplied."""
-        return [copy for s in self.scheduled for copy in s.block_copies]
 
 
 class Scheduler:
@@ -149,7 +110,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted for a sequence earlier in this step
                 continue
-            out.outcomes.extend(self._drop_until_verifiable(seq))
+            out.outcomes.extend(drop_until_verifiable(seq))
             capped = max_verifications is not None and num_verifications >= max_verifications
             if capped and not seq.needs_prefill:
                 continue
@@ -220,32 +181,6 @@ class Scheduler:
             self._num_prefix_hit_tokens += seq.num_cached
 
     # -- what a sequence runs ---------------------------------------------------------------------------------
-
-    def _drop_until_verifiable(self, seq: Sequence) -> list[DroppedOut]:
-        """Before a step: drop the proposals that can never be verified (drop_never_verifiable), then those at
-        the head of the queue that cannot be verified now. A proposal that starts anywhere but at the sequence's
-        end, or assumed other tokens than those verified before it, was drafted from a prefix the verdicts did not
-        confirm (a pipelined draft's guess that missed). Only a proposal drafted from the exact verified prefix
-        is verified, so outputs do not depend on pipelining."""
-        dropped = self.drop_never_verifiable(seq)
-        while seq.proposals and not _verifiable_now(seq.proposals[0], seq):
-            stale = seq.proposals.popleft()
-            dropped.append(DroppedOut(seq.key, stale.start_position, seq.num_tokens))
-        return dropped
-
-    def drop_never_verifiable(self, seq: Sequence) -> list[DroppedOut]:
-        """Drop, wherever they wait in the queue, the proposals no later verdict can make verifiable (the other
-        branches of a pipelined draft), so they do not fill the sequence's queue."""
-        dropped: list[DroppedOut] = []
-        kept: deque[ProposeCmd] = deque()
-        for p in seq.proposals:
-            if _never_verifiable(p, seq):
-                dropped.append(DroppedOut(seq.key, p.start_position, seq.num_tokens))
-            else:
-                kept.append(p)
-        if dropped:
-            seq.proposals = kept
-        return dropped
 
     def _candidates(self, seq: Sequence, budget: int) -> list[ScheduledSeq]:
         """What `seq` could run in this step, best first: its next proposal's verification, with the rest of its
@@ -353,19 +288,3 @@ class Scheduler:
         if seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
-
-
-def _verifiable_now(proposal: ProposeCmd, seq: Sequence) -> bool:
-    """It starts at the sequence's end, and the tokens it assumed are the last verified ones."""
-    start, assumed = proposal.start_position, proposal.assumed_token_ids
-    return start == seq.num_tokens and (not assumed or tuple(seq.token_ids[start - len(assumed):]) == assumed)
-
-
-def _never_verifiable(proposal: ProposeCmd, seq: Sequence) -> bool:
-    """It starts before the sequence's end, or assumed a token that differs from one verified since."""
-    n = seq.num_tokens
-    start, assumed = proposal.start_position, proposal.assumed_token_ids
-    if start < n:
-        return True
-    first = start - len(assumed)
-    return any(seq.token_ids[i] != t for i, t in enumerate(assumed[:max(0, n - first)], first))

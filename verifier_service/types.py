@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.errors import ErrorCode
 from common.sampling import FinishReason, SamplingParams, SparseProbs, count_positions
+
+if TYPE_CHECKING:
+    from verifier_service.sequence import Sequence  # it holds ProposeCmds: imported here only for annotations
 
 
 @dataclass(frozen=True)
@@ -149,3 +153,51 @@ class StepStats:
 class StepResult:
     outcomes: list[Outcome]
     stats: StepStats | None  # None when no forward pass ran
+
+
+# -- a step, as the scheduler plans it and the model runner runs it ------------------------------------------
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's part of a step: positions [start, end) are fed. A verification feeds the rest of the
+    prefill, if any, then [last verified token, drafts]; a prefill chunk feeds verified tokens only."""
+
+    seq: Sequence
+    start: int
+    end: int
+    proposal: ProposeCmd | None  # None: a prefill chunk
+    num_prefill_tokens: int  # verified tokens among those fed (the last one excepted in a verification)
+    # copy-on-write (source, destination) blocks to apply before the forward; set once its blocks are reserved,
+    # so only an item in the step carries copies
+    block_copies: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens fed: verified ones from `start`, then the drafts (no copy of the whole sequence)."""
+        verified = self.seq.token_ids[self.start:self.end]
+        if self.proposal is None:
+            return verified
+        return verified + list(self.proposal.draft_token_ids[:self.end - self.seq.num_tokens])
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)  # stale proposals dropped, sequences refused
+    num_prefix_hit_tokens: int = 0
+    num_preempted: int = 0
+    tokens_by_stream: dict[int, int] = field(default_factory=dict)  # every stream with work, scheduled or not
+
+    @property
+    def verifications(self) -> list[ScheduledSeq]:
+        return [s for s in self.scheduled if s.proposal is not None]
+
+    @property
+    def block_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write, before the forward: those of the scheduled items only, so a step that ends up empty
+        has none left unapplied."""
+        return [copy for s in self.scheduled for copy in s.block_copies]
