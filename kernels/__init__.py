@@ -5,7 +5,7 @@ torch reference with the same signature that the wrapper runs for CPU tensors.
 - paged_attention: variable-length multi-token queries over paged K/V (GQA, causal, sliding window);
 - kv_cache_write: K/V slot writes;
 - sampling_probs: temperature, top-k and top-p in one pass;
-- rejection_sampler: accepted, recovered and bonus tokens of a batch of draft blocks.
+- rejection_sampler: accepted, recovered and bonus tokens of a batch of draft blocks (its inputs: spec_decode).
 
 platform.py holds the tile and warp choices per vendor; aot.py compiles every kernel ahead of time for
 gfx942, gfx90a and sm_90 without a GPU.

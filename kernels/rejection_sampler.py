@@ -25,8 +25,6 @@ the vocabulary v. No [batch, vocab] noise tensor exists, and the reference draws
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -34,6 +32,7 @@ import triton.language as tl
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.philox import Purpose, exponential64, exponential64_reference, uniform64, uniform64_reference
 from kernels.platform import VOCAB_BLOCK, reference_guard, use_triton, vocab_warps
+from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata, check_inputs
 
 ACCEPT = tl.constexpr(int(Purpose.ACCEPT))
 TARGET_SAMPLE = tl.constexpr(int(Purpose.TARGET_SAMPLE))
@@ -162,94 +161,6 @@ def rejection_sample_kernel(
             tl.store(out_row + k, tl.load(target_argmax_ptr + row))
         else:
             tl.store(out_row + k, tl.load(target_sample_ptr + row))
-
-
-@dataclass(frozen=True)
-class SpecDecodeMetadata:
-    """Where each sequence's draft tokens sit in the flattened batch, and the q they were drawn from.
-
-    Target rows follow the same layout with one extra row per sequence: sequence i owns target rows
-    cu_num_draft_tokens[i] + i ... cu_num_draft_tokens[i + 1] + i, its k_i draft rows then its bonus row.
-    """
-
-    draft_token_ids: torch.Tensor  # [num_draft_tokens] int64, every sequence's drafts, flattened
-    cu_num_draft_tokens: torch.Tensor  # [batch + 1] int64, offsets of each sequence's drafts
-    draft_probs: torch.Tensor | None  # [num_draft_tokens, vocab_size], q densified; None when no row uses it
-    is_one_hot: torch.Tensor  # [batch] bool: q = delta(draft token), its draft_probs rows are never read
-
-    @property
-    def batch_size(self) -> int:
-        return self.cu_num_draft_tokens.numel() - 1
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return self.draft_token_ids.numel()
-
-    @property
-    def max_spec_len(self) -> int:
-        if self.batch_size == 0:
-            return 0
-        return int((self.cu_num_draft_tokens[1:] - self.cu_num_draft_tokens[:-1]).max())
-
-    def to(self, device: torch.device | str) -> SpecDecodeMetadata:
-        return SpecDecodeMetadata(self.draft_token_ids.to(device), self.cu_num_draft_tokens.to(device),
-                                  None if self.draft_probs is None else self.draft_probs.to(device),
-                                  self.is_one_hot.to(device))
-
-
-@dataclass(frozen=True)
-class SamplingMetadata:
-    """The sampling side of the batch: which sequences are greedy, and the key of each one's random numbers."""
-
-    is_greedy: torch.Tensor  # [batch] bool: accept while draft == target argmax, then emit the argmax
-    seeds: torch.Tensor  # [batch] int64 in [0, 2^63), the Philox key
-    positions: torch.Tensor  # [batch] int64, the position each sequence's first draft token (or bonus) decides
-    # [batch] bool: accept while draft == argmax p / E, then emit it (Gumbel-max coupling; greedy rows ignore it);
-    # None: no row is coupled
-    is_coupled: torch.Tensor | None = None
-
-    def coupled_mask(self) -> torch.Tensor:
-        """[batch] bool: the sampled rows verified by coupling."""
-        if self.is_coupled is None:
-            return torch.zeros_like(self.is_greedy)
-        return self.is_coupled & ~self.is_greedy
-
-    def to(self, device: torch.device | str) -> SamplingMetadata:
-        return SamplingMetadata(self.is_greedy.to(device), self.seeds.to(device), self.positions.to(device),
-                                None if self.is_coupled is None else self.is_coupled.to(device))
-
-
-def check_inputs(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
-                 sampling: SamplingMetadata) -> None:
-    """Shapes and dtypes that the kernels and the reference rely on; a ValueError names the first mismatch."""
-    batch, num_draft = spec.batch_size, spec.num_draft_tokens
-    cu = spec.cu_num_draft_tokens
-    if cu.dim() != 1 or cu.numel() < 1 or cu[[0, -1]].tolist() != [0, num_draft]:  # one device sync
-        raise ValueError(f"cu_num_draft_tokens must run from 0 to num_draft_tokens = {num_draft}, got "
-                         f"{cu.tolist()}")
-    num_rows = num_draft + batch
-    if target_probs.dim() != 2 or target_probs.shape[0] != num_rows:
-        raise ValueError(f"target_probs must be [num_draft_tokens + batch = {num_rows}, vocab], got "
-                         f"{tuple(target_probs.shape)}")
-    vocab = target_probs.shape[1]
-    checks = [
-        ("target_argmax", target_argmax, (num_rows,), torch.int64),
-        ("draft_token_ids", spec.draft_token_ids, (num_draft,), torch.int64),
-        ("cu_num_draft_tokens", spec.cu_num_draft_tokens, (batch + 1,), torch.int64),
-        ("is_one_hot", spec.is_one_hot, (batch,), torch.bool),
-        ("is_greedy", sampling.is_greedy, (batch,), torch.bool),
-        ("seeds", sampling.seeds, (batch,), torch.int64),
-        ("positions", sampling.positions, (batch,), torch.int64),
-    ]
-    if sampling.is_coupled is not None:
-        checks.append(("is_coupled", sampling.is_coupled, (batch,), torch.bool))
-    if spec.draft_probs is not None:
-        checks.append(("draft_probs", spec.draft_probs, (num_draft, vocab), None))
-    for name, tensor, shape, dtype in checks:
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)}, got {list(tensor.shape)}")
-        if dtype is not None and tensor.dtype != dtype:
-            raise ValueError(f"{name} must be {dtype}, got {tensor.dtype}")
 
 
 def rejection_sample(

@@ -11,7 +11,8 @@ import torch
 
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.philox import Purpose, exponential64_reference
-from kernels.rejection_sampler import SamplingMetadata, SpecDecodeMetadata, rejection_sample
+from kernels.rejection_sampler import rejection_sample
+from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata
 
 from sampler_reference import coupled_match_probability, rejection_sample_loop
 

@@ -13,8 +13,9 @@ import torch
 
 from common.sampling import SamplingParams, SparseProbs
 from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.rejection_sampler import SamplingMetadata, SpecDecodeMetadata, rejection_sample
+from kernels.rejection_sampler import rejection_sample
 from kernels.sampling_probs import compute_probs
+from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata
 
 
 @dataclass(frozen=True)
