@@ -6,15 +6,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import asdict
 
 import structlog
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.api_errors import ApiError, from_grpc
 from gateway.metrics import InFlight
-from gateway.openai_api import ApiError, finish_reason, from_grpc, new_id, now, stats_extension, usage
-from specwire.client import AsyncClient, Chunk, Result
+from specwire.client import AsyncClient, Chunk, Result, Stats
 from specwire.errors import SpecwireError
 
 log = structlog.get_logger(__name__)
@@ -166,3 +168,35 @@ async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Res
     finally:
         if not task.done():
             task.cancel()
+
+
+# -- the answers' fields ---------------------------------------------------------------------------------------
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(result: Result) -> dict[str, int]:
+    s = result.stats
+    prompt, completion = (s.num_prompt_tokens, s.num_generated_tokens) if s else (0, len(result.token_ids))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_reason(result: Result) -> str | None:
+    reason = result.finish_reason
+    return None if reason in (None, "cancelled") else reason
+
+
+def stats_extension(stats: Stats | None) -> dict | None:
+    """The speculative statistics of one request (the `specwire_stats` field), or None."""
+    if stats is None:
+        return None
+    out = asdict(stats)
+    out["mean_acceptance_length"] = stats.num_generated_tokens / stats.num_rounds if stats.num_rounds else 0.0
+    out["acceptance_rate_per_position"] = [a / d if d else 0.0 for a, d in
+                                           zip(stats.accepted_per_position, stats.drafted_per_position, strict=False)]
+    return out
+
+
+def now() -> int:
+    return int(time.time())

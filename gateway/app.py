@@ -18,10 +18,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common.security import TokenFile, read_file, read_token
 from gateway.answers import Answers, chat_choice, completion_choice
+from gateway.api_errors import ApiError
 from gateway.chat import ChatTemplate
 from gateway.config import GatewayConfig
 from gateway.metrics import CountRequests, GatewayMetrics
-from gateway.openai_api import ApiError, ChatCompletionRequest, CompletionRequest
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest
 from specwire.client import AsyncClient
 from specwire.errors import SpecwireError
 

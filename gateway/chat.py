@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from gateway.openai_api import ApiError
+from gateway.api_errors import ApiError
 
 # The most characters a conversation's messages may hold (roles and contents together): rendering and tokenizing
 # take time in proportion, and no target's context holds more (a 400 above it).

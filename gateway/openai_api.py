@@ -1,20 +1,16 @@
-"""The OpenAI API as the gateway speaks it: request models (pydantic), what specwire does with each field, the
-error JSON and the mapping from gRPC status codes to HTTP statuses. No I/O here."""
+"""The OpenAI API's requests as the gateway takes them: the request models (pydantic) and what specwire does with
+each field (its errors: gateway.api_errors; its answers' shapes: gateway.answers). No I/O here."""
 
 from __future__ import annotations
 
 import math
-import time
-import uuid
-from dataclasses import asdict
 from typing import Any, Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from common.sampling import MAX_SEED
-from specwire.client import Result, Stats
+from gateway.api_errors import invalid
 from specwire.v1.wire import MAX_CACHE_SALT_CHARS
 
 # An unset max_tokens on chat: generate until the end-of-sequence token or the target's context length (the
@@ -25,51 +21,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # int32, the seed uint64 (of which the services accept [0, 2^63 - 1]); temperature and top_p are float32.
 INT32_MAX = (1 << 31) - 1
 FLOAT32_MAX = 3.4028234663852886e38
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, `type`, message, and the offending parameter when there is one."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        # NOTE: a message may quote the caller's input; a lone surrogate in it would fail the UTF-8 encoding of
-        # the JSON answer (a 500), so it is written as its escape.
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-        param = param.encode("utf-8", "backslashreplace").decode("utf-8") if param else param
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param)
-
-
-# gRPC status -> (HTTP status, OpenAI error type)
-_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.CANCELLED: (499, "cancelled"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error"),
-}
-
-
-def from_grpc(code: grpc.StatusCode, message: str) -> ApiError:
-    """The draft service's answer as the HTTP client sees it: its message, under the status its code maps to
-    (500 server_error for the rest). 401 from the draft service is the gateway's own credentials' fault: 503."""
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return ApiError(503, f"the gateway's credentials were refused by the draft service: {message}",
-                        type="service_unavailable_error")
-    status, kind = _STATUS.get(code, (500, "server_error"))
-    return ApiError(status, message, type=kind, code=code.name.lower())
 
 
 class StreamOptions(BaseModel):
@@ -292,35 +243,3 @@ def _positive(value: int, name: str) -> int:
         raise invalid(f"{name} must be at least 1, got {value}", name)
     _check_int(value, name, 1, INT32_MAX, "[1, 2^31 - 1]")
     return value
-
-
-# -- responses -------------------------------------------------------------------------------------------------
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(result: Result) -> dict[str, int]:
-    s = result.stats
-    prompt, completion = (s.num_prompt_tokens, s.num_generated_tokens) if s else (0, len(result.token_ids))
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def finish_reason(result: Result) -> str | None:
-    reason = result.finish_reason
-    return None if reason in (None, "cancelled") else reason
-
-
-def stats_extension(stats: Stats | None) -> dict | None:
-    """The speculative statistics of one request (the `specwire_stats` field), or None."""
-    if stats is None:
-        return None
-    out = asdict(stats)
-    out["mean_acceptance_length"] = stats.num_generated_tokens / stats.num_rounds if stats.num_rounds else 0.0
-    out["acceptance_rate_per_position"] = [a / d if d else 0.0 for a, d in
-                                           zip(stats.accepted_per_position, stats.drafted_per_position, strict=False)]
-    return out
-
-
-def now() -> int:
-    return int(time.time())

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from gateway.openai_api import from_grpc
+from gateway.api_errors import from_grpc
 from specwire.testing import LocalStack, table_model, text_pair
 
 PROMPT = "def fibonacci(n):"
