@@ -24,9 +24,10 @@ from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftModel
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
 from draft_service.generation import Generator
+from draft_service.link_security import LinkSecurity
 from draft_service.metrics import DraftMetrics
 from draft_service.servicer import DraftServicer
-from draft_service.verifier_link import LinkSecurity, VerifierLink
+from draft_service.verifier_link import VerifierLink
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)

@@ -13,21 +13,19 @@ import asyncio
 import itertools
 import random
 import time
-from dataclasses import dataclass
 
 import grpc
 import structlog
 
 from common.errors import ErrorCode, ServiceError
 from common.sampling import SamplingParams
-from common.security import channel_credentials, read_file, read_token, tls_name_override, token_metadata
+from common.security import read_token, tls_name_override, token_metadata
+from draft_service.link_messages import event_of, open_message, proposal_message
+from draft_service.link_security import LinkSecurity
 from draft_service.types import (
     DraftBlock,
-    DroppedEvent,
-    ErrorEvent,
     LinkEvent,
     StreamLost,
-    VerdictEvent,
     VerifierIdentity,
 )
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
@@ -43,30 +41,6 @@ _PERMANENT = (ErrorCode.FAILED_PRECONDITION, ErrorCode.UNAUTHENTICATED, ErrorCod
 
 class LinkDown(Exception):
     """A message could not be sent: the stream is down (the caller resumes, as for StreamLost)."""
-
-
-@dataclass(frozen=True)
-class LinkSecurity:
-    """How the draft reaches the verifier: TLS credentials (None: plaintext), the name its certificate must
-    carry when it differs from the address's host, and the bearer token sent on every call: `token`, or the
-    first token of `token_file`, read again at every (re)connection."""
-
-    credentials: grpc.ChannelCredentials | None = None
-    server_name: str | None = None
-    token: str | None = None
-    token_file: str | None = None
-
-    @classmethod
-    def from_files(cls, *, tls: bool, ca: str | None, cert: str | None, key: str | None,
-                   server_name: str | None, token_file: str | None) -> LinkSecurity:
-        credentials = None
-        if tls:
-            credentials = channel_credentials(
-                root_certificates=read_file(ca, "verifier CA") if ca else None,
-                private_key=read_file(key, "client key") if key else None,
-                certificate_chain=read_file(cert, "client certificate") if cert else None)
-        # read now too: a bad file at start is the caller's error, and the service does not start
-        return cls(credentials, server_name, read_token(token_file) if token_file else None, token_file)
 
 
 class VerifierLink:
@@ -284,14 +258,8 @@ class VerifierLink:
                 self._started_on[seq_id] = identity
             self._inboxes[seq_id] = asyncio.Queue()
             self._open_on[seq_id] = self._num_connections
-            msg = verifier_pb2.OpenSequence(seq_id=seq_id, prompt_token_ids=token_ids, num_output_tokens=num_output_tokens,
-                                            sampling=wire.sampling_to_proto(sampling), coupled=sampling.coupled)
-            if deadline is not None:
-                msg.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            if cache_salt is not None:
-                msg.cache_salt = cache_salt
             try:
-                self._send(verifier_pb2.DraftMessage(open=msg))
+                self._send(open_message(seq_id, token_ids, sampling, num_output_tokens, deadline, cache_salt))
                 return
             except LinkDown:
                 continue
@@ -304,16 +272,11 @@ class VerifierLink:
         block's length, at most this (sent only to a verifier with the goodput feature)."""
         if self._open_on.get(seq_id) != self._num_connections:
             raise LinkDown(f"sequence {seq_id} is not open on the current Verify stream to {self._target}")
-        msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
-        if block.draft_seconds is not None:
-            msg.draft_seconds = block.draft_seconds
-        if max_draft_tokens is not None and self.identity is not None \
-                and wire.FEATURE_GOODPUT in self.identity.features:
-            msg.max_draft_tokens = max_draft_tokens
-        if send_draft_probs and block.draft_probs is not None:
-            msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
-        msg.assumed_token_ids.extend(assumed_token_ids)
-        message = verifier_pb2.DraftMessage(propose=msg)
+        asks = max_draft_tokens is not None and self.identity is not None \
+            and wire.FEATURE_GOODPUT in self.identity.features
+        message = proposal_message(seq_id, start_position, block, send_draft_probs=send_draft_probs,
+                                   assumed_token_ids=assumed_token_ids,
+                                   max_draft_tokens=max_draft_tokens if asks else None)
         self._send(message)
         return message.ByteSize()
 
@@ -364,26 +327,13 @@ class VerifierLink:
                 asyncio.get_running_loop().call_soon(self._start_reconnecting)
 
     def _dispatch(self, msg: verifier_pb2.VerifierMessage) -> None:
-        kind = msg.WhichOneof("kind")
-        if kind == "verdict":
-            v = msg.verdict
-            event: LinkEvent = VerdictEvent(v.start_position, v.num_accepted, tuple(v.token_ids),
-                                            wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s,
-                                            time.perf_counter(),
-                                            v.next_draft_tokens if v.HasField("next_draft_tokens") else None)
-            seq_id = v.seq_id
-        elif kind == "error":
-            e = msg.error
-            if e.seq_id == 0:  # names no sequence (a duplicate open, a message the verifier did not understand):
-                # no live sequence ends for it; it points at a bug in this draft, so it is logged
-                log.warning("verifier_stream_error", target=self._target, code=wire.error_code_from_proto(e.code).name,
-                            message=e.message)
-                return
-            event, seq_id = ErrorEvent(wire.error_code_from_proto(e.code), e.message), e.seq_id
-        elif kind == "dropped":
-            d = msg.dropped
-            event, seq_id = DroppedEvent(d.start_position, d.num_verified), d.seq_id
-        else:
+        received = event_of(msg)
+        if received is None:
+            return
+        seq_id, event = received
+        if seq_id == 0:  # names no sequence (a duplicate open, a message the verifier did not understand): no live
+            # sequence ends for it; it points at a bug in this draft, so it is logged
+            log.warning("verifier_stream_error", target=self._target, code=event.code.name, message=event.message)
             return
         inbox = self._inboxes.get(seq_id)
         if inbox is not None:

@@ -21,7 +21,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from common import security
 from common.errors import ErrorCode, ServiceError
 from common.security import TokenFile, read_token
-from draft_service.verifier_link import LinkSecurity, VerifierLink
+from draft_service.link_security import LinkSecurity
+from draft_service.verifier_link import VerifierLink
 from specwire import Client, UnauthenticatedError, UnavailableError
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc
 
