@@ -24,6 +24,7 @@ from draft_service.link_messages import event_of, open_message, proposal_message
 from draft_service.link_security import LinkSecurity
 from draft_service.types import (
     DraftBlock,
+    ErrorEvent,
     LinkEvent,
     StreamLost,
     VerifierIdentity,
@@ -331,9 +332,11 @@ class VerifierLink:
         if received is None:
             return
         seq_id, event = received
-        if seq_id == 0:  # names no sequence (a duplicate open, a message the verifier did not understand): no live
-            # sequence ends for it; it points at a bug in this draft, so it is logged
-            log.warning("verifier_stream_error", target=self._target, code=event.code.name, message=event.message)
+        if seq_id == 0:  # names no sequence: routed to none, and the stream goes on
+            if isinstance(event, ErrorEvent):  # a duplicate open, a message the verifier did not understand: it
+                # points at a bug in this draft, so it is logged
+                log.warning("verifier_stream_error", target=self._target, code=event.code.name,
+                            message=event.message)
             return
         inbox = self._inboxes.get(seq_id)
         if inbox is not None:

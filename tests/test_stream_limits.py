@@ -88,6 +88,10 @@ def test_the_draft_does_not_end_a_sequence_for_an_error_that_names_none():
                 seq_id=0, code=ErrorCode.ABORTED.value, message="sequence 1 is already open on this stream")))
         assert inbox.empty()
         assert [(e["event"], e["code"]) for e in logs] == [("verifier_stream_error", "ABORTED")]
+        # a verdict or a drop under seq id 0 (a field left unset) is no sequence's either: ignored, not a failure
+        link._dispatch(verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(seq_id=0, token_ids=[3])))
+        link._dispatch(verifier_pb2.VerifierMessage(dropped=verifier_pb2.ProposalDropped(seq_id=0)))
+        assert inbox.empty()
         link._dispatch(verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
             seq_id=1, code=ErrorCode.INVALID_ARGUMENT.value, message="bad")))
         assert (await inbox.get()).code is ErrorCode.INVALID_ARGUMENT  # a sequence's own error still reaches it
