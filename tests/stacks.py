@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specwire.launch import Service, Stack, free_port, scrape_metric
+from specwire.launch import Service, Stack, free_port, scrape_metric, wait_serving
 
 
 @dataclass
@@ -41,6 +40,10 @@ class InProcessService:
         if self.thread.is_alive():
             raise RuntimeError(f"{self.name} did not stop within {timeout_s:g}s")
         return 0
+
+    def poll(self) -> int | None:
+        """As Popen.poll for launch.wait_serving: None while it runs, else 1."""
+        return None if self.thread.is_alive() else 1
 
     def log_text(self) -> str:
         # its logs go to the test process's own output: a check on them would pass vacuously
@@ -99,7 +102,7 @@ class InProcessStack:
         ready.wait()
         self.services.append(service)
         try:
-            _wait_serving(service, timeout_s, credentials)
+            wait_serving(service.address, timeout_s, service, credentials)
         except Exception as err:
             raise RuntimeError(f"{name} failed to start: {err}") from service.error or err
         return service
@@ -123,24 +126,6 @@ class InProcessStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-
-def _wait_serving(service: InProcessService, timeout_s: float, credentials: grpc.ChannelCredentials | None) -> None:
-    deadline = time.monotonic() + timeout_s
-    address = service.address
-    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if not service.thread.is_alive():
-                raise RuntimeError(f"{service.name} stopped: {service.error!r}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.02)
-    raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
 
 
 @dataclass
