@@ -15,6 +15,14 @@ MAX_SEED = 2**63 - 1
 GREEDY_TEMPERATURE = 1e-5
 
 
+class WireMode(enum.Enum):
+    """How a sampled request's drafts are verified and what travels with them (greedy requests: argmax)."""
+
+    SPARSE = "sparse"  # rejection sampling against q, sent on its top tokens
+    ONE_HOT = "one-hot"  # rejection sampling with q = delta(draft token): ids only
+    COUPLED = "coupled"  # Gumbel-max coupling: ids only; the seeded output is the target-alone output
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0
@@ -23,9 +31,10 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 16
     ignore_eos: bool = False
-    # Gumbel-max coupling (WireMode.COUPLED): every sampled token is argmax p / E with the noise of its (seed,
-    # position), so the seeded output is the target-alone output whatever the drafts; set by the draft service
-    coupled: bool = False
+    # How a sampled request's drafts are verified and what travels with them: the one place the wire mode lives,
+    # on both services. None: not decided here (the draft service's --wire-mode; on the verifier, rejection
+    # sampling against whatever q each proposal carries). Greedy requests take the argmax whatever it says.
+    wire_mode: WireMode | None = None
 
     def __post_init__(self) -> None:
         validate_sampling(self)
@@ -35,19 +44,22 @@ class SamplingParams:
         """temperature < GREEDY_TEMPERATURE (0 included) samples the argmax."""
         return self.temperature < GREEDY_TEMPERATURE
 
+    @property
+    def is_coupled(self) -> bool:
+        """Sampled by Gumbel-max coupling: every token is argmax p / E with the noise of its (seed, position), so
+        the seeded output is the target-alone output whatever the drafts; its proposals carry token ids only."""
+        return self.wire_mode is WireMode.COUPLED and not self.is_greedy
+
+    @property
+    def sends_draft_probs(self) -> bool:
+        """Sampled with q sent on its top tokens (sparse): the only mode whose proposals carry draft_probs."""
+        return self.wire_mode is WireMode.SPARSE and not self.is_greedy
+
     def with_seed(self) -> SamplingParams:
         """The same parameters with a seed drawn now if none was given: every sequence gets its own stream."""
         if self.seed is not None:
             return self
         return dataclasses.replace(self, seed=secrets.randbelow(MAX_SEED))
-
-
-class WireMode(enum.Enum):
-    """How a sampled request's drafts are verified and what travels with them (greedy requests: argmax)."""
-
-    SPARSE = "sparse"  # rejection sampling against q, sent on its top tokens
-    ONE_HOT = "one-hot"  # rejection sampling with q = delta(draft token): ids only
-    COUPLED = "coupled"  # Gumbel-max coupling: ids only; the seeded output is the target-alone output
 
 
 def validate_sampling(params: SamplingParams) -> None:
@@ -81,7 +93,9 @@ class SparseProbs:
     probs: tuple[float, ...]
 
 
-class FinishReason(enum.Enum):
+class FinishReason(enum.StrEnum):
+    """A str: equal to its value ("stop" == FinishReason.STOP), which is what the SDK's users compare with."""
+
     STOP = "stop"  # end-of-sequence token or stop string
     LENGTH = "length"  # max_tokens or the model's context length
     CANCELLED = "cancelled"

@@ -106,7 +106,7 @@ def _sample_row(top_probs: torch.Tensor, top_ids: torch.Tensor, seq: DraftSequen
     # exponential race argmax q / E draws from q / sum(q) without normalising, and the verifier divides the same
     # values by their exactly rounded sum (math.fsum), so both sides hold the same q.
     q_sent = (row_probs[keep] / row_probs[keep].sum()).to(torch.float32).to(torch.float64)
-    coupled = seq.sampling.coupled
+    coupled = seq.sampling.is_coupled
     noise = exponential64_reference(seq.sampling.seed, position,
                                     Purpose.TARGET_SAMPLE if coupled else Purpose.DRAFT_SAMPLE, q_ids)
     scores = q_sent / noise

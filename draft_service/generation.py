@@ -64,12 +64,12 @@ def check_prompt_length(num_prompt_tokens: int, identity: VerifierIdentity) -> N
                                "to generate")
 
 
-def q_support_limit(mode: WireMode, identity: VerifierIdentity) -> int | None:
+def q_support_limit(sampling: SamplingParams, identity: VerifierIdentity) -> int | None:
     """A sequence's q support limit besides the draft's --q-max-support: the verifier's --max-q-support where q
     is sent (sparse mode), since it refuses a longer one; None: no other limit (ids only, or a verifier older
     than the field, which states 0)."""
     limit = identity.max_q_support
-    return limit if mode is WireMode.SPARSE and limit > 0 else None
+    return limit if sampling.sends_draft_probs and limit > 0 else None
 
 
 class Generator:
@@ -165,10 +165,10 @@ class Generator:
         identity = await self.link.ensure_connected(self._retry_s(req.deadline))
         check_prompt_length(len(prompt), identity)  # before the draft prefills it
         k = self._num_speculative_tokens(req, identity)
-        mode = req.wire_mode or self.wire_mode
-        seq = DraftSequence(self._sampling(req.sampling.with_seed(), mode, identity), list(prompt), wire_mode=mode,
-                            q_max_support=q_support_limit(mode, identity))
-        length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(req, k, coupled=seq.sampling.coupled),
+        requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
+        sampling = self._sampling(requested.with_seed(), identity)
+        seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity))
+        length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k),
                                       weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice)
         return prompt, seq, length
 
@@ -179,7 +179,8 @@ class Generator:
 
     def _record_round(self, stats: GenerationStats, length: RoundLength, block: DraftBlock, verdict: VerdictEvent,
                       tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float) -> None:
-        stats.record_round(block, verdict, tokens, draft_s, wait_s)
+        stats.record_round(num_draft_tokens=block.num_draft_tokens, num_accepted=verdict.num_accepted,
+                           num_emitted=len(tokens), draft_s=draft_s, wait_s=wait_s, verify_s=verdict.step_time_s)
         self.metrics.observe_round(draft_s, wait_s, verdict.step_time_s)
         if stats.num_rounds == 1:
             stats.time_to_first_token_s = time.perf_counter() - t0
@@ -190,31 +191,30 @@ class Generator:
     def _finish(self, stats: GenerationStats, seq: DraftSequence, flight: Flight, t0: float) -> GenerationStats:
         stats.wall_time_s = time.perf_counter() - t0
         stats.proposal_bytes = flight.proposal_bytes
-        self.metrics.proposal_bytes.labels(wire_mode=seq.wire_mode.value).inc(flight.proposal_bytes)
+        self.metrics.proposal_bytes.labels(wire_mode=seq.sampling.wire_mode.value).inc(flight.proposal_bytes)
         log.info("generation_done", prompt_tokens=stats.num_prompt_tokens, generated=stats.num_generated_tokens,
                  rounds=stats.num_rounds, drafted=stats.num_draft_tokens, accepted=stats.num_accepted_tokens,
                  k=stats.num_speculative_tokens, wall_s=round(stats.wall_time_s, 3),
                  finish=stats.finish_reason and stats.finish_reason.value)
         return stats
 
-    def adapts_k(self, req: GenerationRequest, k: int, *, coupled: bool = False) -> bool:
+    def adapts_k(self, requested: SamplingParams, k: int) -> bool:
         """Whether the draft length may vary by round (--speculation auto or adaptive). Both read clocks and
         load, and under rejection sampling a sampled token depends on where rounds start (a bonus token and a
         drafted one are decided differently). A seeded request verified by rejection sampling therefore keeps
         the fixed k, so the same seed gives the same tokens from the same service whatever the load. Greedy and
-        coupled output never depend on k."""
-        seeded_rejection = req.sampling.seed is not None and not req.sampling.is_greedy and not coupled
+        coupled output never depend on k. `requested`: the request's parameters (its own seed or none), with its
+        wire mode decided."""
+        seeded_rejection = requested.seed is not None and not requested.is_greedy and not requested.is_coupled
         return self.speculation != "fixed" and k > 0 and not seeded_rejection
 
-    def _sampling(self, sampling: SamplingParams, mode: WireMode, identity: VerifierIdentity) -> SamplingParams:
-        """The sequence's sampling parameters: coupled when a sampled request's wire mode is."""
-        if mode is not WireMode.COUPLED or sampling.is_greedy:
-            return sampling
-        if wire.FEATURE_COUPLED not in identity.features:
+    def _sampling(self, sampling: SamplingParams, identity: VerifierIdentity) -> SamplingParams:
+        """The sequence's sampling parameters, once its verifier can verify them as their wire mode says."""
+        if sampling.is_coupled and wire.FEATURE_COUPLED not in identity.features:
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"the coupled wire mode needs a verifier that "
                                f"implements it; {identity.model_id!r}'s verifier does not (upgrade it, or ask for "
                                "wire_mode sparse or one-hot)")
-        return dataclasses.replace(sampling, coupled=True)
+        return sampling
 
     def check_num_prompt_ids(self, num_ids: int) -> None:
         """Refuse a token-id prompt by its length alone, before its ids are converted or checked (a 60 MB message
@@ -296,4 +296,4 @@ class Generator:
                                f"(--verifier-retry-deadline): {err.message}") from err
         self.metrics.resumes.inc()
         # the new stream's verifier may take a shorter q: the next drafts sample from q cut to its limit
-        seq.q_max_support = q_support_limit(seq.wire_mode, self.link.identity)
+        seq.q_max_support = q_support_limit(seq.sampling, self.link.identity)

@@ -16,7 +16,7 @@ def open_message(seq_id: int, token_ids: list[int], sampling: SamplingParams, nu
     """Open (or reopen) `seq_id` with `token_ids`, the last num_output_tokens of them its verified output; the
     client's deadline travels as the time left (time.monotonic() clocks differ between hosts)."""
     msg = verifier_pb2.OpenSequence(seq_id=seq_id, prompt_token_ids=token_ids, num_output_tokens=num_output_tokens,
-                                    sampling=wire.sampling_to_proto(sampling), coupled=sampling.coupled)
+                                    sampling=wire.sampling_to_proto(sampling), coupled=sampling.is_coupled)
     if deadline is not None:
         msg.timeout_ms = max(1, int((deadline - time.monotonic()) * 1000))
     if cache_salt is not None:

@@ -50,7 +50,7 @@ class Flight:
 
     def propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> None:
         """Send `block` for positions from `start` (raises LinkDown when the stream is down)."""
-        self.proposal_bytes += self.link.propose(self.seq_id, start, block, send_draft_probs=seq.sends_draft_probs,
+        self.proposal_bytes += self.link.propose(self.seq_id, start, block, send_draft_probs=seq.sampling.sends_draft_probs,
                                                  assumed_token_ids=assumed, max_draft_tokens=self.max_draft_tokens)
 
     def try_propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from common.sampling import SamplingParams, WireMode
+from common.sampling import SamplingParams
 
 
 @dataclass(eq=False)
 class DraftSequence:
-    sampling: SamplingParams  # seeded; coupled when its wire mode is
+    sampling: SamplingParams  # seeded, its wire mode decided
     token_ids: list[int]  # verified tokens: prompt + generated
     # tokens whose K/V is in the draft cache, in order: verified tokens, then the drafts of the last block
     cached_token_ids: list[int] = field(default_factory=list)
@@ -18,22 +18,16 @@ class DraftSequence:
     assumed_token_ids: list[int] = field(default_factory=list)
     # a pipelined branch: shares `fork_from`'s cache blocks (copied on write) until it is adopted or released
     fork_from: DraftSequence | None = None
-    wire_mode: WireMode = WireMode.SPARSE
     # the most tokens of q kept for this sequence, when below the draft model's --q-max-support: the verifier's
     # --max-q-support for a q that is sent (it refuses a longer one). Drafting samples from q truncated to it, so
     # what is sent is what was sampled from. None: the draft model's own.
     q_max_support: int | None = None
 
-    @property
-    def sends_draft_probs(self) -> bool:
-        return self.wire_mode is WireMode.SPARSE and not self.sampling.is_greedy
-
     def branch(self, assumed: list[int]) -> DraftSequence:
         """A branch continuing the verified tokens and then `assumed`, sharing this sequence's cache for the
         longest prefix they have in common. Its verified token list is this sequence's own (not a copy)."""
         return DraftSequence(self.sampling, self.token_ids, self.cached_token_ids[:self._reusable(assumed)],
-                             list(assumed), fork_from=self, wire_mode=self.wire_mode,
-                             q_max_support=self.q_max_support)
+                             list(assumed), fork_from=self, q_max_support=self.q_max_support)
 
     def adopt(self, branch: DraftSequence) -> None:
         """Take over a branch whose assumed tokens the verifier confirmed (the cache blocks move separately)."""

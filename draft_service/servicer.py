@@ -11,14 +11,14 @@ import structlog
 from common.errors import ServiceError
 from common.tokenizer import INLINE_PROMPT_IDS
 from draft_service.generation import Generator
-from draft_service.types import GenerationRequest, GenerationStats, TextChunk
+from draft_service.types import GenerationRequest, TextChunk
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 log = structlog.get_logger(__name__)
 
 
 def request_from_proto(msg: draft_pb2.GenerateRequest, deadline: float | None = None) -> GenerationRequest:
-    sampling = wire.sampling_from_proto(msg.sampling)
+    sampling = wire.sampling_from_proto(msg.sampling, wire.wire_mode_from_proto(msg.wire_mode))
     kind = msg.WhichOneof("prompt")
     return GenerationRequest(
         prompt_text=msg.text if kind == "text" else None,
@@ -27,20 +27,8 @@ def request_from_proto(msg: draft_pb2.GenerateRequest, deadline: float | None = 
         stop=tuple(msg.stop),
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         deadline=deadline,
-        wire_mode=wire.wire_mode_from_proto(msg.wire_mode),
         cache_salt=wire.cache_salt_from_proto(msg),
     )
-
-
-def stats_to_proto(s: GenerationStats) -> draft_pb2.Stats:
-    return draft_pb2.Stats(
-        finish_reason=wire.finish_to_proto(s.finish_reason), num_prompt_tokens=s.num_prompt_tokens,
-        num_generated_tokens=s.num_generated_tokens, num_rounds=s.num_rounds, num_draft_tokens=s.num_draft_tokens,
-        num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
-        drafted_per_position=s.drafted_per_position, wall_time_s=s.wall_time_s,
-        time_to_first_token_s=s.time_to_first_token_s, draft_time_s=s.draft_time_s,
-        verify_wait_s=s.verify_wait_s, num_speculative_tokens=s.num_speculative_tokens, verify_time_s=s.verify_time_s,
-        num_rejected_rounds=s.num_rejected_rounds, proposal_bytes=s.proposal_bytes)
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):
@@ -85,7 +73,7 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 if isinstance(event, TextChunk):
                     yield draft_pb2.GenerateResponse(chunk=draft_pb2.Chunk(token_ids=event.token_ids, text=event.text))
                 else:
-                    yield draft_pb2.GenerateResponse(stats=stats_to_proto(event))
+                    yield draft_pb2.GenerateResponse(stats=wire.stats_to_proto(event))
         finally:
             if not task.done():  # the client went away: cancelling frees the sequence on both services
                 task.cancel()

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
-from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode, count_positions
+from common.generation_stats import GenerationStats  # noqa: F401 - the draft service's stats, defined with the SDK's
+from common.sampling import FinishReason, SamplingParams, SparseProbs
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,6 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     num_speculative_tokens: int | None = None
     deadline: float | None = None  # time.monotonic() of the client's deadline; None: none
-    wire_mode: WireMode | None = None  # None: the service's --wire-mode
     cache_salt: str | None = None  # the verifier shares cached prefix blocks only within one salt
 
 
@@ -114,39 +114,3 @@ class GenerationRequest:
 class TextChunk:
     token_ids: tuple[int, ...]
     text: str
-
-
-@dataclass
-class GenerationStats:
-    finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
-    num_generated_tokens: int = 0
-    num_rounds: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-    wall_time_s: float = 0.0
-    time_to_first_token_s: float = 0.0
-    draft_time_s: float = 0.0
-    verify_wait_s: float = 0.0
-    num_speculative_tokens: int = 0
-    verify_time_s: float = 0.0
-    num_rejected_rounds: int = 0
-    proposal_bytes: int = 0  # serialized size of the proposals sent
-
-    def record_round(self, block: DraftBlock, verdict: VerdictEvent, emitted: tuple[int, ...], draft_s: float,
-                     wait_s: float) -> None:
-        """One draft -> verify round: what was drafted, what the verifier kept, what reached the client (fewer
-        tokens than the verdict's when a stop string ended the generation), and where the time went."""
-        k = block.num_draft_tokens
-        self.num_rounds += 1
-        self.draft_time_s += draft_s
-        self.verify_wait_s += wait_s
-        self.verify_time_s += verdict.step_time_s
-        self.num_draft_tokens += k
-        self.num_accepted_tokens += verdict.num_accepted
-        self.num_rejected_rounds += verdict.num_accepted < k
-        count_positions(self.drafted_per_position, k)
-        count_positions(self.accepted_per_position, verdict.num_accepted)
-        self.num_generated_tokens += len(emitted)

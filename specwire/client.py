@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -9,6 +10,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common import security
+from common.generation_stats import GenerationStats
 from common.sampling import WireMode
 from specwire.errors import InvalidArgumentError, UnavailableError, from_rpc_error
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
@@ -20,43 +22,8 @@ class Chunk:
     text: str
 
 
-@dataclass(frozen=True)
-class Stats:
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_generated_tokens: int
-    num_rounds: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    drafted_per_position: list[int]
-    wall_time_s: float
-    time_to_first_token_s: float
-    draft_time_s: float
-    verify_wait_s: float
-    num_speculative_tokens: int
-    verify_time_s: float = 0.0
-    num_rejected_rounds: int = 0
-    proposal_bytes: int = 0  # serialized size of the proposals the draft service sent for this request
-
-    @property
-    def network_time_s(self) -> float:
-        """Waiting on the verifier minus its compute: network, queueing, (de)serialisation."""
-        return max(0.0, self.verify_wait_s - self.verify_time_s)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.num_generated_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verification round (1 + accepted drafts per round)."""
-        return self.num_generated_tokens / self.num_rounds if self.num_rounds else 0.0
-
-    @property
-    def acceptance_rate_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position,
-                                                    strict=False)]
+# A generation's statistics: the draft service's own definition (finish_reason is a str enum: == "stop" holds).
+Stats = GenerationStats
 
 
 @dataclass
@@ -70,20 +37,19 @@ class Result:
         return self.stats.finish_reason if self.stats else None
 
 
-def _stats(msg: draft_pb2.Stats) -> Stats:
-    finish = wire.finish_from_proto(msg.finish_reason)
-    return Stats(finish.value if finish else None, msg.num_prompt_tokens, msg.num_generated_tokens, msg.num_rounds,
-                 msg.num_draft_tokens, msg.num_accepted_tokens, list(msg.accepted_per_position),
-                 list(msg.drafted_per_position), msg.wall_time_s, msg.time_to_first_token_s, msg.draft_time_s,
-                 msg.verify_wait_s, msg.num_speculative_tokens, msg.verify_time_s, msg.num_rejected_rounds,
-                 msg.proposal_bytes)
-
-
-def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, max_tokens: int,
-                  temperature: float, top_k: int, top_p: float, seed: int | None, stop: Sequence[str] | None,
-                  num_speculative_tokens: int | None, ignore_eos: bool,
+def build_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
+                  max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0,
+                  top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
+                  num_speculative_tokens: int | None = None, ignore_eos: bool = False,
                   wire_mode: str | WireMode | None = None,
                   cache_salt: str | None = None) -> draft_pb2.GenerateRequest:
+    """The request both clients send: its keyword arguments are `stream`'s and `generate`'s, defined here once.
+
+    Give `prompt` (text) or `prompt_token_ids`. `wire_mode` ("sparse", "one-hot" or "coupled") overrides the
+    draft service's for this request: "coupled" makes a seeded output the target-alone output for that seed,
+    whatever the draft, k or pipelining. `cache_salt` (1 to 256 characters; vLLM's cache_salt) isolates the
+    request's prefix cache on the verifier: it shares cached KV blocks only with requests of the same salt, so
+    one tenant cannot tell from latency whether another's prompt is cached. Give each tenant its own."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
     if max_tokens < 1:  # caught before sending: the service would answer the same
@@ -108,6 +74,17 @@ def build_request(prompt: str | None, prompt_token_ids: Sequence[int] | None, ma
     return req
 
 
+def _takes_request_keywords(method):
+    """`method(self, prompt=None, *, result=None, **options)`, whose options are build_request's: its signature
+    and help list them (an unknown one raises TypeError from build_request, as Python would)."""
+    own = inspect.signature(method).parameters
+    keywords = [p for name, p in inspect.signature(build_request).parameters.items() if name != "prompt"]
+    params = [own["self"], own["prompt"], *keywords, *([own["result"]] if "result" in own else [])]
+    method.__signature__ = inspect.Signature(params, return_annotation=inspect.signature(method).return_annotation)
+    method.__doc__ = f"{method.__doc__}\n\n{build_request.__doc__}"
+    return method
+
+
 class _Accumulator:
     def __init__(self) -> None:
         self.result = Result()
@@ -118,7 +95,7 @@ class _Accumulator:
             self.result.token_ids.extend(chunk.token_ids)
             self.result.text += chunk.text
             return chunk
-        self.result.stats = _stats(msg.stats)
+        self.result.stats = wire.stats_from_proto(msg.stats)
         return None
 
 
@@ -222,31 +199,23 @@ class Client(_ClientBase):
         finally:
             call.cancel()  # a no-op when the call has ended; frees the generation when the caller stopped early
 
-    def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
-               max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop: Sequence[str] | None = None,
-               num_speculative_tokens: int | None = None, ignore_eos: bool = False,
-               wire_mode: str | WireMode | None = None, result: Result | None = None,
-               cache_salt: str | None = None) -> Iterator[Chunk]:
-        """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end.
-        `wire_mode` ("sparse", "one-hot" or "coupled") overrides the draft service's for this request: "coupled"
-        makes a seeded output the target-alone output for that seed, whatever the draft, k or pipelining.
-        `cache_salt` (1 to 256 characters; vLLM's cache_salt) isolates the request's prefix cache on the
-        verifier: it shares cached KV blocks only with requests of the same salt, so one tenant cannot tell from
-        latency whether another's prompt is cached. Give each tenant its own."""
+    @_takes_request_keywords
+    def stream(self, prompt: str | None = None, *, result: Result | None = None, **options) -> Iterator[Chunk]:
+        """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end."""
         acc = _Accumulator()
         if result is not None:
             acc.result = result
-        req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
-                            num_speculative_tokens, ignore_eos, wire_mode, cache_salt)
+        req = build_request(prompt, **options)
         for msg in self._responses(req):
             chunk = acc.add(msg)
             if chunk is not None:
                 yield chunk
 
-    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+    @_takes_request_keywords
+    def generate(self, prompt: str | None = None, **options) -> Result:
+        """The whole generation at once: its tokens, text and stats."""
         result = Result()
-        for _ in self.stream(prompt, result=result, **kwargs):
+        for _ in self.stream(prompt, result=result, **options):
             pass
         return result
 
@@ -285,17 +254,14 @@ class AsyncClient(_ClientBase):
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def stream(self, prompt: str | None = None, *, prompt_token_ids: Sequence[int] | None = None,
-                     max_tokens: int = wire.DEFAULT_MAX_TOKENS, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                     seed: int | None = None, stop: Sequence[str] | None = None,
-                     num_speculative_tokens: int | None = None, ignore_eos: bool = False,
-                     wire_mode: str | WireMode | None = None, result: Result | None = None,
-                     cache_salt: str | None = None) -> AsyncIterator[Chunk]:
+    @_takes_request_keywords
+    async def stream(self, prompt: str | None = None, *, result: Result | None = None,
+                     **options) -> AsyncIterator[Chunk]:
+        """Yield chunks as they are verified; pass `result` to receive the totals and stats at the end."""
         acc = _Accumulator()
         if result is not None:
             acc.result = result
-        req = build_request(prompt, prompt_token_ids, max_tokens, temperature, top_k, top_p, seed, stop,
-                            num_speculative_tokens, ignore_eos, wire_mode, cache_salt)
+        req = build_request(prompt, **options)
         await self._wait_connected()
         call = self._stub.Generate(req, timeout=self._timeout, wait_for_ready=True, metadata=self._metadata)
         try:
@@ -308,8 +274,10 @@ class AsyncClient(_ClientBase):
         finally:
             call.cancel()  # breaking out of the loop and closing the generator ends the generation
 
-    async def generate(self, prompt: str | None = None, **kwargs) -> Result:
+    @_takes_request_keywords
+    async def generate(self, prompt: str | None = None, **options) -> Result:
+        """The whole generation at once: its tokens, text and stats."""
         result = Result()
-        async for _ in self.stream(prompt, result=result, **kwargs):
+        async for _ in self.stream(prompt, result=result, **options):
             pass
         return result

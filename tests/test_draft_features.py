@@ -3,6 +3,8 @@ extra draft services attached to the same verifier."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_e2e import PROMPTS
 
@@ -76,34 +78,33 @@ def test_ngram_sampling_is_seeded_and_drafts_get_accepted(text_stack, extra_draf
 @pytest.mark.parametrize("mode", [{"adaptive_k": True}, {"speculation": "adaptive"}, {"speculation": "auto"}, {}])
 def test_seeded_sampled_requests_keep_a_fixed_k_under_adaptive_k(mode):
     """Under --speculation auto (the default) and adaptive alike."""
-    from common.sampling import SamplingParams
+    from common.sampling import SamplingParams, WireMode
     from draft_service.config import DraftConfig
     from draft_service.generation import Generator
-    from draft_service.types import GenerationRequest
 
     gen = Generator(DraftConfig(model="m", **mode), tokenizer=None, vocab_size=10, link=None, drafter=None)
 
-    def request(**sampling):
-        return GenerationRequest("hi", None, SamplingParams(**sampling))
+    def request(wire_mode=WireMode.SPARSE, **sampling):
+        return SamplingParams(**sampling, wire_mode=wire_mode)
 
     assert gen.adapts_k(request(temperature=0.8), 4)  # unseeded: adapt
     assert gen.adapts_k(request(temperature=0.0, seed=3), 4)  # greedy: output does not depend on k
     assert not gen.adapts_k(request(temperature=0.8, seed=3), 4)  # seeded sampling: fixed k, reproducible
-    assert gen.adapts_k(request(temperature=0.8, seed=3), 4, coupled=True)  # coupled: output does not depend on k
+    assert not gen.adapts_k(request(WireMode.ONE_HOT, temperature=0.8, seed=3), 4)
+    assert gen.adapts_k(request(WireMode.COUPLED, temperature=0.8, seed=3), 4)  # coupled: does not depend on k
     assert not gen.adapts_k(request(temperature=0.8), 0)
 
 
 def test_a_fixed_k_never_varies():
-    from common.sampling import SamplingParams
+    from common.sampling import SamplingParams, WireMode
     from draft_service.config import DraftConfig
     from draft_service.generation import Generator
-    from draft_service.types import GenerationRequest
 
     gen = Generator(DraftConfig(model="m", speculation="fixed"), tokenizer=None, vocab_size=10, link=None,
                     drafter=None)
     for sampling in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)):
-        assert not gen.adapts_k(GenerationRequest("hi", None, sampling), 4)
-        assert not gen.adapts_k(GenerationRequest("hi", None, sampling), 4, coupled=True)
+        assert not gen.adapts_k(sampling, 4)
+        assert not gen.adapts_k(dataclasses.replace(sampling, wire_mode=WireMode.COUPLED), 4)
 
 
 def test_seeded_sampling_is_reproducible_through_an_adaptive_draft(text_stack, extra_drafts):
@@ -124,13 +125,14 @@ def test_the_coupled_mode_needs_a_verifier_that_lists_it():
     gen = Generator(DraftConfig(model="m"), tokenizer=None, vocab_size=10, link=None, drafter=None)
     old = VerifierIdentity("t", 10, "ab" * 32, 8, 100, features=())
     new = VerifierIdentity("t", 10, "ab" * 32, 8, 100, features=("coupled",))
-    sampled = SamplingParams(temperature=0.8, seed=1)
+    coupled = SamplingParams(temperature=0.8, seed=1, wire_mode=WireMode.COUPLED)
     with pytest.raises(ServiceError) as err:
-        gen._sampling(sampled, WireMode.COUPLED, old)
+        gen._sampling(coupled, old)
     assert err.value.code is ErrorCode.FAILED_PRECONDITION and "coupled" in err.value.message
-    assert gen._sampling(sampled, WireMode.COUPLED, new).coupled
-    assert not gen._sampling(sampled, WireMode.SPARSE, new).coupled
-    assert not gen._sampling(SamplingParams(temperature=0.0), WireMode.COUPLED, old).coupled  # greedy: argmax
+    assert gen._sampling(coupled, new).is_coupled
+    assert not gen._sampling(dataclasses.replace(coupled, wire_mode=WireMode.SPARSE), new).is_coupled
+    greedy = SamplingParams(temperature=0.0, wire_mode=WireMode.COUPLED)
+    assert not gen._sampling(greedy, old).is_coupled  # greedy: argmax, on any verifier
 
 
 def test_the_own_cost_rule_takes_the_longest_k_near_its_optimum():

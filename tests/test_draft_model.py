@@ -35,7 +35,8 @@ def test_the_draft_samples_from_exactly_the_q_it_sends_and_the_verifier_normalis
     from draft_service.draft_model import DraftModel
     from draft_service.sequence import DraftSequence
     from kernels.philox import Purpose, exponential64_reference
-    from verifier_service.verification import VerifyItem, pack_inputs
+    from verifier_service.types import ProposeCmd, SeqKey
+    from verifier_service.verification import pack_inputs
 
     model = DraftModel(runner=None, blocks=None, q_max_support=7)
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1), dtype=torch.float32) * 2
@@ -52,7 +53,8 @@ def test_the_draft_samples_from_exactly_the_q_it_sends_and_the_verifier_normalis
     assert out[2][1] is None and out[2][0] == int(logits[2].argmax())
     # the verifier divides by the exactly rounded sum: a q off by float32 rounding sums to 1 exactly after it
     q = out[0][1]
-    inputs = pack_inputs([VerifyItem(seqs[0].sampling, 5, (out[0][0],), (q,))], torch.device("cpu"))
+    inputs = pack_inputs([(seqs[0].sampling, ProposeCmd(SeqKey(1, 1), 5, (out[0][0],), (q,)))],
+                         torch.device("cpu"))
     assert inputs.q_probs.tolist() == [p / math.fsum(q.probs) for p in q.probs]
 
 
@@ -61,12 +63,13 @@ def test_non_finite_logits_fail_only_their_own_sequence():
 
     from draft_service.draft_model import DraftModel
     from draft_service.sequence import DraftSequence
-    from verifier_service.verification import VerifyItem, verify_batch
+    from verifier_service.types import ProposeCmd, SeqKey
+    from verifier_service.verification import verify_batch
 
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(4))
     logits[1, 7] = float("nan")  # item 0's second row (its bonus row)
-    items = [VerifyItem(SamplingParams(temperature=0.0, seed=1), 10, (3,), None),
-             VerifyItem(SamplingParams(temperature=0.8, seed=2), 20, (4, 5), None)]
+    items = [(SamplingParams(temperature=0.0, seed=1), ProposeCmd(SeqKey(1, 1), 10, (3,), None)),
+             (SamplingParams(temperature=0.8, seed=2), ProposeCmd(SeqKey(1, 2), 20, (4, 5), None))]
     out = verify_batch(logits, items)
     assert out[0] is None and out[1] is not None and 1 <= len(out[1]) <= 3
     # the draft: a non-finite row ends that sequence's block (the verifier still decides every token)

@@ -54,8 +54,8 @@ def test_layers_run_one_way():
 
 def test_wire_module_stays_a_leaf():
     """specwire/v1 (stubs and wire.py) imports only itself and the torch-free dataclasses of common/."""
-    allowed = ("specwire.v1", "common.errors", "common.sampling", "__future__", "grpc", "google.protobuf",
-               "warnings", "collections", "typing", "builtins")
+    allowed = ("specwire.v1", "common.errors", "common.sampling", "common.generation_stats", "__future__", "grpc",
+               "google.protobuf", "warnings", "collections", "dataclasses", "typing", "builtins")
     for path in (ROOT / "specwire" / "v1").glob("*.py"):
         for line in path.read_text().splitlines():
             if line.startswith(("import ", "from ")):
@@ -66,3 +66,33 @@ def test_wire_module_stays_a_leaf():
 def test_ruff_clean():
     out = subprocess.run([sys.executable, "-m", "ruff", "check", str(ROOT)], capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:]
+
+
+def test_both_clients_take_the_one_keyword_surface():
+    """Client and AsyncClient, stream and generate: the keywords of build_request, defined once, visible in their
+    signatures; an unknown keyword is a TypeError, as from any Python function."""
+    import asyncio
+    import inspect
+
+    import pytest
+
+    from specwire.client import AsyncClient, Client, build_request
+
+    surface = [p for name, p in inspect.signature(build_request).parameters.items() if name != "prompt"]
+    assert {p.name for p in surface} >= {"prompt_token_ids", "max_tokens", "temperature", "seed", "wire_mode",
+                                         "cache_salt"}
+    for cls in (Client, AsyncClient):
+        for method in (cls.stream, cls.generate):
+            params = list(inspect.signature(method).parameters.values())
+            assert [p.name for p in params[:2]] == ["self", "prompt"]
+            assert params[2:2 + len(surface)] == surface, (cls.__name__, method.__name__)
+    assert "wire_mode" in Client.stream.__doc__ and "cache_salt" in AsyncClient.generate.__doc__
+    with Client("127.0.0.1:1", connect_timeout=0.01) as client, pytest.raises(TypeError, match="max_token"):
+        client.generate("hi", max_token=3)
+
+    async def unknown_keyword() -> None:
+        async with AsyncClient("127.0.0.1:1", connect_timeout=0.01) as client:
+            await client.generate("hi", temprature=0.5)
+
+    with pytest.raises(TypeError, match="temprature"):
+        asyncio.run(unknown_keyword())

@@ -213,7 +213,7 @@ def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: 
 
 
 def _request(prompt: list[int], sampling: SamplingParams, mode: WireMode | None = None) -> GenerationRequest:
-    return GenerationRequest(None, tuple(prompt), sampling, wire_mode=mode)
+    return GenerationRequest(None, tuple(prompt), dataclasses.replace(sampling, wire_mode=mode))
 
 
 async def _tokens(gen: Generator, req: GenerationRequest) -> list[int]:
@@ -384,7 +384,7 @@ def test_sampled_drafts_send_q_within_the_verifiers_limit(reference_model, pipel
         try:
             for prompt in _prompts("model")[:2]:
                 assert len(await _tokens(service.generator, _request(prompt, params))) == 20
-            seq = DraftSequence(params, [1, 2, 3], wire_mode=WireMode.ONE_HOT)
+            seq = DraftSequence(dataclasses.replace(params, wire_mode=WireMode.ONE_HOT), [1, 2, 3])
             assert service.model.support(seq) == 8
         finally:
             await service.stop()

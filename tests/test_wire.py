@@ -110,3 +110,35 @@ def test_older_peers_parse_the_goodput_fields_as_unknown_fields():
     assert not verifier_pb2.Verdict.FromString(older_verdict.SerializeToString()).HasField("next_draft_tokens")
     older_proposal = _older("Proposal", "max_draft_tokens")(seq_id=7, draft_token_ids=[4])
     assert not verifier_pb2.Proposal.FromString(older_proposal.SerializeToString()).HasField("max_draft_tokens")
+
+
+def test_stats_are_one_definition_mapped_to_the_proto_by_name():
+    """GenerationStats is draft.proto's Stats, field for field and in its order; every field survives the wire
+    (a field left out of the mapping, or added on one side only, fails here)."""
+    import dataclasses
+
+    from common.generation_stats import GenerationStats
+    from specwire.v1 import draft_pb2
+
+    assert [f.name for f in dataclasses.fields(GenerationStats)] == [f.name for f in draft_pb2.Stats.DESCRIPTOR.fields]
+    stats = GenerationStats(FinishReason.LENGTH, 7, 12, 4, 9, 6, [3, 2, 1], [4, 3, 2], 1.5, 0.25, 0.5, 0.75, 3,
+                            0.125, 2, 4096)
+    back = wire.stats_from_proto(draft_pb2.Stats.FromString(wire.stats_to_proto(stats).SerializeToString()))
+    assert back == stats and back.finish_reason == "length"
+    assert wire.stats_from_proto(draft_pb2.Stats()) == GenerationStats()
+
+
+def test_the_wire_mode_travels_in_the_sampling_parameters():
+    """One representation: the mode is read beside the message and carried in SamplingParams, which says what
+    it means for a greedy request (argmax: neither coupled nor sending q)."""
+    from common.sampling import WireMode
+
+    msg = wire.sampling_to_proto(SamplingParams(temperature=0.5))
+    assert wire.sampling_from_proto(msg).wire_mode is None
+    for mode, coupled, sends_q in ((WireMode.SPARSE, False, True), (WireMode.ONE_HOT, False, False),
+                                   (WireMode.COUPLED, True, False), (None, False, False)):
+        sampled = wire.sampling_from_proto(msg, mode)
+        assert sampled.wire_mode is mode
+        assert (sampled.is_coupled, sampled.sends_draft_probs) == (coupled, sends_q)
+        greedy = SamplingParams(temperature=0.0, wire_mode=mode)
+        assert not greedy.is_coupled and not greedy.sends_draft_probs

@@ -72,7 +72,7 @@ class Admission:
             raise ServiceError(ErrorCode.NOT_FOUND, f"unknown sequence {cmd.key.seq_id}: open it first (or it has "
                                "already finished)")
         # the rest of validation.check_proposal ran on the stream's side (servicer), off this thread
-        check_proposal_on(cmd, coupled=seq.sampling.coupled and not seq.sampling.is_greedy)
+        check_proposal_on(cmd, seq.sampling)
         dropped = drop_never_verifiable(seq)
         if len(seq.proposals) >= MAX_QUEUED_PROPOSALS:
             raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, f"sequence {cmd.key.seq_id} already has "

@@ -12,7 +12,7 @@ from common.block_manager import BlockManager
 from common.paged_model import ForwardBatch, PagedCausalLM
 from common.static_forward import StaticForward
 from verifier_service.types import SchedulerOutput
-from verifier_service.verification import VerifyItem, pack_host, verify_batch
+from verifier_service.verification import Verification, pack_host, verify_batch
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,14 @@ class VerifierRunner:
         return RunnerOutput(sampled, batch.input_ids.numel(), t1 - t0, time.perf_counter() - t1, host_s, device_s,
                             static)
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[VerifyItem]]:
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ForwardBatch, list[Verification]]:
         """One flattened variable-length batch; logits only for each verification's [last, drafts] rows."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         logits_rows: list[int] = []
-        items: list[VerifyItem] = []
+        items: list[Verification] = []
         for item in out.scheduled:
             seq = item.seq
             input_ids.extend(item.token_ids)
@@ -80,8 +80,7 @@ class VerifierRunner:
             if item.proposal is not None:
                 k = item.proposal.num_draft_tokens
                 logits_rows.extend(range(query_start[-1] - k - 1, query_start[-1]))
-                items.append(VerifyItem(seq.sampling, seq.num_tokens, item.proposal.draft_token_ids,
-                                        item.proposal.draft_probs))  # coupled sequences send no draft_probs
+                items.append((seq.sampling, item.proposal))
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),

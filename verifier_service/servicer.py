@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import time
 from collections.abc import AsyncIterator
@@ -13,6 +12,7 @@ import grpc
 import structlog
 
 from common.errors import ErrorCode, ServiceError
+from common.sampling import WireMode
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.stream_outbox import StreamOutbox
@@ -159,9 +159,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise ServiceError(ErrorCode.INVALID_ARGUMENT, "seq_id 0 is reserved (an error with seq_id 0 names "
                                    "no sequence); number sequences from 1")
             check_prompt_length(len(o.prompt_token_ids), limits)  # before they are converted
-            sampling = wire.sampling_from_proto(o.sampling).with_seed()
-            if o.coupled:
-                sampling = dataclasses.replace(sampling, coupled=True)
+            sampling = wire.sampling_from_proto(o.sampling, WireMode.COUPLED if o.coupled else None).with_seed()
             cache_salt = wire.cache_salt_from_proto(o)
         except ServiceError as err:
             outbox.refused(err.code)
@@ -185,7 +183,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                              wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids),
                              p.max_draft_tokens if p.HasField("max_draft_tokens") else None,
                              p.draft_seconds if p.HasField("draft_seconds") else None)
-            check_proposal(cmd, limits)  # whether the sequence is coupled is the engine's to check
+            check_proposal(cmd, limits)  # whether its sequence takes draft_probs is the engine's to check
             return cmd
         except ServiceError as err:
             outbox.refused(err.code)  # a q past --max-q-support (RESOURCE_EXHAUSTED) is not malformed

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError, invalid_argument
-from common.sampling import SparseProbs, validate_token_ids
+from common.sampling import SamplingParams, SparseProbs, validate_token_ids
 from verifier_service.types import OpenCmd, ProposeCmd
 
 # A proposal's q must sum to 1 within this (float32 on the wire).
@@ -69,21 +69,22 @@ def check_proposal_size(num_draft_tokens: int, num_assumed: int, q_sizes: list[i
                            "truncate q to its most probable tokens (the draft's --q-max-support) and renormalise")
 
 
-def check_proposal_on(cmd: ProposeCmd, *, coupled: bool) -> None:
-    """The part of the checks that needs the sequence: `coupled`, it is sampled and verified by coupling, so its
-    proposals carry token ids only. O(1): this runs on the engine thread."""
-    if coupled and cmd.draft_probs is not None:
+def check_proposal_on(cmd: ProposeCmd, sampling: SamplingParams) -> None:
+    """The part of the checks that needs the sequence's sampling parameters: a coupled sequence's proposals carry
+    token ids only. O(1): this runs on the engine thread."""
+    if sampling.is_coupled and cmd.draft_probs is not None:
         raise invalid_argument("the sequence was opened coupled: its proposals carry token ids only, no "
                                "draft_probs (the verifier decides every token from its own noise)")
 
 
-def check_proposal(cmd: ProposeCmd, limits: Limits, *, coupled: bool = False) -> None:
-    """Everything but the sequence's state, unless `coupled` is given (see check_proposal_on). Its cost is
-    bounded by check_proposal_size, which it runs first."""
+def check_proposal(cmd: ProposeCmd, limits: Limits, sampling: SamplingParams | None = None) -> None:
+    """Everything but the sequence's state, and with its `sampling` check_proposal_on too. Its cost is bounded
+    by check_proposal_size, which it runs first."""
     k = cmd.num_draft_tokens
     check_proposal_size(k, len(cmd.assumed_token_ids),
                         [max(len(q.token_ids), len(q.probs)) for q in cmd.draft_probs or ()], limits)
-    check_proposal_on(cmd, coupled=coupled)
+    if sampling is not None:
+        check_proposal_on(cmd, sampling)
     if cmd.draft_seconds is not None and not 0.0 <= cmd.draft_seconds < math.inf:
         raise invalid_argument(f"draft_seconds must be a finite time >= 0, got {cmd.draft_seconds}")
     if cmd.assumed_token_ids:

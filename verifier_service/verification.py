@@ -11,27 +11,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.sampling import SamplingParams, SparseProbs
+from common.sampling import SamplingParams
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.rejection_sampler import rejection_sample
 from kernels.sampling_probs import compute_probs
 from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata
+from verifier_service.types import ProposeCmd
 
-
-@dataclass(frozen=True)
-class VerifyItem:
-    sampling: SamplingParams  # with a seed
-    start_position: int  # position of the first draft token (= verified tokens so far)
-    draft_token_ids: tuple[int, ...]
-    draft_probs: tuple[SparseProbs, ...] | None  # None: one-hot (or greedy)
-
-    @property
-    def is_one_hot(self) -> bool:
-        return self.draft_probs is None
-
-    @property
-    def num_draft_tokens(self) -> int:
-        return len(self.draft_token_ids)
+# One verification: a sequence's sampling parameters (seeded) and its proposal, which starts at the sequence's
+# end (its start_position is the position of the first draft token). A proposal without draft_probs is verified
+# against q = delta(draft token) (one-hot; greedy and coupled sequences never read q).
+Verification = tuple[SamplingParams, ProposeCmd]
 
 
 @dataclass(frozen=True)
@@ -51,7 +41,7 @@ class VerifyInputs:
 
 def verify_batch(
     logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]: per item its k_i draft rows then its bonus row
-    items: list[VerifyItem],
+    items: list[Verification],
     inputs: VerifyInputs | None = None,  # already on the device (see HostInputs); None: packed and copied here
 ) -> list[list[int] | None]:
     """For each item, its accepted draft tokens followed by the recovered or bonus token; None for an item
@@ -65,10 +55,10 @@ def verify_batch(
     if not bool(torch.isfinite(logits).all()):  # rare: find the items with a non-finite row
         finite_rows = torch.isfinite(logits).all(dim=1).tolist()  # [num_draft_tokens + batch]
         first = 0
-        for i, it in enumerate(items):
-            if not all(finite_rows[first:first + it.num_draft_tokens + 1]):
+        for i, (_, proposal) in enumerate(items):
+            if not all(finite_rows[first:first + proposal.num_draft_tokens + 1]):
                 rows[i] = None
-            first += it.num_draft_tokens + 1
+            first += proposal.num_draft_tokens + 1
     return [None if row is None else [t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in rows]
 
 
@@ -99,36 +89,36 @@ class HostInputs:
         )
 
 
-def pack_inputs(items: list[VerifyItem], device: torch.device) -> VerifyInputs:
+def pack_inputs(items: list[Verification], device: torch.device) -> VerifyInputs:
     """The step's verification inputs on `device`, from one host-to-device copy."""
     return pack_host(items).to(device)
 
 
-def pack_host(items: list[VerifyItem]) -> HostInputs:
+def pack_host(items: list[Verification]) -> HostInputs:
     ints: list[list[int]] = []
     reals: list[list[float]] = []
-    ints.append([t for it in items for t in it.draft_token_ids])  # draft token ids
+    ints.append([t for _, p in items for t in p.draft_token_ids])  # draft token ids
     cu = [0]
-    for it in items:
-        cu.append(cu[-1] + it.num_draft_tokens)
+    for _, p in items:
+        cu.append(cu[-1] + p.num_draft_tokens)
     ints.append(cu)  # cu_num_draft_tokens
-    ints.append([int(it.is_one_hot) for it in items])
-    ints.append([int(it.sampling.is_greedy) for it in items])
-    ints.append([int(it.sampling.coupled) for it in items])
-    ints.append([it.sampling.seed for it in items])
-    ints.append([it.start_position for it in items])
+    ints.append([int(p.draft_probs is None) for _, p in items])  # one-hot
+    ints.append([int(s.is_greedy) for s, _ in items])
+    ints.append([int(s.is_coupled) for s, _ in items])
+    ints.append([s.seed for s, _ in items])
+    ints.append([p.start_position for _, p in items])
     sampled_rows, temperature, top_k, top_p = [], [], [], []
     q_rows, q_token_ids, q_probs = [], [], []
-    for i, it in enumerate(items):
-        if it.sampling.is_greedy:
+    for i, (sampling, proposal) in enumerate(items):
+        if sampling.is_greedy:
             continue
         first_row = cu[i] + i
-        for j in range(it.num_draft_tokens + 1):
+        for j in range(proposal.num_draft_tokens + 1):
             sampled_rows.append(first_row + j)
-            temperature.append(it.sampling.temperature)
-            top_k.append(it.sampling.top_k)
-            top_p.append(it.sampling.top_p)
-        for j, q in enumerate(it.draft_probs or ()):  # q rows are indexed by flat draft token
+            temperature.append(sampling.temperature)
+            top_k.append(sampling.top_k)
+            top_p.append(sampling.top_p)
+        for j, q in enumerate(proposal.draft_probs or ()):  # q rows are indexed by flat draft token
             q_rows.extend([cu[i] + j] * len(q.token_ids))
             q_token_ids.extend(q.token_ids)
             # the float32 values the draft sampled from, divided by their exactly rounded sum (see draft_service.draft_sampling)

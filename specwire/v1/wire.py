@@ -7,9 +7,12 @@ so a client still installs and imports without torch (tests/test_packaging.py ch
 
 from __future__ import annotations
 
+import dataclasses
+
 from common.errors import ErrorCode, invalid_argument
+from common.generation_stats import GenerationStats
 from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode
-from specwire.v1 import common_pb2, verifier_pb2
+from specwire.v1 import common_pb2, draft_pb2, verifier_pb2
 
 PROTOCOL_VERSION = "1"
 # Optional features a verifier lists in VerifierInfo.features; a draft asks for one only if it is listed.
@@ -112,9 +115,10 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
                             seed=params.seed, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+def sampling_from_proto(msg: common_pb2.SamplingParams, wire_mode: WireMode | None = None) -> SamplingParams:
     """Unset fields take SamplingParams' defaults. Raises ServiceError (INVALID_ARGUMENT) with a readable message
-    for out-of-range values, max_tokens 0 included: it is a value, not "unset"."""
+    for out-of-range values, max_tokens 0 included: it is a value, not "unset". The wire mode travels beside the
+    message (GenerateRequest.wire_mode, OpenSequence.coupled): its reader passes it in."""
     return SamplingParams(
         temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_k=msg.top_k,
@@ -122,7 +126,26 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         ignore_eos=msg.ignore_eos,
+        wire_mode=wire_mode,
     )
+
+
+# -- a generation's statistics ---------------------------------------------------------------------------------
+
+# GenerationStats' fields are draft.proto's Stats fields by name; the finish reason is the one converted.
+_STATS_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationStats) if f.name != "finish_reason")
+
+
+def stats_to_proto(stats: GenerationStats) -> draft_pb2.Stats:
+    return draft_pb2.Stats(finish_reason=finish_to_proto(stats.finish_reason),
+                           **{name: getattr(stats, name) for name in _STATS_FIELDS})
+
+
+def stats_from_proto(msg: draft_pb2.Stats) -> GenerationStats:
+    values = {name: getattr(msg, name) for name in _STATS_FIELDS}
+    values["accepted_per_position"] = list(msg.accepted_per_position)
+    values["drafted_per_position"] = list(msg.drafted_per_position)
+    return GenerationStats(finish_reason=finish_from_proto(msg.finish_reason), **values)
 
 
 # -- prefix-cache salt -----------------------------------------------------------------------------------------
