@@ -40,7 +40,8 @@ class VerifierConnection:
                  on_message: Callable[[verifier_pb2.VerifierMessage], None], on_lost: Callable[[str], None],
                  on_reconnect: Callable[[], None] | None = None) -> None:
         """`hello` with vocab_size 0: a proposer without logits takes the verifier's. `on_lost(reason)`: the stream
-        broke (not when it is closed here). `on_reconnect`: after each successful reconnection (not the first
+        ended, whatever ended it (the verifier, the network, or a teardown here: every live sequence must be
+        resumed on the next one). `on_reconnect`: after each successful reconnection (not the first
         connection)."""
         self.target = target
         self._hello = hello

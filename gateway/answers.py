@@ -192,9 +192,8 @@ def stats_extension(stats: Stats | None) -> dict | None:
     if stats is None:
         return None
     out = asdict(stats)
-    out["mean_acceptance_length"] = stats.num_generated_tokens / stats.num_rounds if stats.num_rounds else 0.0
-    out["acceptance_rate_per_position"] = [a / d if d else 0.0 for a, d in
-                                           zip(stats.accepted_per_position, stats.drafted_per_position, strict=False)]
+    out["mean_acceptance_length"] = stats.mean_acceptance_length
+    out["acceptance_rate_per_position"] = stats.acceptance_rate_per_position
     return out
 
 

@@ -12,6 +12,7 @@ import json
 import sys
 
 from common.config import DTYPES, QUANTIZATIONS, add_config_flags, add_flag, config_from_args
+from common.sampling import WireMode
 
 
 def _verifier_parser(sub) -> None:
@@ -67,7 +68,7 @@ def _generate_parser(sub) -> None:
     add_flag(p, "--seed", default=None, type=int, help="seed for a reproducible sampled generation")
     p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="override the service's k")
-    p.add_argument("--wire-mode", choices=("sparse", "one-hot", "coupled"), default=None,
+    p.add_argument("--wire-mode", choices=[m.value for m in WireMode], default=None,
                    help="override the service's wire mode (coupled: the seeded output is the target-alone output)")
     p.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and stats")
     p.set_defaults(func=_run_generate)

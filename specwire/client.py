@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -76,13 +77,24 @@ def build_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] 
 
 def _takes_request_keywords(method):
     """`method(self, prompt=None, *, result=None, **options)`, whose options are build_request's: its signature
-    and help list them (an unknown one raises TypeError from build_request, as Python would)."""
+    and help list them, and a call is checked against them when it is made, as Python checks any call (so an
+    unknown keyword raises TypeError from `client.stream(...)` itself, not from the first chunk)."""
     own = inspect.signature(method).parameters
     keywords = [p for name, p in inspect.signature(build_request).parameters.items() if name != "prompt"]
     params = [own["self"], own["prompt"], *keywords, *([own["result"]] if "result" in own else [])]
-    method.__signature__ = inspect.Signature(params, return_annotation=inspect.signature(method).return_annotation)
-    method.__doc__ = f"{method.__doc__}\n\n{build_request.__doc__}"
-    return method
+    signature = inspect.Signature(params, return_annotation=inspect.signature(method).return_annotation)
+
+    @functools.wraps(method)
+    def checked(*args, **kwargs):
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{method.__qualname__}(): {err}") from None
+        return method(*args, **kwargs)
+
+    checked.__signature__ = signature
+    checked.__doc__ = f"{method.__doc__}\n\n{build_request.__doc__}"
+    return checked
 
 
 class _Accumulator:

@@ -87,11 +87,16 @@ def test_both_clients_take_the_one_keyword_surface():
             assert [p.name for p in params[:2]] == ["self", "prompt"]
             assert params[2:2 + len(surface)] == surface, (cls.__name__, method.__name__)
     assert "wire_mode" in Client.stream.__doc__ and "cache_salt" in AsyncClient.generate.__doc__
-    with Client("127.0.0.1:1", connect_timeout=0.01) as client, pytest.raises(TypeError, match="max_token"):
-        client.generate("hi", max_token=3)
+    with Client("127.0.0.1:1", connect_timeout=0.01) as client:
+        with pytest.raises(TypeError, match="max_token"):
+            client.generate("hi", max_token=3)
+        with pytest.raises(TypeError, match=r"Client.stream\(\).*max_token"):  # at the call, not the first chunk
+            client.stream("hi", max_token=3)
 
     async def unknown_keyword() -> None:
         async with AsyncClient("127.0.0.1:1", connect_timeout=0.01) as client:
+            with pytest.raises(TypeError, match="temprature"):
+                client.stream("hi", temprature=0.5)
             await client.generate("hi", temprature=0.5)
 
     with pytest.raises(TypeError, match="temprature"):
