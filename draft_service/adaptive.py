@@ -50,15 +50,12 @@ class AdaptiveDraftLength:
 @dataclass
 class RoundLength:
     """Each round's draft length for one sequence: at most `k`; under --speculation auto, the verifier's latest
-    choice (`choice`, None before its first); under adaptive, the own-cost rule alone.
+    choice (`choice`, None before its first) capped by the own-cost rule; under adaptive, the own-cost rule alone.
 
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
-    and waiting times. Under auto it decides only while the verifier has made no choice (a verifier without the
-    goodput feature never does), and reacts more slowly than alone (one rejection otherwise cut k for the next
-    rounds, measured on 2 cores). Once the verifier chooses, its choice is followed up to `k`: the verifier prices
-    this draft's compute itself (Proposal.draft_seconds, goodput.py), so capping its choice by the own rule again
-    charged drafting twice (on the synthetic pair over 20 ms, 4 streams: auto 0.79x k = 4 with the cap, 1.00x
-    without)."""
+    and waiting times; under auto it only caps what the verifier may choose (drafting for many streams on few
+    cores is slow), and reacts more slowly than alone (one rejection otherwise cut k for the next rounds,
+    measured on 2 cores)."""
 
     k: int
     own: AdaptiveDraftLength | None = None
@@ -79,13 +76,13 @@ class RoundLength:
 
     def next_round(self) -> tuple[int, int | None]:
         """(this round's draft length, the cap to send with its proposal for the verifier's choice, or None)."""
-        if self.follows_verifier and self.choice is not None:
-            return min(self.k, self.choice), self.k
         own_cap = self.own.next_k() if self.own else self.k
         if self.follows_verifier:
-            # at least 1 until the verifier chooses: a block of 0 would not measure the drafting
+            # at least 1: the verifier brings k to 0 under load, and a draft that asked for 0 would never measure
+            # its drafting again (the own-cost rule's draft time is learnt from drafted rounds)
             own_cap = max(1, own_cap)
-        return min(self.k, own_cap), (self.k if self.follows_verifier else None)
+        k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
+        return k_round, (own_cap if self.follows_verifier else None)
 
     def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float,
                 wait_s: float) -> None:

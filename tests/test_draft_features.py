@@ -146,28 +146,3 @@ def test_the_own_cost_rule_takes_the_longest_k_near_its_optimum():
     # a draft that costs as much as the verification still gets a short k, tolerance or not
     costly = dict(state, t_draft=0.06)
     assert AdaptiveDraftLength(4, tolerance=0.03, **costly).next_k() <= 1
-
-
-def test_auto_follows_the_verifiers_choice_and_weighs_its_own_cost_only_before_one():
-    """The verifier prices the draft's compute (Proposal.draft_seconds): once it has chosen, its choice is the
-    round's length up to the request's k, and the cap sent is k, not the own-cost rule's (which would charge the
-    drafting twice). Before any choice (an older verifier never makes one) the own-cost rule decides, at least 1."""
-    from draft_service.adaptive import RoundLength
-
-    length = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=None)
-    costly = dict(accepted=2.8, rejected=2.2, t_draft=0.06, t_verify=0.06)  # its own rule alone: k <= 1
-    for name, value in costly.items():
-        setattr(length.own, name, value)
-    assert length.next_round() == (1, 4)  # no choice yet: the own rule, and the verifier may choose up to k
-    length.observe(1, 1, 3, 0.06, 0.06)  # the verifier chose 3
-    assert length.next_round() == (3, 4)
-    length.observe(3, 0, 0, 0.18, 0.06)  # ... then 0 (under load)
-    assert length.next_round() == (0, 4)
-    length.observe(0, 0, 9, 0.0, 0.06)  # a choice above the request's k is capped by it
-    assert length.next_round() == (4, 4)
-    length.observe(4, 4, None, 0.24, 0.06)  # a verdict without a choice: the own rule again
-    assert length.next_round() == (1, 4)
-    adaptive = RoundLength.for_mode(4, "adaptive", varies=True, weighs_own_cost=True, recent_choice=3)
-    for name, value in costly.items():
-        setattr(adaptive.own, name, value)
-    assert adaptive.next_round() == (0, None)  # adaptive: the own rule alone (0 allowed), nothing asked
