@@ -14,6 +14,7 @@ from typing import Any
 import structlog
 
 from common.errors import ErrorCode, ServiceError, invalid_argument
+from common.generation_stats import GenerationStats
 from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
 from common.tokenizer import INLINE_PROMPT_IDS, PromptEncoder
 from draft_service.adaptive import RoundLength
@@ -28,7 +29,6 @@ from draft_service.types import (
     DroppedEvent,
     ErrorEvent,
     GenerationRequest,
-    GenerationStats,
     StreamLost,
     TextChunk,
     VerdictEvent,

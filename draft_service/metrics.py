@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from draft_service.types import GenerationStats
+from common.generation_stats import GenerationStats
 
 
 class DraftMetrics:

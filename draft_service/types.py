@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
-from common.generation_stats import GenerationStats  # noqa: F401 - the draft service's stats, defined with the SDK's
 from common.sampling import FinishReason, SamplingParams, SparseProbs
 
 

@@ -15,6 +15,7 @@ import torch
 import specwire
 from common.block_manager import BlockManager
 from common.errors import ErrorCode, ServiceError
+from common.generation_stats import GenerationStats
 from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
@@ -26,7 +27,7 @@ from draft_service.drafters import NgramDrafter
 from draft_service.generation import Generator
 from draft_service.sequence import DraftSequence
 from draft_service.servicer import DraftServicer
-from draft_service.types import GenerationRequest, GenerationStats, VerdictEvent, VerifierIdentity
+from draft_service.types import GenerationRequest, VerdictEvent, VerifierIdentity
 
 from stacks import start_stack
 from tiny_models import build_model, greedy_continuation, make_text_pair, model_config
