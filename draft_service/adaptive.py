@@ -11,6 +11,7 @@ and a slow network makes them worth more (the best k grows with the round-trip t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 
@@ -38,6 +39,16 @@ class AdaptiveDraftLength:
             self.t_draft = per_token if self.t_draft is None else 0.7 * self.t_draft + 0.3 * per_token
         self.t_verify = wait_s if self.t_verify is None else 0.7 * self.t_verify + 0.3 * wait_s
 
+    def seeded(self, k_max: int, strength: float = 5.0) -> AdaptiveDraftLength:
+        """A new sequence's estimate from this one, pooled over a process's recent rounds: its timings, and its
+        acceptance carried by `strength` pseudo-counts (the default prior's), so the sequence's own rounds soon
+        outweigh it. A short request on text the draft does not know (acceptance 0.2, say) then starts where the
+        requests before it ended, not at the optimistic default that it would spend its few rounds unlearning."""
+        total = self.accepted + self.rejected
+        scale = strength / total if total > 0 else 0.0
+        return dataclasses.replace(self, k_max=k_max, accepted=self.accepted * scale,
+                                   rejected=self.rejected * scale) if scale else dataclasses.replace(self, k_max=k_max)
+
     def next_k(self) -> int:
         if self.t_draft is None or self.t_verify is None:
             return self.k_max  # no timings yet: start optimistic, the first rounds measure
@@ -53,34 +64,45 @@ class RoundLength:
     choice (`choice`, None before its first) capped by the own-cost rule; under adaptive, the own-cost rule alone.
 
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
-    and waiting times; under auto it only caps what the verifier may choose (drafting for many streams on few
-    cores is slow), and reacts more slowly than alone (one rejection otherwise cut k for the next rounds,
-    measured on 2 cores)."""
+    and waiting times; under auto it caps what the verifier may choose (the verifier sees the draft's model time
+    per block, not what drafting costs a draft process that serves many streams on the verifier's own cores), and
+    reacts more slowly than alone (one rejection otherwise cut k for the next rounds, measured on 2 cores). Where
+    it says 0, every `probe_every`-th round still drafts one token: the rule learns its acceptance and draft time
+    only from drafted rounds, and would otherwise hold 0 for good."""
 
     k: int
     own: AdaptiveDraftLength | None = None
     follows_verifier: bool = False
     choice: int | None = None
+    probe_every: int = 8
+    _rounds_at_zero: int = 0
 
     @classmethod
-    def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool,
-                 recent_choice: int | None) -> RoundLength:
+    def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool, recent_choice: int | None,
+                 pooled: AdaptiveDraftLength | None = None) -> RoundLength:
         """`mode`: --speculation; `varies`: whether this sequence's k may vary at all; `recent_choice`: the
         verifier's last choice for any sequence of this process, so a request that starts under load does not
-        begin with a full-k block."""
+        begin with a full-k block; `pooled`: the own-cost estimate over this process's recent rounds, the new
+        sequence's starting point (AdaptiveDraftLength.seeded)."""
         own = None
         if varies and weighs_own_cost:
-            own = (AdaptiveDraftLength(k, decay=0.95, tolerance=0.03) if mode == "auto" else AdaptiveDraftLength(k))
+            if pooled is not None:
+                own = pooled.seeded(k)
+            else:
+                own = (AdaptiveDraftLength(k, decay=0.95, tolerance=0.03) if mode == "auto"
+                       else AdaptiveDraftLength(k))
         follows = varies and mode == "auto"
         return cls(k, own, follows, recent_choice if follows else None)
 
     def next_round(self) -> tuple[int, int | None]:
         """(this round's draft length, the cap to send with its proposal for the verifier's choice, or None)."""
         own_cap = self.own.next_k() if self.own else self.k
-        if self.follows_verifier:
-            # at least 1: the verifier brings k to 0 under load, and a draft that asked for 0 would never measure
-            # its drafting again (the own-cost rule's draft time is learnt from drafted rounds)
-            own_cap = max(1, own_cap)
+        if own_cap == 0 and self.own is not None:
+            self._rounds_at_zero += 1
+            if self.probe_every and self._rounds_at_zero % self.probe_every == 0:
+                own_cap = 1
+        else:
+            self._rounds_at_zero = 0
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
         return k_round, (own_cap if self.follows_verifier else None)
 

@@ -17,7 +17,7 @@ from common.errors import ErrorCode, ServiceError, invalid_argument
 from common.generation_stats import GenerationStats
 from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
 from common.tokenizer import INLINE_PROMPT_IDS, PromptEncoder
-from draft_service.adaptive import RoundLength
+from draft_service.adaptive import AdaptiveDraftLength, RoundLength
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
 from draft_service.metrics import DraftMetrics
@@ -86,6 +86,9 @@ class Generator:
         self._recent_choice: int | None = None  # the verifier's last choice for any sequence (auto)
         # n-gram drafts cost nothing to make: there is no draft time for the own-cost rule to weigh
         self.weighs_own_cost = config.proposer == "model"
+        # the own-cost rule's estimate over every sequence's rounds: where a new sequence's starts
+        self._pooled_own = (AdaptiveDraftLength(config.num_speculative_tokens, decay=0.95, tolerance=0.03)
+                            if self.speculation == "auto" else AdaptiveDraftLength(config.num_speculative_tokens))
         # one-hot and coupled wire modes send ids only: the verifier then takes q = delta(x) (lossless for any q),
         # or decides every token from its own noise
         self.wire_mode = WireMode(config.wire_mode)
@@ -169,7 +172,8 @@ class Generator:
         sampling = self._sampling(requested.with_seed(), identity)
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity))
         length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k),
-                                      weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice)
+                                      weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
+                                      pooled=self._pooled_own)
         return prompt, seq, length
 
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
@@ -185,6 +189,8 @@ class Generator:
         if stats.num_rounds == 1:
             stats.time_to_first_token_s = time.perf_counter() - t0
         length.observe(block.num_draft_tokens, verdict.num_accepted, verdict.next_draft_tokens, draft_s, wait_s)
+        if length.own:
+            self._pooled_own.observe(block.num_draft_tokens, verdict.num_accepted, draft_s, wait_s)
         if length.choice is not None:
             self._recent_choice = length.choice
 

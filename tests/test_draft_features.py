@@ -146,3 +146,40 @@ def test_the_own_cost_rule_takes_the_longest_k_near_its_optimum():
     # a draft that costs as much as the verification still gets a short k, tolerance or not
     costly = dict(state, t_draft=0.06)
     assert AdaptiveDraftLength(4, tolerance=0.03, **costly).next_k() <= 1
+
+
+def test_the_own_cost_rule_drafts_nothing_but_probes_where_drafting_costs_more_than_it_saves():
+    """Under auto the verifier prices a draft's model time, not what drafting costs a process beside it on the
+    same cores: where one draft token costs this sequence more than it saves (acceptance 0.15 here), the round
+    drafts nothing whatever the verifier chose, except every 8th, which drafts one to measure again."""
+    from draft_service.adaptive import AdaptiveDraftLength, RoundLength
+
+    own = AdaptiveDraftLength(4, accepted=0.3, rejected=1.7, t_draft=0.3, t_verify=1.0, decay=0.95, tolerance=0.03)
+    length = RoundLength(4, own, follows_verifier=True, choice=3)
+    rounds = [length.next_round() for _ in range(16)]
+    assert [k for k, _ in rounds] == [0] * 7 + [1] + [0] * 7 + [1]
+    assert [cap for _, cap in rounds] == [k for k, _ in rounds]  # the verifier is asked for no more
+    length.choice = 0  # the verifier's choice bounds the probe too
+    assert all(length.next_round()[0] == 0 for _ in range(16))
+    # good acceptance: the verifier's choice again
+    cheap = RoundLength(4, dataclasses.replace(own, accepted=4.0, rejected=1.0, t_draft=0.02), follows_verifier=True,
+                        choice=3)
+    assert cheap.next_round() == (3, 4)
+
+
+def test_a_new_sequence_starts_from_the_processs_recent_acceptance():
+    """The own-cost estimate pooled over a process's rounds seeds a new sequence's: a short request on text the
+    draft does not know starts low, not at the optimistic default, and its own rounds soon outweigh the pool."""
+    from draft_service.adaptive import AdaptiveDraftLength, RoundLength
+
+    pooled = AdaptiveDraftLength(4, decay=0.95, tolerance=0.03)
+    for _ in range(40):
+        pooled.observe(4, 0, draft_s=0.4, wait_s=1.0)
+    fresh = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4)
+    seeded = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4, pooled=pooled)
+    assert fresh.next_round()[0] == 4 and seeded.next_round()[0] == 0
+    assert seeded.own.accepted + seeded.own.rejected == pytest.approx(5.0)  # the default prior's weight
+    assert seeded.own.t_draft == pooled.t_draft and seeded.own.k_max == 4
+    for _ in range(6):
+        seeded.own.observe(4, 4, draft_s=0.04, wait_s=1.0)
+    assert seeded.next_round()[0] == 4

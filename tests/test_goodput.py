@@ -114,6 +114,19 @@ def test_step_time_model_interpolates_and_guesses_proportionally_outside():
     assert m.predict(16) >= m.predict(8)
 
 
+def test_a_rarely_seen_slow_step_size_does_not_price_the_sizes_seen_often():
+    """On shared cores a few small steps run slow (a prefill beside them); the many steps of the usual size say
+    what that size costs. The curve stays non-decreasing by pooling the two, weighted by how often each was seen,
+    not by lifting the usual size to the rare maximum (which made longer drafts look free)."""
+    m = StepTimeModel()
+    for i in range(60):
+        m.observe(6, 0.40)
+        if i % 30 == 0:
+            m.observe(2, 0.90)
+    assert m.predict(6) < 0.5 and m.predict(2) <= m.predict(6)
+    assert m.predict(8) == pytest.approx(m.predict(6) * 8 / 6)
+
+
 def test_acceptance_tracker_conditions_on_earlier_positions_and_drifts_back():
     t = AcceptanceTracker(max_positions=4)
     for _ in range(30):
@@ -172,7 +185,7 @@ def test_time_waiting_for_drafting_makes_longer_drafts_dearer_unless_it_is_hidde
 
     def controller(idle_s: float, drafting_s: float | None, exposure: float = 0.0) -> DraftLengthController:
         c = DraftLengthController(4, step_time=model_of(lambda n: 0.5 + 0.02 * n), probe_every=0)
-        c.idle_s, c.mean_chosen_k, c.exposure = idle_s, 4.0, exposure
+        c.idle_s, c.mean_longest_k, c.exposure = idle_s, 4.0, exposure
         for _ in range(50):
             if drafting_s is not None:
                 c.observe_drafting(drafting_s, drafting_s / 4)
@@ -192,3 +205,16 @@ def test_time_waiting_for_drafting_makes_longer_drafts_dearer_unless_it_is_hidde
     hidden = controller(0.0, 1.0, exposure=1.0)
     assert hidden.exposure == pytest.approx(0.0, abs=0.01)
     assert mean_k(hidden) == mean_k(controller(0.0, None)) > 0
+
+
+def test_the_wait_for_drafting_is_priced_by_the_longest_block():
+    """A draft drafts its sequences' blocks in one batch, a token of each per draft step: the verifier waits as
+    long as the longest block takes, whatever the others draft. One well-predicted sequence among seven poor ones
+    then does not pay for holding up all eight (priced by the mean block, its tokens looked 8 times cheaper);
+    eight well-predicted ones do, and they draft alike."""
+    step = model_of(lambda n: 0.1)
+    one_good = [Candidate("good", 4, (0.95,) * 4)] + [Candidate(i, 4, (0.05,) * 4) for i in range(7)]
+    assert set(choose_draft_lengths(one_good, step, idle_per_block_token=0.05).draft_lengths.values()) == {0}
+    all_good = [Candidate(i, 4, (0.95,) * 4) for i in range(8)]
+    lengths = set(choose_draft_lengths(all_good, step, idle_per_block_token=0.05).draft_lengths.values())
+    assert len(lengths) == 1 and lengths.pop() > 0

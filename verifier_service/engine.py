@@ -161,6 +161,7 @@ class VerifierEngine:
         chosen = control.choose(caps, other_tokens, other_output)
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
+        stats.priced_wait = control.idle_split()
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]
 

@@ -14,11 +14,13 @@ expected verified tokens per second of the next step (goodput, as in SmartSpec, 
 
     goodput(k) = sum_i E_i(k_i) / t(sum_i (1 + k_i))      E_i(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_{i,m}
 
-For a fixed number of drafted tokens M the numerator is largest when it takes the M largest marginal gains
-prod_{m<=j} alpha_{i,m} over all sequences (each sequence's gains fall with j), so the search runs over M only:
-the best prefix of the merged, sorted marginal gains. Under heavy load t grows with every token and the choice
-falls to k = 0 (plain decoding through the same path); when the verifier is idle t hardly grows and the choice
-rises to each sequence's cap. Low acceptance lowers k at any load.
+t also holds the verifier's wait for the next proposals, of which drafting the longest block is the part that
+k changes (the draft drafts its sequences' blocks in one batch). For a fixed number of drafted tokens M and a
+bound L on the block length the numerator is largest when it takes the M largest marginal gains
+prod_{m<=j} alpha_{i,m}, j <= L, over all sequences (each sequence's gains fall with j), so the search runs over
+L and M: the best prefix of the merged, sorted marginal gains under each bound. Under heavy load t grows with
+every token and the choice falls to k = 0 (plain decoding through the same path); when the verifier is idle t
+hardly grows and the choice rises to each sequence's cap. Low acceptance lowers k at any load.
 """
 
 from __future__ import annotations
@@ -53,62 +55,74 @@ class Allocation:
         return self.expected_tokens / self.predicted_step_s if self.predicted_step_s > 0 else 0.0
 
 
+def _merged_gains(cands: list[Candidate], limit: int) -> list[tuple[float, int]]:
+    """Every candidate's marginal gains up to `limit` positions, largest first, as (gain, candidate index): gain j
+    of c is prod_{m<=j} alpha_{c,m}, falling with j, so the merge keeps each candidate's positions in order."""
+    heap: list[tuple[float, int, int, float]] = []  # (-gain, candidate index, j, running product)
+    for i, c in enumerate(cands):
+        if min(c.max_k, limit) > 0 and c.rates:
+            heapq.heappush(heap, (-c.rates[0], i, 0, c.rates[0]))
+    out: list[tuple[float, int]] = []
+    while heap:
+        neg_gain, i, j, prod = heapq.heappop(heap)
+        out.append((-neg_gain, i))
+        c = cands[i]
+        if j + 1 < min(c.max_k, len(c.rates), limit):
+            nxt = prod * c.rates[j + 1]
+            heapq.heappush(heap, (-nxt, i, j + 1, nxt))
+    return out
+
+
 def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel, other_tokens: int = 0,
                          other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
-                         idle_per_draft_token: float = 0.0) -> Allocation:
+                         idle_per_block_token: float = 0.0) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
     `idle_s`: the verifier's time between steps (waiting for proposals), which a step's tokens do not lengthen;
-    `idle_per_draft_token`: what each drafted token adds to it (the draft's time to draft it, where the verifier
-    waits for that).
-    `tolerance`: of the totals whose goodput is within this fraction of the best, the largest is taken.
-    Without a step observed yet every candidate gets its cap."""
+    `idle_per_block_token`: what each token of the longest block adds to it (the draft drafts its sequences'
+    blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
+    long as the longest block takes).
+    `tolerance`: of the choices whose goodput is within this fraction of the best, the one with the most
+    drafted tokens is taken. Without a step observed yet every candidate gets its cap.
+
+    For a given total M of drafted tokens the step's tokens are fixed and the expected output is largest when it
+    takes the M largest marginal gains; with the longest block priced as well, that holds for each bound L on
+    the block length, so the search runs over L and M."""
     cands = list(candidates)
     base = len(cands)
     if not step_time.ready:
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
 
-    def cost(n: int, m: int) -> float:
-        return step_time.predict(n) + idle_s + idle_per_draft_token * m if n else 0.0
+    def cost(n: int, longest: int) -> float:
+        return step_time.predict(n) + idle_s + idle_per_block_token * longest if n else 0.0
 
-    # every candidate's marginal gains, merged largest first: gain j of c is prod_{m<=j} alpha_{c,m}
-    heap: list[tuple[float, int, int, float]] = []  # (-gain, candidate index, j, running product)
-    for i, c in enumerate(cands):
-        if c.max_k > 0 and c.rates:
-            heapq.heappush(heap, (-c.rates[0], i, 0, c.rates[0]))
-    counts = [0] * base
-    best_m, best_goodput = 0, 0.0
-    expected = float(base) + other_output
-    taken: list[int] = []
-    expected_at = [expected]
-    m = 0
-    goodputs: list[float] = []
-    while True:
-        n = base + other_tokens + m
-        goodput = expected / cost(n, m) if n else 0.0
-        goodputs.append(goodput)
-        if goodput > best_goodput * (1 + 1e-9):
-            best_m, best_goodput = m, goodput
-        if not heap:
-            break
-        neg_gain, i, j, prod = heapq.heappop(heap)
-        expected -= neg_gain
-        taken.append(i)
-        expected_at.append(expected)
-        m += 1
-        c = cands[i]
-        if j + 1 < min(c.max_k, len(c.rates)):
-            nxt = prod * c.rates[j + 1]
-            heapq.heappush(heap, (-nxt, i, j + 1, nxt))
+    top = max((min(c.max_k, len(c.rates)) for c in cands), default=0)
+    limits = range(1, top + 1) if idle_per_block_token > 0 else [top]
+    start = float(base) + other_output
+    # (goodput, drafted tokens, block-length bound, expected tokens, longest block) of every option
+    options = [(start / cost(base + other_tokens, 0) if base + other_tokens else 0.0, 0, 0, start, 0)]
+    for limit in limits:
+        counts = [0] * base
+        expected, longest = start, 0
+        for m, (gain, i) in enumerate(_merged_gains(cands, limit), start=1):
+            expected += gain
+            counts[i] += 1
+            longest = max(longest, counts[i])
+            options.append((expected / cost(base + other_tokens + m, longest), m, limit, expected, longest))
+    best = max(o[0] for o in options)
     if tolerance > 0:
-        best_m = max(m for m, g in enumerate(goodputs) if g >= best_goodput * (1 - tolerance))
-    for i in taken[:best_m]:
+        goodput, m, limit, expected, longest = max((o for o in options if o[0] >= best * (1 - tolerance)),
+                                                   key=lambda o: (o[1], o[0]))
+    else:
+        goodput, m, limit, expected, longest = next(o for o in options if o[0] >= best * (1 - 1e-9))
+    counts = [0] * base
+    for _, i in _merged_gains(cands, limit)[:m]:
         counts[i] += 1
     lengths = {c.key: counts[i] for i, c in enumerate(cands)}
-    n = base + other_tokens + best_m
-    return Allocation(lengths, expected_at[best_m], n, cost(n, best_m))
+    n = base + other_tokens + m
+    return Allocation(lengths, expected, n, cost(n, longest))
 
 
 @dataclass
@@ -132,11 +146,12 @@ class DraftLengthController:
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
     idle_s: float = 0.0  # moving average of the time between steps
     # the drafts' seconds per drafted token (Proposal.draft_seconds over the longest block of its step), and the
-    # mean draft length chosen: the share of idle_s that is the verifier waiting for drafting (see choose)
+    # longest block chosen, on average: the share of idle_s that is the verifier waiting for drafting (see choose)
     draft_decay: float = 0.8
     draft_s_per_token: float | None = None
-    mean_chosen_k: float = 0.0
-    exposure: float = 0.0  # e, below
+    mean_longest_k: float = 0.0
+    # e, below; before any drafting is seen, 1: the verifier waits for every draft in one phase (--phases hold)
+    exposure: float = 1.0
     _choices: int = 0
 
     def __post_init__(self) -> None:
@@ -167,18 +182,16 @@ class DraftLengthController:
         waited = min(1.0, self.idle_s / min(seconds, self.max_idle_s))
         self.exposure = d * self.exposure + (1 - d) * waited
 
-    def idle_split(self, num_candidates: int) -> tuple[float, float]:
-        """(idle seconds per step that no draft length changes, seconds each drafted token adds). The verifier
-        waits idle_s before each step, of which drafting at the mean length chosen takes s * k; it waits for a
-        share e of the drafting (observe_drafting: 1 in one phase, where it waits for every draft; 0 where
-        drafting hides behind other work; kept while nothing is drafted). A block of k tokens adds e * s * k to
-        the wait, and a total of M drafted tokens over the candidates e * s * M / candidates (a batch takes as
-        long as its longest block, about the mean length when lengths are alike)."""
+    def idle_split(self) -> tuple[float, float]:
+        """(idle seconds per step that no draft length changes, seconds each token of the longest block adds).
+        The verifier waits idle_s before each step, of which drafting the longest block chosen, on average k̄
+        tokens, takes s * k̄; it waits for a share e of the drafting (observe_drafting: 1 in one phase, where it
+        waits for every draft; 0 where drafting hides behind other work; kept while nothing is drafted). A
+        longest block of k tokens then adds e * s * k to the wait."""
         s = self.draft_s_per_token
-        if not s or num_candidates <= 0:
+        if not s:
             return self.idle_s, 0.0
-        return (max(0.0, self.idle_s - self.exposure * s * self.mean_chosen_k),
-                self.exposure * s / num_candidates)
+        return max(0.0, self.idle_s - self.exposure * s * self.mean_longest_k), self.exposure * s
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)
@@ -191,12 +204,12 @@ class DraftLengthController:
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
         tokens."""
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in caps.items()]
-        fixed_idle, per_token = self.idle_split(len(candidates))
+        fixed_idle, per_token = self.idle_split()
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_token)
         if chosen.draft_lengths:
-            mean_k = sum(chosen.draft_lengths.values()) / len(chosen.draft_lengths)
-            self.mean_chosen_k = self.draft_decay * self.mean_chosen_k + (1 - self.draft_decay) * mean_k
+            longest = max(chosen.draft_lengths.values())
+            self.mean_longest_k = self.draft_decay * self.mean_longest_k + (1 - self.draft_decay) * longest
         self._choices += 1
         if self.probe_every and self._choices % self.probe_every == 0:
             lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}

@@ -26,11 +26,19 @@ class StepTimeModel:
     Between observed buckets t is interpolated linearly; outside them it is scaled in proportion to the tokens
     (t(n) = t(n0) * n / n0), the compute-bound guess: it makes untried smaller steps look cheap and untried
     larger ones dear, so the controller tries plain decoding under load and learns what it really costs, and
-    never bets on a long draft being free before it has seen one. The curve is made non-decreasing."""
+    never bets on a long draft being free before it has seen one.
+
+    The curve is made non-decreasing by pooling adjacent buckets that violate it (isotonic regression), each
+    weighted by how many of the recent steps it saw: a step size seen rarely, and slowed by what else ran on the
+    host then, does not lift the time of every larger step above what the verifier sees them take. (A running
+    maximum did: on 2 shared cores a few 2-token steps at 0.9 s priced the 6-token steps, measured at 0.4 s, at
+    0.6 s, so that longer drafts looked nearly free.)"""
 
     decay: float = 0.8  # weight of a bucket's past in its average
+    weight_decay: float = 0.99  # per step, of every bucket's count of the steps it saw
     _tokens: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
     _seconds: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
+    _weights: list[float] = field(default_factory=lambda: [0.0] * len(_BUCKETS))
     # points() until the next observation: predict() runs once per drafted token a choice considers
     _points: list[tuple[float, float]] | None = None
     _xs: list[float] = field(default_factory=list)
@@ -40,6 +48,8 @@ class StepTimeModel:
             return
         self._points = None
         b = _bucket(num_tokens)
+        self._weights = [w * self.weight_decay for w in self._weights]
+        self._weights[b] += 1.0
         if self._tokens[b] is None:
             self._tokens[b], self._seconds[b] = float(num_tokens), seconds
         else:
@@ -52,14 +62,20 @@ class StepTimeModel:
         return any(t is not None for t in self._tokens)
 
     def points(self) -> list[tuple[float, float]]:
-        """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds."""
+        """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds (pool adjacent
+        violators, weighted by the buckets' recent counts)."""
         if self._points is None:
-            pts = sorted((n, s) for n, s in zip(self._tokens, self._seconds, strict=True) if n is not None)
-            out: list[tuple[float, float]] = []
-            for n, s in pts:
-                if out and s < out[-1][1]:
-                    s = out[-1][1]
-                out.append((n, s))
+            pts = [(n, s, w) for n, s, w in zip(self._tokens, self._seconds, self._weights, strict=True)
+                   if n is not None]
+            blocks: list[list[float]] = []  # [mean seconds, weight, number of points] per pooled run
+            for _, s, w in pts:
+                blocks.append([s, max(w, 1e-6), 1])
+                while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+                    s1, w1, c1 = blocks.pop()
+                    s0, w0, c0 = blocks[-1]
+                    blocks[-1] = [(s0 * w0 + s1 * w1) / (w0 + w1), w0 + w1, c0 + c1]
+            seconds = [b[0] for b in blocks for _ in range(int(b[2]))]
+            out = [(n, s) for (n, _, _), s in zip(pts, seconds, strict=True)]
             self._points, self._xs = out, [n for n, _ in out]
         return self._points
 

@@ -129,6 +129,8 @@ class StepStats:
     tokens_by_stream: dict[int, int] = field(default_factory=dict)  # streams with work -> tokens scheduled
     chosen_draft_lengths: list[int] = field(default_factory=list)  # the next lengths chosen after this step
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
+    # how the choice priced the verifier's wait: seconds no length changes, and per token of the longest block
+    priced_wait: tuple[float, float] | None = None
 
     @property
     def budget_fairness(self) -> float:
