@@ -61,14 +61,16 @@ class AdaptiveDraftLength:
 @dataclass
 class RoundLength:
     """Each round's draft length for one sequence: at most `k`; under --speculation auto, the verifier's latest
-    choice (`choice`, None before its first) capped by the own-cost rule; under adaptive, the own-cost rule alone.
+    choice (`choice`, None before its first), or 0 where the own-cost rule says drafting does not pay this
+    sequence at all; under adaptive, the own-cost rule's length.
 
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
-    and waiting times; under auto it caps what the verifier may choose (the verifier sees the draft's model time
-    per block, not what drafting costs a draft process that serves many streams on the verifier's own cores), and
-    reacts more slowly than alone (one rejection otherwise cut k for the next rounds, measured on 2 cores). Where
-    it says 0, every `probe_every`-th round still drafts one token: the rule learns its acceptance and draft time
-    only from drafted rounds, and would otherwise hold 0 for good."""
+    and waiting times. Under auto the verifier prices the batch, the network and its wait for drafting, so only
+    the rule's 0 is kept: a draft token that costs this sequence more than it saves (text the draft does not know,
+    a slow draft beside the verifier on its cores) is not drafted whatever the verifier chose. (As a cap on the
+    verifier's choice the rule's length cost the synthetic pair over 20 ms up to 0.12x of k = 4 at 1 to 4
+    streams, measured on 2 cores.) Where it says 0, every `probe_every`-th round still drafts one token: the rule
+    learns its acceptance and draft time only from drafted rounds, and would otherwise hold 0 for good."""
 
     k: int
     own: AdaptiveDraftLength | None = None
@@ -97,6 +99,10 @@ class RoundLength:
     def next_round(self) -> tuple[int, int | None]:
         """(this round's draft length, the cap to send with its proposal for the verifier's choice, or None)."""
         own_cap = self.own.next_k() if self.own else self.k
+        if self.follows_verifier and own_cap > 0:
+            # the verifier prices the batch, the network and the wait for drafting: the own rule only says
+            # whether this sequence's drafting pays at all
+            own_cap = self.k
         if own_cap == 0 and self.own is not None:
             self._rounds_at_zero += 1
             if self.probe_every and self._rounds_at_zero % self.probe_every == 0:

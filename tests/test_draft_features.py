@@ -161,10 +161,11 @@ def test_the_own_cost_rule_drafts_nothing_but_probes_where_drafting_costs_more_t
     assert [cap for _, cap in rounds] == [k for k, _ in rounds]  # the verifier is asked for no more
     length.choice = 0  # the verifier's choice bounds the probe too
     assert all(length.next_round()[0] == 0 for _ in range(16))
-    # good acceptance: the verifier's choice again
-    cheap = RoundLength(4, dataclasses.replace(own, accepted=4.0, rejected=1.0, t_draft=0.02), follows_verifier=True,
-                        choice=3)
-    assert cheap.next_round() == (3, 4)
+    # where drafting pays this sequence at all, the verifier's choice, not the rule's own length (here 1)
+    paying = dataclasses.replace(own, accepted=1.0, rejected=1.0)
+    assert paying.next_k() == 1
+    assert RoundLength(4, paying, follows_verifier=True, choice=3).next_round() == (3, 4)
+    assert RoundLength(4, paying).next_round() == (1, None)  # --speculation adaptive: the rule alone
 
 
 def test_a_new_sequence_starts_from_the_processs_recent_acceptance():
