@@ -103,14 +103,18 @@ class RoundLength:
             # the verifier prices the batch, the network and the wait for drafting: the own rule only says
             # whether this sequence's drafting pays at all
             own_cap = self.k
+        ask = own_cap
         if own_cap == 0 and self.own is not None:
+            # gated: the verifier is still asked about one token (not 0, which it would only echo back), so that
+            # its choice says whether the verifier's load leaves room for the probe
+            ask = min(self.k, 1)
             self._rounds_at_zero += 1
             if self.probe_every and self._rounds_at_zero % self.probe_every == 0:
                 own_cap = 1
         else:
             self._rounds_at_zero = 0
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
-        return k_round, (own_cap if self.follows_verifier else None)
+        return k_round, (ask if self.follows_verifier else None)
 
     def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float,
                 wait_s: float) -> None:

@@ -151,20 +151,30 @@ def test_the_own_cost_rule_takes_the_longest_k_near_its_optimum():
 def test_the_own_cost_rule_drafts_nothing_but_probes_where_drafting_costs_more_than_it_saves():
     """Under auto the verifier prices a draft's model time, not what drafting costs a process beside it on the
     same cores: where one draft token costs this sequence more than it saves (acceptance 0.15 here), the round
-    drafts nothing whatever the verifier chose, except every 8th, which drafts one to measure again."""
+    drafts nothing whatever the verifier would choose, except every 8th, which drafts one to measure again, as
+    long as the verifier (asked about one token meanwhile) has room for it."""
     from draft_service.adaptive import AdaptiveDraftLength, RoundLength
 
     own = AdaptiveDraftLength(4, accepted=0.3, rejected=1.7, t_draft=0.3, t_verify=1.0, decay=0.95, tolerance=0.03)
-    length = RoundLength(4, own, follows_verifier=True, choice=3)
-    rounds = [length.next_round() for _ in range(16)]
-    assert [k for k, _ in rounds] == [0] * 7 + [1] + [0] * 7 + [1]
-    assert [cap for _, cap in rounds] == [k for k, _ in rounds]  # the verifier is asked for no more
-    length.choice = 0  # the verifier's choice bounds the probe too
-    assert all(length.next_round()[0] == 0 for _ in range(16))
+
+    def rounds(length: RoundLength, verifier_would: int, n: int = 16) -> list[tuple[int, int]]:
+        out = []
+        for _ in range(n):
+            k, cap = length.next_round()
+            out.append((k, cap))
+            # the verifier's choice never exceeds the cap asked; these rounds leave the estimate as it is
+            length.choice = min(cap, verifier_would)
+        return out
+
+    gated = rounds(RoundLength(4, dataclasses.replace(own), follows_verifier=True, choice=3), verifier_would=3)
+    assert [k for k, _ in gated] == [0] * 7 + [1] + [0] * 7 + [1]
+    assert {cap for _, cap in gated} == {1}
+    loaded = rounds(RoundLength(4, dataclasses.replace(own), follows_verifier=True, choice=3), verifier_would=0)
+    assert [k for k, _ in loaded][1:] == [0] * 15  # under load the verifier's 0 holds the probe back too
     # where drafting pays this sequence at all, the verifier's choice, not the rule's own length (here 1)
     paying = dataclasses.replace(own, accepted=1.0, rejected=1.0)
     assert paying.next_k() == 1
-    assert RoundLength(4, paying, follows_verifier=True, choice=3).next_round() == (3, 4)
+    assert rounds(RoundLength(4, paying, follows_verifier=True, choice=3), verifier_would=3, n=2) == [(3, 4)] * 2
     assert RoundLength(4, paying).next_round() == (1, None)  # --speculation adaptive: the rule alone
 
 

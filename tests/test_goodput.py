@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,17 +89,26 @@ def test_caps_are_kept_and_no_model_yet_means_the_caps():
 
 @settings(max_examples=60, deadline=None)
 @given(rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=3), min_size=1, max_size=3),
-       fixed=st.floats(0.0, 0.02), per_token=st.floats(0.0, 0.002), other=st.integers(0, 8))
-def test_the_choice_is_the_best_of_every_allocation(rates, fixed, per_token, other):
-    """Against brute force over every combination of lengths (up to 3 sequences, k <= 3)."""
+       fixed=st.floats(0.0, 0.02), per_token=st.floats(0.0, 0.002), other=st.integers(0, 8),
+       per_block_token=st.sampled_from([0.0, 0.0005, 0.003]), other_longest=st.integers(0, 2))
+def test_the_choice_is_the_best_of_every_allocation(rates, fixed, per_token, other, per_block_token,
+                                                    other_longest):
+    """Against brute force over every combination of lengths (up to 3 sequences, k <= 3), the wait for
+    drafting priced by the longest block, the other work's included."""
     step = model_of(lambda n: fixed + per_token * n + 1e-4)
     cands = [Candidate(i, len(r), tuple(r)) for i, r in enumerate(rates)]
-    chosen = choose_draft_lengths(cands, step, other_tokens=other)
+    chosen = choose_draft_lengths(cands, step, other_tokens=other, idle_per_block_token=per_block_token,
+                                  other_longest_block=other_longest)
     best = 0.0
     for ks in itertools.product(*(range(c.max_k + 1) for c in cands)):
         tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, ks, strict=True))
-        best = max(best, tokens / step.predict(len(cands) + other + sum(ks)))
+        wait = per_block_token * max(other_longest, *ks)
+        best = max(best, tokens / (step.predict(len(cands) + other + sum(ks)) + wait))
     assert chosen.goodput == pytest.approx(best, rel=1e-9)
+    lengths = [chosen.draft_lengths[c.key] for c in cands]  # the allocation is the one its goodput is of
+    tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, lengths, strict=True))
+    assert chosen.expected_tokens == pytest.approx(tokens, rel=1e-9)
+    assert chosen.step_tokens == len(cands) + other + sum(lengths)
 
 
 def test_step_time_model_interpolates_and_guesses_proportionally_outside():
@@ -112,6 +122,8 @@ def test_step_time_model_interpolates_and_guesses_proportionally_outside():
     assert m.predict(64) == pytest.approx(0.040)  # untried larger steps: in proportion (look dear)
     m.observe(16, 0.005)  # noise below a smaller step's time: the curve stays non-decreasing
     assert m.predict(16) >= m.predict(8)
+    ns = [1, 4, 8, 12, 16, 20, 32, 64, 100]
+    assert list(m.predict_many(np.array(ns))) == pytest.approx([m.predict(n) for n in ns])
 
 
 def test_a_rarely_seen_slow_step_size_does_not_price_the_sizes_seen_often():
@@ -188,7 +200,7 @@ def test_time_waiting_for_drafting_makes_longer_drafts_dearer_unless_it_is_hidde
         c.idle_s, c.mean_longest_k, c.exposure = idle_s, 4.0, exposure
         for _ in range(50):
             if drafting_s is not None:
-                c.observe_drafting(drafting_s, drafting_s / 4)
+                c.observe_drafting(drafting_s, drafting_s / 4, 4)
         return c
 
     caps = {i: 4 for i in range(8)}

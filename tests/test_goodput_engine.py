@@ -35,6 +35,9 @@ class FixedStepTime(StepTimeModel):
     def predict(self, num_tokens: int) -> float:
         return self.fixed + self.per_token * num_tokens
 
+    def predict_many(self, num_tokens):
+        return self.fixed + self.per_token * num_tokens
+
 
 IDLE = FixedStepTime(fixed=0.05, per_token=1e-6)  # a step's cost hardly grows with its tokens
 LOADED = FixedStepTime(fixed=0.0, per_token=0.01)  # compute-bound: every token costs the same

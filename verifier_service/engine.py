@@ -144,6 +144,7 @@ class VerifierEngine:
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
+        other_longest = 0  # their longest model-drafted block: drafted again whatever is chosen
         for item, verdict in zip(scheduled.verifications, verdicts, strict=True):
             seq = item.seq
             if not isinstance(verdict, VerdictOut) or seq.key not in self.scheduler.sequences:
@@ -152,16 +153,18 @@ class VerifierEngine:
             if item.proposal.max_draft_tokens is None:
                 other_tokens += item.num_tokens
                 other_output += len(verdict.token_ids)
+                if item.proposal.draft_seconds is not None:
+                    other_longest = max(other_longest, item.proposal.num_draft_tokens)
                 continue
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
             caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
         if not caps:
             return verdicts
-        chosen = control.choose(caps, other_tokens, other_output)
+        chosen = control.choose(caps, other_tokens, other_output, other_longest)
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
-        stats.priced_wait = control.idle_split()
+        stats.priced_wait = control.last_price
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]
 
@@ -179,7 +182,10 @@ class VerifierEngine:
                                           max(k, p.num_draft_tokens))
         if by_stream:
             control.observe_drafting(max(s for s, _ in by_stream.values()),
-                                     max(s / k for s, k in by_stream.values()))
+                                     max(s / k for s, k in by_stream.values()),
+                                     max(k for _, k in by_stream.values()))
+        else:
+            control.observe_drafting(0.0, 0.0, 0)
 
     def next_expiry(self) -> float | None:
         """When the next sequence would expire (time.monotonic()), or None: the engine loop's wake-up time."""

@@ -26,9 +26,10 @@ hardly grows and the choice rises to each sequence's cap. Low acceptance lowers 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from verifier_service.step_time import AcceptanceTracker, StepTimeModel
 
@@ -55,74 +56,86 @@ class Allocation:
         return self.expected_tokens / self.predicted_step_s if self.predicted_step_s > 0 else 0.0
 
 
-def _merged_gains(cands: list[Candidate], limit: int) -> list[tuple[float, int]]:
-    """Every candidate's marginal gains up to `limit` positions, largest first, as (gain, candidate index): gain j
-    of c is prod_{m<=j} alpha_{c,m}, falling with j, so the merge keeps each candidate's positions in order."""
-    heap: list[tuple[float, int, int, float]] = []  # (-gain, candidate index, j, running product)
+def _sorted_gains(cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every candidate's marginal gains, largest first, as arrays (gain, candidate index, position j): gain j of c
+    is prod_{m<=j} alpha_{c,m}, which falls with j, and ties keep candidate and position order, so every prefix
+    of the order (and of its positions below any bound) takes each candidate's positions in order."""
+    gains: list[float] = []
+    index: list[int] = []
+    position: list[int] = []
     for i, c in enumerate(cands):
-        if min(c.max_k, limit) > 0 and c.rates:
-            heapq.heappush(heap, (-c.rates[0], i, 0, c.rates[0]))
-    out: list[tuple[float, int]] = []
-    while heap:
-        neg_gain, i, j, prod = heapq.heappop(heap)
-        out.append((-neg_gain, i))
-        c = cands[i]
-        if j + 1 < min(c.max_k, len(c.rates), limit):
-            nxt = prod * c.rates[j + 1]
-            heapq.heappush(heap, (-nxt, i, j + 1, nxt))
-    return out
+        prod = 1.0
+        for j in range(min(c.max_k, len(c.rates))):
+            prod *= c.rates[j]
+            gains.append(prod)
+            index.append(i)
+            position.append(j)
+    g, i, j = np.asarray(gains, dtype=np.float64), np.asarray(index, dtype=np.int64), np.asarray(position)
+    order = np.lexsort((j, i, -g))
+    return g[order], i[order], j[order]
 
 
 def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel, other_tokens: int = 0,
                          other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
-                         idle_per_block_token: float = 0.0) -> Allocation:
+                         idle_per_block_token: float = 0.0, other_longest_block: int = 0) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
     `idle_s`: the verifier's time between steps (waiting for proposals), which a step's tokens do not lengthen;
     `idle_per_block_token`: what each token of the longest block adds to it (the draft drafts its sequences'
     blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
-    long as the longest block takes).
+    long as the longest block takes); `other_longest_block`: the longest block of the other work (fixed k), which
+    is drafted whatever is chosen.
     `tolerance`: of the choices whose goodput is within this fraction of the best, the one with the most
     drafted tokens is taken. Without a step observed yet every candidate gets its cap.
 
     For a given total M of drafted tokens the step's tokens are fixed and the expected output is largest when it
     takes the M largest marginal gains; with the longest block priced as well, that holds for each bound L on
-    the block length, so the search runs over L and M."""
+    the block length, so the search runs over L and M. Under bound L only the totals whose longest block is L
+    are new (the others are the same prefixes as under a smaller bound), and each bound is one pass of array
+    arithmetic: the engine thread runs this after every step."""
     cands = list(candidates)
     base = len(cands)
     if not step_time.ready:
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
-
-    def cost(n: int, longest: int) -> float:
-        return step_time.predict(n) + idle_s + idle_per_block_token * longest if n else 0.0
-
-    top = max((min(c.max_k, len(c.rates)) for c in cands), default=0)
-    limits = range(1, top + 1) if idle_per_block_token > 0 else [top]
+    fixed_n = base + other_tokens
     start = float(base) + other_output
-    # (goodput, drafted tokens, block-length bound, expected tokens, longest block) of every option
-    options = [(start / cost(base + other_tokens, 0) if base + other_tokens else 0.0, 0, 0, start, 0)]
+
+    def cost(n: np.ndarray, longest: np.ndarray) -> np.ndarray:
+        return np.where(n > 0, step_time.predict_many(n) + idle_s
+                        + idle_per_block_token * np.maximum(longest, other_longest_block), 0.0)
+
+    gains, index, position = _sorted_gains(cands)
+    top = int(position.max()) + 1 if position.size else 0
+    limits = range(1, top + 1) if idle_per_block_token > 0 else ([top] if top else [])
+    # per option: goodput, drafted tokens M, bound L, expected tokens, longest block; the first is M = 0
+    ms, bounds, expected, longest = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.full(1, start)], \
+        [np.zeros(1, np.int64)]
     for limit in limits:
-        counts = [0] * base
-        expected, longest = start, 0
-        for m, (gain, i) in enumerate(_merged_gains(cands, limit), start=1):
-            expected += gain
-            counts[i] += 1
-            longest = max(longest, counts[i])
-            options.append((expected / cost(base + other_tokens + m, longest), m, limit, expected, longest))
-    best = max(o[0] for o in options)
+        under = position < limit
+        g, j = gains[under], position[under]
+        run_longest = np.maximum.accumulate(j + 1)
+        new = run_longest == limit if idle_per_block_token > 0 else np.ones(len(g), dtype=bool)
+        m = np.arange(1, len(g) + 1)
+        ms.append(m[new])
+        bounds.append(np.full(int(new.sum()), limit))
+        expected.append((start + np.cumsum(g))[new])
+        longest.append(run_longest[new])
+    m_all, bound_all = np.concatenate(ms), np.concatenate(bounds)
+    expected_all, longest_all = np.concatenate(expected), np.concatenate(longest)
+    costs = cost(fixed_n + m_all, longest_all)
+    goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
+    best = goodputs.max()
     if tolerance > 0:
-        goodput, m, limit, expected, longest = max((o for o in options if o[0] >= best * (1 - tolerance)),
-                                                   key=lambda o: (o[1], o[0]))
+        near = np.flatnonzero(goodputs >= best * (1 - tolerance))
+        pick = int(near[np.lexsort((goodputs[near], m_all[near]))[-1]])
     else:
-        goodput, m, limit, expected, longest = next(o for o in options if o[0] >= best * (1 - 1e-9))
-    counts = [0] * base
-    for _, i in _merged_gains(cands, limit)[:m]:
-        counts[i] += 1
-    lengths = {c.key: counts[i] for i, c in enumerate(cands)}
-    n = base + other_tokens + m
-    return Allocation(lengths, expected, n, cost(n, longest))
+        pick = int(np.flatnonzero(goodputs >= best * (1 - 1e-9))[0])
+    m, limit = int(m_all[pick]), int(bound_all[pick])
+    counts = np.bincount(index[position < limit][:m], minlength=base)
+    lengths = {c.key: int(counts[i]) for i, c in enumerate(cands)}
+    return Allocation(lengths, float(expected_all[pick]), fixed_n + m, float(costs[pick]))
 
 
 @dataclass
@@ -152,6 +165,7 @@ class DraftLengthController:
     mean_longest_k: float = 0.0
     # e, below; before any drafting is seen, 1: the verifier waits for every draft in one phase (--phases hold)
     exposure: float = 1.0
+    last_price: tuple[float, float] | None = None  # the idle_split() the last choice priced its step with
     _choices: int = 0
 
     def __post_init__(self) -> None:
@@ -168,13 +182,15 @@ class DraftLengthController:
             idle = min(max(0.0, idle_s), self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
-    def observe_drafting(self, seconds: float, seconds_per_token: float) -> None:
+    def observe_drafting(self, seconds: float, seconds_per_token: float, longest_block: int) -> None:
         """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch),
-        `seconds_per_token` per drafted token. Call it after observe_step: the share e of drafting the verifier
-        waited for is its wait before the step against `seconds` (both capped at max_idle_s)."""
+        `seconds_per_token` per draft step, and its longest model-drafted block was `longest_block` tokens (0:
+        nothing drafted; then the seconds are 0 too). Call it after observe_step: the share e of drafting the
+        verifier waited for is its wait before the step against `seconds` (both capped at max_idle_s)."""
+        d = self.draft_decay
+        self.mean_longest_k = d * self.mean_longest_k + (1 - d) * longest_block
         if not (seconds > 0.0 and seconds_per_token > 0.0):
             return
-        d = self.draft_decay
         if self.draft_s_per_token is None:
             self.draft_s_per_token = seconds_per_token
         else:
@@ -184,9 +200,9 @@ class DraftLengthController:
 
     def idle_split(self) -> tuple[float, float]:
         """(idle seconds per step that no draft length changes, seconds each token of the longest block adds).
-        The verifier waits idle_s before each step, of which drafting the longest block chosen, on average k̄
-        tokens, takes s * k̄; it waits for a share e of the drafting (observe_drafting: 1 in one phase, where it
-        waits for every draft; 0 where drafting hides behind other work; kept while nothing is drafted). A
+        The verifier waits idle_s before each step, of which drafting the longest block it verified, on average
+        k̄ tokens, takes s * k̄; it waits for a share e of the drafting (observe_drafting: 1 in one phase, where
+        it waits for every draft; 0 where drafting hides behind other work; kept while nothing is drafted). A
         longest block of k tokens then adds e * s * k to the wait."""
         s = self.draft_s_per_token
         if not s:
@@ -199,17 +215,15 @@ class DraftLengthController:
     def forget(self, key: object) -> None:
         self.acceptance.forget(key)
 
-    def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0) -> Allocation:
+    def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0,
+               other_longest_block: int = 0) -> Allocation:
         """The next draft length of each key in `caps` (its cap on k), for a step that also carries
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
-        tokens."""
+        tokens, and whose drafts draft a block of `other_longest_block` tokens whatever is chosen (fixed k)."""
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in caps.items()]
-        fixed_idle, per_token = self.idle_split()
+        self.last_price = fixed_idle, per_token = self.idle_split()
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
-                                      self.tolerance, per_token)
-        if chosen.draft_lengths:
-            longest = max(chosen.draft_lengths.values())
-            self.mean_longest_k = self.draft_decay * self.mean_longest_k + (1 - self.draft_decay) * longest
+                                      self.tolerance, per_token, other_longest_block)
         self._choices += 1
         if self.probe_every and self._choices % self.probe_every == 0:
             lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}

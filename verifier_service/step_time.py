@@ -9,6 +9,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # Token counts of the step-time model's buckets: dense where decode batches live, then geometric.
 _BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024,
                              1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -78,6 +80,16 @@ class StepTimeModel:
             out = [(n, s) for (n, _, _), s in zip(pts, seconds, strict=True)]
             self._points, self._xs = out, [n for n, _ in out]
         return self._points
+
+    def predict_many(self, num_tokens: np.ndarray) -> np.ndarray:
+        """predict() of every element of an array of token counts."""
+        pts = self.points()
+        if not pts:
+            raise ValueError("no step observed yet")
+        (n0, s0), (n1, s1) = pts[0], pts[-1]
+        n = np.asarray(num_tokens, dtype=np.float64)
+        inside = np.interp(n, self._xs, [s for _, s in pts])
+        return np.where(n <= n0, s0 * n / n0, np.where(n >= n1, s1 * n / n1, inside))
 
     def predict(self, num_tokens: int) -> float:
         pts = self.points()
