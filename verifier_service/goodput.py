@@ -86,8 +86,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
     long as the longest block takes); `other_longest_block`: the longest block of the other work (fixed k), which
     is drafted whatever is chosen.
-    `tolerance`: of the choices whose goodput is within this fraction of the best, the one with the most
-    drafted tokens is taken. Without a step observed yet every candidate gets its cap.
+    `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
+    best goodput, the one with the most drafted tokens is taken. Without a step observed yet every candidate gets
+    its cap.
 
     For a given total M of drafted tokens the step's tokens are fixed and the expected output is largest when it
     takes the M largest marginal gains; with the longest block priced as well, that holds for each bound L on
@@ -128,7 +129,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
     best = goodputs.max()
     if tolerance > 0:
-        near = np.flatnonzero(goodputs >= best * (1 - tolerance))
+        # near the best: losing at most `tolerance` of the candidates' own expected tokens over the option's step
+        # (of all the step's tokens, the other work's included, a prefill-heavy step let any draft through)
+        near = np.flatnonzero((best - goodputs) * costs <= tolerance * (expected_all - other_output) + 1e-12)
         pick = int(near[np.lexsort((goodputs[near], m_all[near]))[-1]])
     else:
         pick = int(np.flatnonzero(goodputs >= best * (1 - 1e-9))[0])
