@@ -105,12 +105,14 @@ class RoundLength:
             own_cap = self.k
         ask = own_cap
         if own_cap == 0 and self.own is not None:
-            # gated: the verifier is still asked about one token (not 0, which it would only echo back), so that
-            # its choice says whether the verifier's load leaves room for the probe
-            ask = min(self.k, 1)
             self._rounds_at_zero += 1
             if self.probe_every and self._rounds_at_zero % self.probe_every == 0:
                 own_cap = 1
+            # gated: the round before a probe asks the verifier about one token (asked 0, it would only echo 0
+            # back), so its choice says whether its load leaves room for the probe; the other rounds ask 0, so
+            # the verifier does not count tokens that will not come
+            before_probe = self.probe_every and (self._rounds_at_zero + 1) % self.probe_every == 0
+            ask = min(self.k, 1) if before_probe else 0
         else:
             self._rounds_at_zero = 0
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))

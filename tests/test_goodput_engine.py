@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 
 from common.sampling import SamplingParams
@@ -38,17 +37,6 @@ class FixedStepTime(StepTimeModel):
 
     def predict_many(self, num_tokens):
         return self.fixed + self.per_token * num_tokens
-
-
-@dataclass
-class FlatThenComputeBound(FixedStepTime):
-    """t(n) = 50 ms up to 25 tokens, then 2 ms per token."""
-
-    def predict(self, num_tokens: int) -> float:
-        return max(0.05, 0.002 * num_tokens)
-
-    def predict_many(self, num_tokens):
-        return np.maximum(0.05, 0.002 * num_tokens)
 
 
 IDLE = FixedStepTime(fixed=0.05, per_token=1e-6)  # a step's cost hardly grows with its tokens
@@ -206,29 +194,3 @@ def test_without_goodput_no_choice_is_sent_and_the_feature_is_not_listed(pair):
     engine, config = _engine(target)
     assert wire.FEATURE_GOODPUT in verifier_info(engine, config).features
 
-
-def test_a_prefill_in_the_step_is_worth_its_compute(pair):
-    """A verifier that is flat up to 25 tokens and compute-bound beyond: alone, a sequence's drafts ride the
-    step's fixed cost and get the full cap; beside another request's 100-token prefill, a drafted token costs
-    the prefill's time per token and yields less than one, so the choice is plain decoding. (Valued at 0 output,
-    the prefill made the step's goodput so low that drafting looked cheap and slowed every waiting prefill.)"""
-    target, _ = pair
-    step = FlatThenComputeBound()
-    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    oracle = greedy_continuation(target, PROMPTS[0], 8)
-
-    def choice_beside(prefill_tokens: int) -> int | None:
-        engine, _ = _engine(target, step)
-        a = SeqKey(1, 1)
-        engine.submit(OpenCmd(a, tuple(PROMPTS[0]), greedy.with_seed()))
-        engine.step()  # a's prefill
-        engine.submit(ProposeCmd(a, len(PROMPTS[0]), tuple(oracle[:4]), None, max_draft_tokens=6))
-        if prefill_tokens:
-            engine.submit(OpenCmd(SeqKey(1, 2), tuple(range(5, 5 + prefill_tokens)), greedy.with_seed()))
-        for o in engine.step().outcomes:
-            if isinstance(o, VerdictOut) and o.key == a:
-                return o.next_draft_tokens
-        raise AssertionError("no verdict for a")
-
-    assert choice_beside(0) == 6
-    assert choice_beside(100) <= 1  # the best is 0; the controller's 3 % tolerance may take one token

@@ -142,11 +142,8 @@ class VerifierEngine:
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
         self._observe_drafting(scheduled, control)
         caps: dict[SeqKey, int] = {}
-        # prefill chunks: their tokens are valued at par, what the same compute yields in plain decoding (a token
-        # per token). Valued at 0, a prefill-heavy step's goodput was so low that any draft riding on it looked
-        # cheap, and on a compute-bound verifier drafting then slowed the prefill of every waiting request
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
-        other_output = float(other_tokens)  # and what the verifications that follow no choice yield
+        other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
         other_longest = 0  # their longest model-drafted block: drafted again whatever is chosen
         for item, verdict in zip(scheduled.verifications, verdicts, strict=True):
             seq = item.seq
