@@ -45,9 +45,13 @@ class AdaptiveDraftLength:
         outweigh it. A short request on text the draft does not know (acceptance 0.2, say) then starts where the
         requests before it ended, not at the optimistic default that it would spend its few rounds unlearning."""
         total = self.accepted + self.rejected
-        scale = strength / total if total > 0 else 0.0
-        return dataclasses.replace(self, k_max=k_max, accepted=self.accepted * scale,
-                                   rejected=self.rejected * scale) if scale else dataclasses.replace(self, k_max=k_max)
+        scale = strength / total if total > 0 else 1.0
+        return dataclasses.replace(self, k_max=k_max, accepted=self.accepted * scale, rejected=self.rejected * scale)
+
+    @classmethod
+    def for_mode(cls, k_max: int, mode: str) -> AdaptiveDraftLength:
+        """The rule's default state under --speculation `mode`: slower to react under auto."""
+        return cls(k_max, decay=0.95, tolerance=0.03) if mode == "auto" else cls(k_max)
 
     def next_k(self) -> int:
         if self.t_draft is None or self.t_verify is None:
@@ -88,11 +92,7 @@ class RoundLength:
         sequence's starting point (AdaptiveDraftLength.seeded)."""
         own = None
         if varies and weighs_own_cost:
-            if pooled is not None:
-                own = pooled.seeded(k)
-            else:
-                own = (AdaptiveDraftLength(k, decay=0.95, tolerance=0.03) if mode == "auto"
-                       else AdaptiveDraftLength(k))
+            own = (pooled or AdaptiveDraftLength.for_mode(k, mode)).seeded(k)
         follows = varies and mode == "auto"
         return cls(k, own, follows, recent_choice if follows else None)
 

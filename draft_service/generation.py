@@ -87,8 +87,7 @@ class Generator:
         # n-gram drafts cost nothing to make: there is no draft time for the own-cost rule to weigh
         self.weighs_own_cost = config.proposer == "model"
         # the own-cost rule's estimate over every sequence's rounds: where a new sequence's starts
-        self._pooled_own = (AdaptiveDraftLength(config.num_speculative_tokens, decay=0.95, tolerance=0.03)
-                            if self.speculation == "auto" else AdaptiveDraftLength(config.num_speculative_tokens))
+        self._pooled_own = AdaptiveDraftLength.for_mode(config.num_speculative_tokens, self.speculation)
         # one-hot and coupled wire modes send ids only: the verifier then takes q = delta(x) (lossless for any q),
         # or decides every token from its own noise
         self.wire_mode = WireMode(config.wire_mode)
