@@ -20,14 +20,25 @@ QUANTIZATION_HELP = ("weight-only quantization of every linear layer on CPU: non
                      "activations). The quantized model is the one verified against")
 DEVICE_CHOICES_HELP = "auto (the GPU when torch sees one, else CPU), cpu, cuda, cuda:N (ROCm GPUs are cuda too)"
 CPU_WAIT_POLICIES = ("passive", "active")
+MODEL_IMPLS = ("auto", "native", "transformers")
+MODEL_IMPL_HELP = ("how the model's layers run: native (specwire's own forward for llama, qwen2, mistral and qwen3: "
+                   "the fast path, with --quantization and GGUF int4 blocks), transformers (transformers' own "
+                   "modules for any decoder-only architecture it has, MoE included, with specwire's paged attention "
+                   "and KV cache under them), auto (native where it exists, else transformers)")
 
 
-def check_weights(dtype: str, quantization: str) -> None:
-    """--dtype and --quantization, as both services take them."""
+def check_weights(dtype: str, quantization: str, model_impl: str = "auto") -> None:
+    """--dtype, --quantization and --model-impl, as both services take them."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, got {model_impl!r}")
+    if model_impl == "transformers" and quantization != "none":
+        raise ValueError(f"--quantization {quantization} is a path of the native implementation; the transformers "
+                         "backend runs the model's own weights (use --model-impl native or auto with a llama, "
+                         "qwen2, mistral or qwen3 model)")
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}

@@ -21,8 +21,6 @@ from common.tokenizer import tokenizer_fingerprint
 
 log = structlog.get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-
 
 @dataclass
 class LoadedModel:
@@ -35,6 +33,7 @@ class LoadedModel:
     max_model_len: int
     gguf_path: Path | None = None  # the GGUF file the weights were converted from, if any
     model_fingerprint: str = ""  # model_fingerprint() of its directory: which weights these are
+    model_impl: str = "native"  # what runs its layers: native (common.paged_model) or transformers
 
 
 def cache_dir() -> Path:
@@ -223,18 +222,52 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return AutoTokenizer.from_pretrained(resolve_model_dir(path))
 
 
+def resolve_model_impl(config: Any, model_impl: str = "auto") -> str:
+    """native or transformers for a model of this config (see common.config.MODEL_IMPL_HELP); raises
+    UnsupportedModelError for what neither can serve, saying why."""
+    from common.paged_model import NATIVE_MODEL_TYPES
+    from common.transformers_model import UnsupportedModelError, check_config
+
+    model_type = getattr(config, "model_type", "?")
+    if model_impl == "native":
+        if model_type not in NATIVE_MODEL_TYPES:
+            raise UnsupportedModelError(f"model type {model_type!r} has no native implementation (native: "
+                                        f"{', '.join(NATIVE_MODEL_TYPES)}); use --model-impl transformers or auto")
+        return "native"
+    if model_impl == "auto" and model_type in NATIVE_MODEL_TYPES:
+        return "native"
+    if model_impl not in ("auto", "transformers"):
+        raise ValueError(f"model_impl must be auto, native or transformers, got {model_impl!r}")
+    check_config(config)
+    return "transformers"
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+               device: torch.device | str = "cpu", model_impl: str = "auto") -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    impl = resolve_model_impl(AutoConfig.from_pretrained(model_dir), model_impl)
+    extra: dict[str, Any] = {}
+    if impl == "transformers":
+        from common.transformers_model import ATTENTION_NAME, register_attention
+
+        register_attention()
+        extra["attn_implementation"] = ATTENTION_NAME
+        if dtype == torch.float64:  # transformers' grouped expert matmul has no float64 kernel; its loop does
+            extra["experts_implementation"] = "eager"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra)
+    except ValueError as err:
+        if impl != "transformers":
+            raise
+        from common.transformers_model import UnsupportedModelError
+
+        raise UnsupportedModelError(f"transformers cannot load {model_dir} as a causal LM with specwire's "
+                                    f"attention: {err}") from err
     model.eval()
     if torch.device(device).type != "cpu":
         model.to(device)
-    model_type = model.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     eos = _eos_token_ids(model, tokenizer)
     return LoadedModel(
@@ -247,6 +280,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         max_model_len=int(getattr(model.config, "max_position_embeddings", 2048)),
         gguf_path=source_gguf(path),
         model_fingerprint=model_fingerprint(model_dir),
+        model_impl=impl,
     )
 
 

@@ -1,8 +1,9 @@
-"""A Llama-family forward pass (Llama, Qwen2, Mistral) over a flattened batch of variable-length query chunks
+"""A Llama-family forward pass (Llama, Qwen2, Mistral, Qwen3) over a flattened batch of variable-length query chunks
 against the paged KV cache.
 
 The weights, norms, MLPs and rotary embedding are the transformers model's own modules, so RoPE scaling, biases
-and activations follow the config exactly; only attention and the cache are ours. Prefill chunks, verification
+and activations follow the config exactly; only attention and the cache are ours. Qwen3 differs from the others
+only by an RMSNorm over each head of q and of k, before RoPE. Prefill chunks, verification
 blocks and draft steps of many sequences run in one pass: the projections and MLPs see all tokens at once, and
 attention runs per sequence through kernels.paged_attention.
 """
@@ -32,6 +33,8 @@ from kernels.paged_attention import (
 )
 
 log = structlog.get_logger(__name__)
+
+NATIVE_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")  # what PagedCausalLM computes (--model-impl native)
 
 
 @dataclass
@@ -81,6 +84,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class PagedCausalLM:
+    model_impl = "native"
+
     def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
                  release_unpacked: bool = False, quantization: str = "none",
                  gguf_path: str | Path | None = None) -> None:
@@ -104,6 +109,9 @@ class PagedCausalLM:
         window = getattr(config, "sliding_window", None)
         self.sliding_windows = [window if t == "sliding_attention" and window else None for t in layer_types]
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5)
+        # Qwen3: per-head RMSNorm of q and k before RoPE
+        self.qk_norm = [(la.self_attn.q_norm, la.self_attn.k_norm) if hasattr(la.self_attn, "q_norm") else None
+                        for la in self.layers]
         # NOTE: bfloat16 is packed too: memory-bound decoding reads half the bytes (a 0.5B draft step halves).
         if quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
@@ -186,6 +194,8 @@ class PagedCausalLM:
             q = q.reshape(num_tokens, self.num_heads, self.head_dim)
             k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
             v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+            if self.qk_norm[i] is not None:
+                q, k = self.qk_norm[i][0](q), self.qk_norm[i][1](k)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             key_cache, value_cache = self.kv_cache.key_caches[i], self.kv_cache.value_caches[i]
@@ -219,12 +229,13 @@ def _release_linear_weights(model: Any) -> None:
 
 
 def profile_peak_memory(model: Any, spec: KVCacheSpec, block_size: int, num_tokens: int,
-                        device: torch.device) -> int:
+                        device: torch.device, runner_for: Callable[[KVCache], Any] | None = None) -> int:
     """Bytes the process holds at the peak of one forward over `num_tokens` tokens (the largest step), the KV
-    pool excluded: weights plus activations. Runs on a throwaway pool just large enough for that step."""
+    pool excluded: weights plus activations. Runs on a throwaway pool just large enough for that step.
+    `runner_for`: the runner over a pool (default: the native forward without packing)."""
     num_blocks = -(-num_tokens // block_size)
     kv = KVCache(spec, num_blocks, block_size, device)
-    runner = PagedCausalLM(model, kv, pack_weights=False)
+    runner = runner_for(kv) if runner_for is not None else PagedCausalLM(model, kv, pack_weights=False)
     batch = ForwardBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.int64),
         positions=torch.arange(num_tokens, dtype=torch.int64),

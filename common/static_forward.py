@@ -227,6 +227,17 @@ def build_static_forward(model: PagedCausalLM, *, max_tokens: int, max_model_len
     StaticForward)."""
     if not graphs and not platform.use_triton(model.embed_tokens.weight):
         return None
+    if getattr(model, "model_impl", "native") == "transformers":
+        if graphs:
+            raise ValueError("--cuda-graphs is not supported on the transformers backend (--model-impl "
+                             "transformers): its forward is transformers' own, which for MoE layers routes tokens "
+                             "with data-dependent shapes and host synchronisation that a graph cannot capture, and "
+                             "no GPU has proven a capture of it; its decode-sized steps still run through the "
+                             "static buffers without graphs")
+        if not model.supports_static:
+            log.info("static_forward", enabled=False, reason="the model's logits are not lm_head over its decoder "
+                     "output (a logit transform specwire does not know): every step takes the full forward")
+            return None
     static = StaticForward(model, max_tokens=max_tokens, max_blocks_per_seq=-(-max_model_len // block_size),
                            graphs=graphs)
     log.info("static_forward", max_tokens=max_tokens, graphs=sorted(static.graphs) if graphs else None)

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from common.config import (
     DEVICE_CHOICES_HELP,
     DTYPES,
+    MODEL_IMPL_HELP,
+    MODEL_IMPLS,
     QUANTIZATION_HELP,
     QUANTIZATIONS,
     CpuThreadsConfig,
@@ -35,6 +37,7 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
+    model_impl: str = option("auto", MODEL_IMPL_HELP, choices=MODEL_IMPLS)
     num_speculative_tokens: int = option(4, "draft tokens per round (k): every round with --speculation fixed, "
                                          "the most otherwise (0: target only)")
     speculation: str = option("auto", "how many tokens each round drafts: auto (the verifier chooses from its load "
@@ -91,7 +94,7 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                              "--verifier-tls-key")
         if self.verifier_retry_deadline_s < 0:
             raise ValueError(f"verifier_retry_deadline_s must be >= 0, got {self.verifier_retry_deadline_s}")
-        check_weights(self.dtype, self.quantization)
+        check_weights(self.dtype, self.quantization, self.model_impl)
         self.check_static_forward()
         self.check_cpu_threads()
         if not 0 <= self.pipeline_width <= 8:

@@ -15,8 +15,8 @@ from common.errors import ErrorCode, ServiceError
 from common.grpc_server import build_grpc_server, serve_until_stopped
 from common.kv_cache import KVCache, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
+from common.model_impl import build_paged_model, paged_kv_spec
 from common.model_loading import LoadedModel, load_model, load_tokenizer
-from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.static_forward import build_static_forward
 from common.tokenizer import tokenizer_fingerprint
 from draft_service.batcher import DraftBatcher
@@ -72,12 +72,11 @@ async def connect_at_start(link: VerifierLink, timeout_s: float) -> None:
 def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) -> tuple[LoadedModel, DraftModel]:
     device = resolve_device(config.device)
     dtype = resolve_dtype_name(config.dtype, device)
-    loaded = load_model(config.model, parse_dtype(dtype), device)
-    spec = kv_cache_spec(loaded.model)
+    loaded = load_model(config.model, parse_dtype(dtype), device, config.model_impl)
+    spec = paged_kv_spec(loaded)
     num_blocks = max(1, num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory))
     kv = KVCache(spec, num_blocks, config.block_size, device)
-    runner = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
-                           gguf_path=loaded.gguf_path)
+    runner = build_paged_model(loaded, kv, quantization=config.quantization)
     info = describe_device(device)
     log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
              kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)

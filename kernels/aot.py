@@ -18,7 +18,7 @@ from triton.compiler import ASTSource
 from kernels.kv_cache_write import write_kv_kernel
 from kernels.paged_attention import paged_attention_kernel
 from kernels.philox import uniform64_kernel
-from kernels.platform import ATTENTION_TILES, VOCAB_BLOCK, elementwise_warps, vocab_warps
+from kernels.platform import ATTENTION_TILES, VOCAB_BLOCK, attention_warps, elementwise_warps, vocab_warps
 from kernels.rejection_sampler import rejection_sample_kernel, sample_target_kernel
 from kernels.sampling_probs import sampling_probs_kernel
 
@@ -54,6 +54,18 @@ class CompileReport:
     occupancy: int | None = None  # waves per SIMD (AMD)
 
 
+# head counts and dims of real models: Gemma 2/3 (256, softcap at runtime), gpt-oss (64, sinks), Phi-2 (80),
+# Phi-3-mini (96), DeepSeek-V3's MLA as transformers computes it (keys 192 = 128 nope + 64 rope, values 128)
+ATTENTION_VARIANTS = {
+    "d256 gemma": dict(NUM_HEADS=8, NUM_KV_HEADS=4, HEAD_DIM=256, BLOCK_D=256, HEAD_DIM_V=256, BLOCK_DV=256),
+    "d64 sinks gpt-oss": dict(NUM_HEADS=64, NUM_KV_HEADS=8, HEAD_DIM=64, BLOCK_D=64, HEAD_DIM_V=64, BLOCK_DV=64,
+                              HAS_SINKS=True),
+    "d80": dict(NUM_HEADS=32, NUM_KV_HEADS=32, HEAD_DIM=80, BLOCK_D=128, HEAD_DIM_V=80, BLOCK_DV=128),
+    "d96": dict(NUM_HEADS=32, NUM_KV_HEADS=32, HEAD_DIM=96, BLOCK_D=128, HEAD_DIM_V=96, BLOCK_DV=128),
+    "k192 v128 MLA": dict(NUM_HEADS=16, NUM_KV_HEADS=16, HEAD_DIM=192, BLOCK_D=256, HEAD_DIM_V=128, BLOCK_DV=128),
+}
+
+
 def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
     """(spec, num_warps) at serving shapes: 32 heads, 8 KV heads, head_dim 128, 16-token pages."""
     tiles = ATTENTION_TILES
@@ -61,18 +73,29 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
     for dt in ("bf16", "fp16"):
         attn_sig = {"out_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
                     "block_tables_ptr": "*i32", "query_start_ptr": "*i32", "context_lens_ptr": "*i32",
-                    "scale": "fp32", "max_blocks_per_seq": "i32", "sliding_window": "i32"}
-        attn_const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
-                          BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, DOT_FP32=False)
+                    "scale": "fp32", "max_blocks_per_seq": "i32", "sliding_window": "i32", "softcap": "fp32",
+                    "sinks_ptr": "*fp32"}
+        attn_const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128,
+                          HAS_SINKS=False, PAGE_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                          DOT_FP32=False)
         specs.append((KernelSpec(f"paged_attention[{dt}]", paged_attention_kernel, attn_sig, attn_const, True),
                       tiles.num_warps))
+        if dt == "bf16":  # the layer shapes of the architectures beyond Llama (softcap and window are runtime)
+            for label, shape in ATTENTION_VARIANTS.items():
+                const = {**attn_const, **shape}
+                specs.append((KernelSpec(f"paged_attention[{dt},{label}]", paged_attention_kernel, attn_sig, const,
+                                         True), attention_warps(max(const["BLOCK_D"], const["BLOCK_DV"]), rocm)))
         kv_sig = {"key_ptr": f"*{dt}", "value_ptr": f"*{dt}", "key_cache_ptr": f"*{dt}", "value_cache_ptr": f"*{dt}",
                   "slot_ptr": "*i64"}
-        specs.append((KernelSpec(f"write_kv[{dt}]", write_kv_kernel, kv_sig, {"ROW": 1024, "BLOCK": 1024}, False),
+        specs.append((KernelSpec(f"write_kv[{dt}]", write_kv_kernel, kv_sig, {"ROW": 1024, "BLOCK": 1024, "ROW_V": 0}, False),
                       elementwise_warps(rocm)))
+        if dt == "bf16":  # MLA: a value row of its own size
+            specs.append((KernelSpec(f"write_kv[{dt},k192 v128]", write_kv_kernel, kv_sig,
+                                     {"ROW": 16 * 192, "BLOCK": 1024, "ROW_V": 16 * 128}, False),
+                          elementwise_warps(rocm)))
         if dt == "bf16":  # the static buffers (common.static_forward) carry int32 slots, -1 for padding
             specs.append((KernelSpec(f"write_kv[{dt},i32 slots]", write_kv_kernel, {**kv_sig, "slot_ptr": "*i32"},
-                                     {"ROW": 1024, "BLOCK": 1024}, False), elementwise_warps(rocm)))
+                                     {"ROW": 1024, "BLOCK": 1024, "ROW_V": 0}, False), elementwise_warps(rocm)))
     target_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
                "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
                "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}

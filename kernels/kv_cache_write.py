@@ -11,37 +11,47 @@ from kernels.platform import elementwise_warps, reference_guard, use_triton
 
 @triton.jit
 def write_kv_kernel(
-    key_ptr, value_ptr,  # [num_tokens, num_kv_heads * head_dim], contiguous rows
-    key_cache_ptr, value_cache_ptr,  # [num_slots, num_kv_heads * head_dim]
+    key_ptr, value_ptr,  # [num_tokens, num_kv_heads * head_dim (of K, of V)], contiguous rows
+    key_cache_ptr, value_cache_ptr,  # [num_slots, num_kv_heads * head_dim (of K, of V)]
     slot_ptr,  # [num_tokens] int32 or int64; a negative slot: a padding token, nothing written
-    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    ROW: tl.constexpr,  # num_kv_heads * head_dim of K
     BLOCK: tl.constexpr,
+    ROW_V: tl.constexpr = 0,  # of V, when its head dim differs (MLA); 0: ROW
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:
         return
     offs = tl.arange(0, BLOCK)
-    for start in range(0, ROW, BLOCK):
-        mask = start + offs < ROW
-        src = token.to(tl.int64) * ROW + start + offs
-        dst = slot * ROW + start + offs
-        tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
-        tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+    if ROW_V == 0 or ROW_V == ROW:
+        for start in range(0, ROW, BLOCK):
+            mask = start + offs < ROW
+            src = token.to(tl.int64) * ROW + start + offs
+            dst = slot * ROW + start + offs
+            tl.store(key_cache_ptr + dst, tl.load(key_ptr + src, mask=mask), mask=mask)
+            tl.store(value_cache_ptr + dst, tl.load(value_ptr + src, mask=mask), mask=mask)
+    else:
+        for start in range(0, ROW, BLOCK):
+            mask = start + offs < ROW
+            tl.store(key_cache_ptr + slot * ROW + start + offs,
+                     tl.load(key_ptr + token.to(tl.int64) * ROW + start + offs, mask=mask), mask=mask)
+        for start in range(0, ROW_V, BLOCK):
+            mask = start + offs < ROW_V
+            tl.store(value_cache_ptr + slot * ROW_V + start + offs,
+                     tl.load(value_ptr + token.to(tl.int64) * ROW_V + start + offs, mask=mask), mask=mask)
 
 
 def write_kv_reference(key, value, key_cache, value_cache, slot_mapping) -> None:
     reference_guard("write_kv_reference")
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
 def write_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim_v]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, slot = block_id * block_size + offset
 ) -> None:
     """Slot -1 marks a padding token of a static (graph-replayed) batch: the Triton kernel skips it. Only the
@@ -55,7 +65,9 @@ def write_kv(
 
 def write_kv_triton(key, value, key_cache, value_cache, slot_mapping) -> None:
     row = key_cache.shape[2] * key_cache.shape[3]
+    row_v = value_cache.shape[2] * value_cache.shape[3]
     key = key.to(key_cache.dtype).contiguous()
     value = value.to(value_cache.dtype).contiguous()
     write_kv_kernel[(key.shape[0],)](key, value, key_cache, value_cache, slot_mapping, ROW=row,
-                                     BLOCK=min(1024, triton.next_power_of_2(row)), num_warps=elementwise_warps())
+                                     BLOCK=min(1024, triton.next_power_of_2(max(row, row_v))),
+                                     ROW_V=0 if row_v == row else row_v, num_warps=elementwise_warps())

@@ -1,5 +1,8 @@
 """Attention of variable-length multi-token queries against a paged KV cache (GQA, causal within the new
-tokens, full over the cached prefix, optional sliding window).
+tokens, full over the cached prefix), with what the architectures transformers has need per layer: a sliding
+window, a logit softcap (Gemma 2: s = c * tanh(s / c) after scaling), attention sinks (gpt-oss: one learned logit
+per head that joins the softmax's denominator and attends to nothing), any head dim (80, 96, 256: tiles are the
+next power of two, masked) and a value head dim other than the key's (MLA).
 
 The Triton kernel runs one program per (sequence, tile of BLOCK_M query rows, query head). It walks the keys
 in BLOCK_N steps, gathering each key's slot through the block table, with an online softmax in fp32: no score
@@ -18,25 +21,37 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.platform import ATTENTION_AUTOTUNE, ATTENTION_TILES, is_rocm, reference_guard, use_triton
+from kernels.platform import (
+    ATTENTION_AUTOTUNE,
+    ATTENTION_TILES,
+    attention_warps,
+    is_rocm,
+    reference_guard,
+    use_triton,
+)
 
 
 @triton.jit
 def paged_attention_kernel(
-    out_ptr,  # [num_tokens, num_heads, head_dim]
+    out_ptr,  # [num_tokens, num_heads, head_dim_v]
     q_ptr,  # [num_tokens, num_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim_v]
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     query_start_ptr,  # [num_seqs + 1] int32
     context_lens_ptr,  # [num_seqs] int32
     scale,
     max_blocks_per_seq,
     sliding_window,  # 0: none
+    softcap,  # 0.0: none
+    sinks_ptr,  # [num_heads] fp32 (read only with HAS_SINKS)
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -59,9 +74,15 @@ def paged_attention_kernel(
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_mask = offs_dv < HEAD_DIM_V
+    if HAS_SINKS:  # the sink is one more logit in every row's softmax, with no value: start the running max there
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head).to(tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     last = tl.minimum(ctx, ctx - q_len + tile * BLOCK_M + BLOCK_M)  # no key past the tile's last query
     first = 0
     if sliding_window > 0:
@@ -72,6 +93,7 @@ def paged_attention_kernel(
     PAGES: tl.constexpr = BLOCK_N // PAGE_SIZE
     offs_t = tl.arange(0, PAGE_SIZE)
     tile_off = offs_t[:, None] * (NUM_KV_HEADS * HEAD_DIM) + offs_d[None, :]  # int32 [PAGE_SIZE, BLOCK_D]
+    tile_off_v = offs_t[:, None] * (NUM_KV_HEADS * HEAD_DIM_V) + offs_dv[None, :]
     table = block_tables_ptr + seq.to(tl.int64) * max_blocks_per_seq
     for start in range(first, last, BLOCK_N):
         for j in tl.static_range(PAGES):
@@ -80,12 +102,15 @@ def paged_attention_kernel(
             n_mask = k_pos < last
             page = tl.load(table + page_start // PAGE_SIZE, mask=page_start < last, other=0).to(tl.int64)
             base = page * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+            base_v = page * (PAGE_SIZE * NUM_KV_HEADS * HEAD_DIM_V) + kv_head * HEAD_DIM_V
             kv_mask = n_mask[:, None] & d_mask[None, :]
             k = tl.load(k_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
             if DOT_FP32:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
             else:
                 s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale  # [BLOCK_M, PAGE_SIZE]
+            if softcap > 0:  # c * tanh(s / c); tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates cleanly at +-1
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             allowed = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
             if sliding_window > 0:
                 allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
@@ -95,22 +120,22 @@ def paged_attention_kernel(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + base + tile_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + base_v + tile_off_v, mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
             if DOT_FP32:
                 acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + rows[:, None] * (NUM_HEADS * HEAD_DIM_V) + head * HEAD_DIM_V + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & dv_mask[None, :])
 
 
 @functools.cache
 def _autotuned_kernel():
     configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps)
                for t in ATTENTION_AUTOTUNE["hip" if is_rocm() else "cuda"]]
-    return triton.autotune(configs, key=["NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM"])(paged_attention_kernel)
+    return triton.autotune(configs, key=["NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "HEAD_DIM_V", "HAS_SINKS"])(paged_attention_kernel)
 
 
 # NOTE: blocks of at most this many queries (decoding steps, verification blocks, drafts' catch-up) are computed
@@ -123,13 +148,34 @@ def _autotuned_kernel():
 ROW_INVARIANT_MAX_QUERIES = 16
 
 
+def _attend(q, k, v, scale, allowed, softcap, sinks) -> torch.Tensor:
+    """Attention with a logit softcap and/or sinks, which scaled_dot_product_attention has no terms for: q [1, H,
+    n, D], k [1, KVH, ctx, D], v [1, KVH, ctx, Dv], allowed [n, ctx] bool; scores in
+    float32 at least. Returns [1, H, n, Dv]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    dt = torch.promote_types(q.dtype, torch.float32)
+    s = torch.matmul(q.to(dt), k.to(dt).transpose(-1, -2)) * scale  # [1, H, n, ctx]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(dt).view(1, -1, 1, 1).expand(1, s.shape[1], s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.to(dt)).to(q.dtype)
+
+
 def paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
-                              sliding_window=None) -> torch.Tensor:
+                              sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
     reference_guard("paged_attention_reference")
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    head_dim_v = value_cache.shape[3]
     gqa = num_kv_heads != num_heads
-    out = torch.empty_like(query)
+    plain = not softcap and sinks is None
+    out = query.new_empty((num_tokens, num_heads, head_dim_v))
     for i, table in enumerate(block_tables):
         q0, q1 = query_start[i], query_start[i + 1]
         n, ctx = q1 - q0, context_lens[i]
@@ -138,14 +184,19 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, query
         blocks = torch.tensor(table[: (ctx + block_size - 1) // block_size], dtype=torch.long,
                               device=key_cache.device)
         k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)  # [1,KVH,ctx,D]
-        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:ctx].transpose(0, 1).unsqueeze(0)
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if n <= ROW_INVARIANT_MAX_QUERIES:
             for j in range(n):
                 end = ctx - n + j + 1  # keys 0 .. this query's position
                 start = max(0, end - sliding_window) if sliding_window is not None else 0
-                o = F.scaled_dot_product_attention(q[:, :, j:j + 1], k[:, :, start:end], v[:, :, start:end],
-                                                   scale=scale, enable_gqa=gqa)
+                if plain:
+                    o = F.scaled_dot_product_attention(q[:, :, j:j + 1], k[:, :, start:end], v[:, :, start:end],
+                                                       scale=scale, enable_gqa=gqa)
+                else:
+                    everything = torch.ones((1, end - start), dtype=torch.bool, device=query.device)
+                    o = _attend(q[:, :, j:j + 1], k[:, :, start:end], v[:, :, start:end], scale, everything,
+                                softcap, sinks)
                 out[q0 + j] = o[0, :, 0]
             continue
         q_pos = torch.arange(ctx - n, ctx, device=query.device).unsqueeze(1)  # [n, 1]
@@ -153,7 +204,10 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, query
         allowed = k_pos <= q_pos
         if sliding_window is not None:
             allowed &= k_pos > q_pos - sliding_window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        if plain:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        else:
+            o = _attend(q, k, v, scale, allowed, softcap, sinks)
         out[q0:q1] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -167,15 +221,18 @@ def paged_attention(
     context_lens: list[int],  # [num_seqs] cached tokens of each sequence, its new tokens included
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
     """The new tokens of sequence i sit at positions context_lens[i] - n_i .. context_lens[i] - 1 and their
     K/V must already be written into the cache."""
     if not use_triton(query, key_cache) or query.dtype == torch.float64:
         return paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens,
-                                         scale, sliding_window)
+                                         scale, sliding_window, softcap, sinks)
     meta = attention_metadata(block_tables, query_start, context_lens, query.device)
     return paged_attention_tensors(query, key_cache, value_cache, meta.block_tables, meta.query_start,
-                                   meta.context_lens, meta.max_query_len, scale, sliding_window)
+                                   meta.context_lens, meta.max_query_len, scale, sliding_window, softcap=softcap,
+                                   sinks=sinks)
 
 
 @dataclass(frozen=True)
@@ -214,24 +271,31 @@ def paged_attention_tensors(
     max_query_len: int,
     scale: float,
     sliding_window: int | None = None,
-) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
     """The Triton launch with device-side metadata (what a CUDA-graph-friendly runner passes)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads, page_size = key_cache.shape[2], key_cache.shape[1]
+    head_dim_v = value_cache.shape[3]
     if page_size < 16 or page_size & (page_size - 1):
         raise ValueError(f"the Triton paged attention needs a power-of-two block size >= 16, got {page_size}")
-    out = torch.empty_like(query)
+    out = query.new_empty((num_tokens, num_heads, head_dim_v))
     query = query.contiguous()
+    sinks = sinks.float().contiguous() if sinks is not None else out  # never read without HAS_SINKS
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                  BLOCK_D=triton.next_power_of_2(head_dim), PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda)
+                  BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM_V=head_dim_v,
+                  BLOCK_DV=triton.next_power_of_2(head_dim_v), HAS_SINKS=sinks is not out,
+                  PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda)
     args = (out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale, block_tables.stride(0),
-            sliding_window or 0)
+            sliding_window or 0, float(softcap or 0.0), sinks)
     if os.environ.get("SPECWIRE_AUTOTUNE") == "1" and query.is_cuda:  # opt-in: the first launch per shape tunes
         grid = lambda meta: (block_tables.shape[0], triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads)  # noqa: E731
         _autotuned_kernel()[grid](*args, **common)
         return out
     tiles = ATTENTION_TILES
-    tiles = type(tiles)(tiles.block_m, max(tiles.block_n, page_size), tiles.num_warps)
+    tiles = type(tiles)(tiles.block_m, max(tiles.block_n, page_size),
+                        attention_warps(max(common["BLOCK_D"], common["BLOCK_DV"])))
     grid = (block_tables.shape[0], triton.cdiv(max_query_len, tiles.block_m), num_heads)
     paged_attention_kernel[grid](
         *args, **common, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps)

@@ -63,6 +63,14 @@ class AttentionTiles:
 ATTENTION_TILES = AttentionTiles(block_m=16, block_n=64, num_warps=4)  # the same on both vendors, see above
 
 
+def attention_warps(block_d: int, rocm: bool | None = None) -> int:
+    """Warps of the paged attention for a head-dim tile: ATTENTION_TILES' 4, except 8 on NVIDIA for tiles of 256
+    (Gemma's head dim, MLA's 192-dim keys): at 4 warps sm_90 needs 255 registers and spills 40 bytes there
+    (bench/kernels_compile.py); CDNA's 64-lane wavefronts hold the same tiles at 4 without spilling."""
+    rocm = is_rocm() if rocm is None else rocm
+    return ATTENTION_TILES.num_warps if rocm or block_d < 256 else 2 * ATTENTION_TILES.num_warps
+
+
 def vocab_warps(rocm: bool | None = None) -> int:
     rocm = is_rocm() if rocm is None else rocm
     return 4 if rocm else 8

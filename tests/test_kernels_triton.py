@@ -13,7 +13,7 @@ from test_rejection_sampler import _random_inputs
 
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.kv_cache_write import write_kv_reference, write_kv_triton
-from kernels.paged_attention import paged_attention_reference, paged_attention_tensors
+from kernels.paged_attention import longest_query, paged_attention_reference, paged_attention_tensors
 from kernels.rejection_sampler import rejection_sample_reference, rejection_sample_triton
 from kernels.sampling_probs import compute_probs_reference, compute_probs_triton
 
@@ -60,6 +60,91 @@ def test_paged_attention_matches_reference(num_heads, num_kv_heads, dtype, tol, 
                                   torch.tensor(ctx_lens, dtype=torch.int32), max(q_lens), 0.17, window)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
+def _triton_attention(query, k_cache, v_cache, tables, qs, ctx_lens, scale, window=None, **extra):
+    width = max(len(t) for t in tables)
+    table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    return paged_attention_tensors(query, k_cache, v_cache, table_t, torch.tensor(qs, dtype=torch.int32),
+                                   torch.tensor(ctx_lens, dtype=torch.int32), longest_query(qs), scale, window,
+                                   **extra)
+
+
+# what the architectures beyond Llama need: a logit softcap (Gemma 2), sinks (gpt-oss), head dims that are not
+# powers of two (80, 96 at full size; 24 here) or are 256, a value head dim other than the key's (MLA)
+LAYER_VARIANTS = {
+    "softcap": dict(softcap=2.0),
+    "sinks": dict(sinks=True),
+    "softcap+sinks+window": dict(softcap=3.0, sinks=True, window=6),
+    "head_dim 24": dict(head_dim=24),
+    "head_dim 80": dict(head_dim=80),
+    "head_dim 256": dict(head_dim=256),
+    "k 24, v 12 (MLA)": dict(head_dim=24, v_head_dim=12),
+}
+
+
+@pytest.mark.parametrize("variant", list(LAYER_VARIANTS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_paged_attention_layer_variants_match_reference(variant, dtype, tol):
+    v = LAYER_VARIANTS[variant]
+    gen = torch.Generator().manual_seed(len(variant))
+    head_dim = v.get("head_dim", 32)
+    q_lens, ctx_lens = [5, 20, 1], [37, 20, 16]
+    query, k_cache, v_cache, tables, qs = _attention_case(gen, 8, 2, head_dim, 16, q_lens, ctx_lens, dtype)
+    if "v_head_dim" in v:
+        v_cache = torch.randn(*v_cache.shape[:3], v["v_head_dim"], generator=gen).to(dtype)
+    sinks = torch.randn(8, generator=gen) * 2 if v.get("sinks") else None
+    scale = 3.0 / head_dim**0.5  # large scores, so that a softcap bends them
+    extra = dict(softcap=v.get("softcap"), sinks=sinks)
+    ref = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), tables, qs, ctx_lens, scale,
+                                    v.get("window"), **extra)
+    out = _triton_attention(query, k_cache, v_cache, tables, qs, ctx_lens, scale, v.get("window"), **extra)
+    assert out.shape == (query.shape[0], 8, v_cache.shape[3]) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    if v.get("softcap") or sinks is not None:  # the terms change the result: a kernel that ignored them fails
+        plain = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), tables, qs, ctx_lens,
+                                          scale, v.get("window"))
+        assert (plain - ref).abs().max() > 10 * tol
+
+
+def test_paged_attention_softcap_and_sinks_reference_matches_transformers_eager():
+    """The reference's softcap and sinks against transformers' own eager attention of Gemma 2 and gpt-oss, on a
+    dense layout."""
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_eager
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_eager
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, ctx = 8, 2, 16, 11
+    q = torch.randn(1, heads, ctx, dim, generator=gen, dtype=torch.float64) * 2
+    k = torch.randn(1, kv_heads, ctx, dim, generator=gen, dtype=torch.float64)
+    v = torch.randn(1, kv_heads, ctx, dim, generator=gen, dtype=torch.float64)
+    mask = torch.full((ctx, ctx), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    sinks = torch.randn(heads, generator=gen, dtype=torch.float64)
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = heads // kv_heads
+
+    module = Module().eval()
+    module.sinks = sinks
+    k_cache = k[0].transpose(0, 1).reshape(1, ctx, kv_heads, dim)
+    v_cache = v[0].transpose(0, 1).reshape(1, ctx, kv_heads, dim)
+    query = q[0].transpose(0, 1)
+    for eager, extra in ((gemma2_eager, dict(softcap=2.5)), (gpt_oss_eager, dict(sinks=sinks))):
+        expected, _ = eager(module, q, k, v, mask, scaling=dim**-0.5, **({"softcap": 2.5} if "softcap" in extra
+                                                                       else {}))
+        ours = paged_attention_reference(query, k_cache, v_cache, [[0]], [0, ctx], [ctx], dim**-0.5, **extra)
+        torch.testing.assert_close(ours, expected[0], atol=1e-6, rtol=1e-5)  # its softmax: float32
+
+
+def test_write_kv_with_a_value_head_dim_of_its_own():
+    gen = torch.Generator().manual_seed(1)
+    key, value = torch.randn(5, 2, 24, generator=gen), torch.randn(5, 2, 12, generator=gen)
+    slots = torch.tensor([3, 0, 17, 5, 30])
+    ref_k, ref_v = torch.zeros(2, 16, 2, 24), torch.zeros(2, 16, 2, 12)
+    out_k, out_v = torch.zeros(2, 16, 2, 24), torch.zeros(2, 16, 2, 12)
+    write_kv_reference(key, value, ref_k, ref_v, slots)
+    write_kv_triton(key, value, out_k, out_v, slots)
+    assert torch.equal(ref_k, out_k) and torch.equal(ref_v, out_v) and ref_v.abs().sum() > 0
 
 
 def test_paged_attention_reference_matches_transformers_sdpa():

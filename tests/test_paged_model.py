@@ -68,8 +68,9 @@ def test_rollback_then_rewrite_reuses_slots():
     assert float((out - ref).abs().max()) <= 1e-9
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # qwen3: a draft on the native path with quantized weights
 @pytest.mark.parametrize("quantization,tol", [("int8", 2e-3), ("int4", 0.15)])
-def test_quantized_runner_computes_the_fake_quantized_model(quantization, tol):
+def test_quantized_runner_computes_the_fake_quantized_model(quantization, tol, family):
     """--quantization int8 / int4: the paged runner equals transformers' forward of the same model with every
     linear weight replaced by its dequantized value (the quantized model is what gets verified), and it is not the
     unquantized model. (int4 runs its activations in bfloat16, hence its tolerance.)"""
@@ -78,7 +79,7 @@ def test_quantized_runner_computes_the_fake_quantized_model(quantization, tol):
     quantizer = Int8Linear if quantization == "int8" else Int4Linear
     dtype = torch.float32
 
-    config = model_config("qwen2", 97, eos_token_id=None, heads=4, kv_heads=2, hidden=64)
+    config = model_config(family, 97, eos_token_id=None, heads=4, kv_heads=2, hidden=64)
     model = build_model(config, seed=5, dtype=torch.float32)
     fake = build_model(config, seed=5, dtype=torch.float32)
     with torch.no_grad():

@@ -10,11 +10,12 @@ import os
 import pytest
 import torch
 
-from common import paged_model
+from common import paged_model, transformers_model
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.paged_model import ForwardBatch, PagedCausalLM, kv_cache_spec
 from common.static_forward import StaticForward, build_static_forward, graph_sizes
+from common.transformers_model import ATTENTION_NAME, TransformersPagedLM, kv_cache_spec_by_probe, register_attention
 from kernels import kv_cache_write, platform
 
 from tiny_models import build_model, model_config
@@ -38,6 +39,16 @@ def test_graphs_need_a_gpu():
         build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=True)
 
 
+def test_graphs_are_refused_on_the_transformers_backend(monkeypatch):
+    monkeypatch.setattr(platform, "use_triton", lambda *t: True)
+    model = build_model(model_config("gemma2", VOCAB, eos_token_id=None), seed=1, dtype=torch.float32)
+    register_attention()
+    model.set_attn_implementation(ATTENTION_NAME)
+    runner = TransformersPagedLM(model, KVCache(kv_cache_spec_by_probe(model), 4, BLOCK))
+    with pytest.raises(ValueError, match="not supported on the transformers backend"):
+        build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=True)
+
+
 def _must_not_run(*args, **kwargs):
     raise AssertionError("the CPU reference ran")
 
@@ -50,20 +61,33 @@ def triton_path(monkeypatch):
     monkeypatch.setattr(kv_cache_write, "use_triton", lambda *t: True)
     monkeypatch.setattr(kv_cache_write, "write_kv_reference", _must_not_run)
     monkeypatch.setattr(paged_model, "paged_attention", _must_not_run)
+    monkeypatch.setattr(transformers_model, "paged_attention", _must_not_run)
+
+
+# the native path, and the transformers backend with the logit transforms its static path applies after lm_head
+# (Gemma 2's final softcap, Granite's logit scaling)
+ARCHS = ["qwen2", "gemma2", pytest.param("granite", marks=pytest.mark.slow)]
 
 
 class _Pair:
     """Two identical KV pools over one tiny model, each with three sequences prefilled."""
 
-    def __init__(self) -> None:
-        self.model = build_model(model_config("qwen2", VOCAB, eos_token_id=None, heads=4, kv_heads=2), seed=2,
+    def __init__(self, arch: str = "qwen2") -> None:
+        self.model = build_model(model_config(arch, VOCAB, eos_token_id=None, heads=4, kv_heads=2), seed=2,
                                  dtype=torch.float32)
         self.blocks = BlockManager(16, BLOCK)
         self.contexts = [37, 5, 16]
         gen = torch.Generator().manual_seed(0)
         self.tokens = [torch.randint(0, VOCAB, (n + 8,), generator=gen).tolist() for n in self.contexts]
-        self.runners = [PagedCausalLM(self.model, KVCache(kv_cache_spec(self.model), 16, BLOCK), pack_weights=False)
-                        for _ in range(3)]
+        if arch == "qwen2":
+            self.runners = [PagedCausalLM(self.model, KVCache(kv_cache_spec(self.model), 16, BLOCK),
+                                          pack_weights=False) for _ in range(3)]
+        else:
+            register_attention()
+            self.model.set_attn_implementation(ATTENTION_NAME)
+            spec = kv_cache_spec_by_probe(self.model)
+            self.runners = [TransformersPagedLM(self.model, KVCache(spec, 16, BLOCK)) for _ in range(3)]
+            assert self.runners[0].supports_static
         for runner in self.runners:
             runner.forward(self.batch([(i, 0, n) for i, n in enumerate(self.contexts)], every_row=False))
 
@@ -88,8 +112,9 @@ def _pools(runner):
     return torch.cat([torch.stack(runner.kv_cache.key_caches), torch.stack(runner.kv_cache.value_caches)])
 
 
-def test_a_static_step_equals_the_ordinary_forward(triton_path):
-    pair = _Pair()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_static_step_equals_the_ordinary_forward(triton_path, arch):
+    pair = _Pair(arch)
     batch = pair.verification()
     expected = pair.runners[0].forward(batch)
     static = StaticForward(pair.runners[1], max_tokens=32, max_blocks_per_seq=4)
@@ -101,9 +126,10 @@ def test_a_static_step_equals_the_ordinary_forward(triton_path):
     torch.testing.assert_close(_pools(pair.runners[1]), _pools(pair.runners[0]), atol=0, rtol=0)
 
 
-def test_a_step_padded_to_its_graph_bucket_computes_the_same_and_writes_no_padding(triton_path):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_step_padded_to_its_graph_bucket_computes_the_same_and_writes_no_padding(triton_path, arch):
     """What a replay computes: the step padded to 16 tokens (slot -1) and 16 sequences (empty queries)."""
-    pair = _Pair()
+    pair = _Pair(arch)
     batch = pair.verification()
     expected = pair.runners[0].forward(batch)
     runner = pair.runners[2]

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from common.config import (
     DEVICE_CHOICES_HELP,
     DTYPES,
+    MODEL_IMPL_HELP,
+    MODEL_IMPLS,
     QUANTIZATION_HELP,
     QUANTIZATIONS,
     CpuThreadsConfig,
@@ -31,6 +33,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
+    model_impl: str = option("auto", MODEL_IMPL_HELP, choices=MODEL_IMPLS)
     max_draft_tokens: int = option(16, "largest draft block accepted")
     block_size: int = option(16, "tokens per KV block")
     gpu_memory_utilization: float = option(0.9, "on a GPU, the fraction of its memory this verifier may use: the KV "
@@ -85,7 +88,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
         self.check_security()
         self.check_static_forward()
         self.check_cpu_threads()
-        check_weights(self.dtype, self.quantization)
+        check_weights(self.dtype, self.quantization, self.model_impl)
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
         if self.max_draft_tokens < 0:

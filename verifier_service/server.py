@@ -14,8 +14,9 @@ from common.device import describe_device, kv_budget_from_utilization, resolve_d
 from common.grpc_server import build_grpc_server, serve_until_stopped
 from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
+from common.model_impl import build_paged_model, paged_kv_spec
 from common.model_loading import LoadedModel, load_model
-from common.paged_model import PagedCausalLM, kv_cache_spec, profile_peak_memory
+from common.paged_model import profile_peak_memory
 from common.static_forward import build_static_forward
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 from verifier_service.async_engine import AsyncEngine
@@ -33,8 +34,8 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 def build_engine(config: VerifierConfig) -> VerifierEngine:
     device = resolve_device(config.device)
     dtype = resolve_dtype_name(config.dtype, device)
-    loaded = load_model(config.model, parse_dtype(dtype), device)
-    spec = kv_cache_spec(loaded.model)
+    loaded = load_model(config.model, parse_dtype(dtype), device, config.model_impl)
+    spec = paged_kv_spec(loaded)
     num_blocks = config.num_blocks or _num_blocks(config, loaded, spec, device)
     if num_blocks < 1:
         raise ValueError(f"the KV budget holds no block of {config.block_size} tokens ({spec.bytes_per_token} bytes "
@@ -44,8 +45,7 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     log.info("kv_cache", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
              num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
              bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size)
-    model = PagedCausalLM(loaded.model, kv, release_unpacked=True, quantization=config.quantization,
-                          gguf_path=loaded.gguf_path)
+    model = build_paged_model(loaded, kv, quantization=config.quantization)
     static = build_static_forward(model, max_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens),
                                   max_model_len=loaded.max_model_len, block_size=config.block_size,
                                   graphs=config.cuda_graphs)
@@ -63,7 +63,11 @@ def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, 
         return num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory)
     if device.type != "cuda":
         return num_blocks_for_budget(spec, config.block_size, CPU_KV_CACHE_MEMORY)
-    peak = profile_peak_memory(loaded.model, spec, config.block_size, config.max_num_batched_tokens, device)
+    runner_for = None
+    if loaded.model_impl == "transformers":
+        runner_for = lambda kv: build_paged_model(loaded, kv)  # noqa: E731
+    peak = profile_peak_memory(loaded.model, spec, config.block_size, config.max_num_batched_tokens, device,
+                               runner_for)
     budget = kv_budget_from_utilization(device, config.gpu_memory_utilization, peak)
     log.info("kv_cache_sizing", gpu_memory_utilization=config.gpu_memory_utilization, peak_bytes=peak,
              budget_bytes=budget)

@@ -71,13 +71,73 @@ def model_config(family: str, vocab_size: int, *, eos_token_id: int | None, hidd
         return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if family == "qwen2":
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    raise ValueError(f"family must be llama or qwen2, got {family!r}")
+    if family in ARCHITECTURES:
+        return architecture_config(family, vocab_size, eos_token_id=eos_token_id, hidden=hidden, layers=layers,
+                                   heads=heads, kv_heads=kv_heads, init=init)
+    raise ValueError(f"family must be llama, qwen2 or one of {', '.join(ARCHITECTURES)}, got {family!r}")
+
+
+# Tiny configs of architectures beyond Llama and Qwen2, each with what makes it differ switched on and strong
+# enough to matter at this size: per-head q/k norms (qwen3), MoE routing (qwen3_moe, mixtral, gpt_oss), attention
+# and final logit softcaps (gemma2, small caps so tanh bends), sliding-window layers shorter than the test prompts
+# (gemma2, gemma3_text, gpt_oss, starcoder2), attention sinks (gpt_oss), fused projections (phi3), whole-projection
+# q/k norms (olmo2), scaling multipliers (granite), LayerNorm with biases (starcoder2).
+ARCHITECTURES = {
+    "qwen3": dict(head_dim=16),
+    "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=16, attn_logit_softcapping=4.0,
+                   final_logit_softcapping=3.0, sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+                   layer_types=["sliding_attention", "full_attention"]),
+    "gemma3_text": dict(head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                        layer_types=["sliding_attention", "full_attention"]),
+    "phi3": dict(sliding_window=None),
+    "olmo2": dict(),
+    "granite": dict(embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2,
+                    logits_scaling=2.0),
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "original_max_position_embeddings": 16}),
+    "starcoder2": dict(sliding_window=8, use_bias=True),
+    # MLA: keys of qk_nope + qk_rope dims, values of v_head_dim (another head dim), a dense first layer, then MoE
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                        n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                        topk_group=1),
+}
+
+
+def architecture_config(model_type: str, vocab_size: int, *, eos_token_id: int | None, hidden: int = 64,
+                        layers: int = 2, heads: int = 4, kv_heads: int = 2, init: float = 0.3):
+    """A tiny random config of `model_type` (a key of ARCHITECTURES): hidden 64, 2 layers by default."""
+    from transformers import AutoConfig
+
+    params = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  initializer_range=init, eos_token_id=eos_token_id, bos_token_id=None, pad_token_id=None,
+                  tie_word_embeddings=False)
+    params.update(ARCHITECTURES[model_type])
+    if "layer_types" in params:
+        kinds = params["layer_types"]
+        params["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    return AutoConfig.for_model(model_type, **params)
 
 
 def build_model(config, seed: int, dtype: torch.dtype = torch.float64):
     torch.manual_seed(seed)
-    cls = LlamaForCausalLM if config.model_type == "llama" else Qwen2ForCausalLM
-    return cls(config).to(dtype).eval()
+    if dtype == torch.float64:  # transformers' grouped expert matmul (MoE) has no float64 kernel; its loop does
+        config._experts_implementation = "eager"
+    if config.model_type == "llama":
+        model = LlamaForCausalLM(config)
+    elif config.model_type == "qwen2":
+        model = Qwen2ForCausalLM(config)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config)
+    return model.to(dtype).eval()
 
 
 def perturbed(model, seed: int, scale: float):
@@ -218,7 +278,8 @@ def greedy_reference(model_dir: Path, prompt_ids: list[int], n: int, dtype: torc
     greedy output must equal, token for token."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 else {}  # MoE in float64, as above
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra).eval()
     ids = list(prompt_ids)
     with torch.no_grad():
         for _ in range(n):
