@@ -15,11 +15,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# PAIR=gemma3: Gemma 3 270M (an architecture on the transformers backend) drafted by prompt lookup
+PAIR ?= default
 models: $(STAMP)
-	$(PY) scripts/fetch_models.py --keep-gguf
+	$(PY) scripts/fetch_models.py --keep-gguf --pair $(PAIR)
 
 demo: models
-	$(VENV)/bin/specwire demo
+	$(VENV)/bin/specwire demo --pair $(PAIR)
 
 # Two workers, one per core of the 2-core machine the suite is sized for. A file's tests stay on one worker, so its
 # module fixtures (stacks of service processes) start once, and files are handed out in collection order, which

@@ -226,9 +226,10 @@ def resolve_model_impl(config: Any, model_impl: str = "auto") -> str:
     """native or transformers for a model of this config (see common.config.MODEL_IMPL_HELP); raises
     UnsupportedModelError for what neither can serve, saying why."""
     from common.paged_model import NATIVE_MODEL_TYPES
-    from common.transformers_model import UnsupportedModelError, check_config
+    from common.transformers_model import UnsupportedModelError, check_config, check_rope
 
     model_type = getattr(config, "model_type", "?")
+    check_rope(config)
     if model_impl == "native":
         if model_type not in NATIVE_MODEL_TYPES:
             raise UnsupportedModelError(f"model type {model_type!r} has no native implementation (native: "

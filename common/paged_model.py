@@ -105,8 +105,10 @@ class PagedCausalLM:
         self.norm = model.model.norm
         self.rotary_emb = model.model.rotary_emb
         self.lm_head = model.lm_head
-        layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers)
+        # a config without layer_types (Mistral) windows every layer with its sliding_window, as transformers does
         window = getattr(config, "sliding_window", None)
+        default_type = "sliding_attention" if window and getattr(config, "use_sliding_window", True) else "full_attention"
+        layer_types = getattr(config, "layer_types", None) or [default_type] * len(self.layers)
         self.sliding_windows = [window if t == "sliding_attention" and window else None for t in layer_types]
         self.scale = getattr(self.layers[0].self_attn, "scaling", self.head_dim**-0.5)
         # Qwen3: per-head RMSNorm of q and k before RoPE

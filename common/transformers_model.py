@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 import torch
 
+from common.cpu_linear import PackedLinear, onednn_available
 from common.kv_cache import KVCache, KVCacheSpec, LayerShape
 from kernels import platform
 from kernels.kv_cache_write import write_kv
@@ -48,8 +49,32 @@ RECURRENT_MODEL_TYPES = frozenset({
 })
 
 
+# keyword arguments a model may hand its attention that carry semantics specwire's attention does not implement
+IGNORED_SEMANTICS = frozenset({"position_bias", "attention_bias", "head_mask", "indices", "alibi"})
+
+
 class UnsupportedModelError(ValueError):
     """The model cannot be served by specwire, and why."""
+
+
+def dynamic_rope_types(config: Any) -> list[str]:
+    """The RoPE types of the config that choose their frequencies from the longest position in the forward
+    (dynamic NTK, Phi-3's longrope): in a flattened batch of several sequences one sequence's logits would depend
+    on the others', and chunked prefill would cache keys under two frequency sets."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    groups = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    kinds = [str(g.get("rope_type") or g.get("type") or "") for g in groups if isinstance(g, dict)]
+    return sorted({k for k in kinds if "dynamic" in k or k == "longrope"})
+
+
+def check_rope(config: Any) -> None:
+    dynamic = dynamic_rope_types(config)
+    if dynamic:
+        raise UnsupportedModelError(
+            f"model type {getattr(config, 'model_type', '?')!r} uses RoPE type {', '.join(dynamic)}, whose "
+            "frequencies follow the longest position in the forward pass: in a batch of sequences one's logits "
+            "would depend on another's, which breaks lossless verification. Use a checkpoint (or a config) with a "
+            "static RoPE type (default, linear, llama3, yarn)")
 
 
 @dataclass
@@ -66,9 +91,11 @@ class _PagedContext:
 
 @dataclass
 class _ShapeProbe:
-    """Records each attention layer's K and V shapes (one token through the model at load)."""
+    """Records each attention layer's K and V shapes (one token through the model at load), and what the model
+    asks of its attention that specwire's does not do."""
 
     shapes: dict[int, LayerShape]
+    problems: list[str]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -81,7 +108,23 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     context = kwargs.get(CONTEXT_KWARG)
     layer = getattr(module, "layer_idx", None)
     if isinstance(context, _ShapeProbe):
-        context.shapes[int(layer)] = LayerShape(key.shape[1], key.shape[3], value.shape[3])
+        name = type(module).__name__
+        if layer is None:
+            context.problems.append(f"{name} has no layer_idx (the KV pool is indexed by layer)")
+        elif int(layer) in context.shapes:
+            context.problems.append(f"layer {layer} computes attention twice in one forward (a shared or looped "
+                                    "layer would overwrite its own cache slots)")
+        else:
+            context.shapes[int(layer)] = LayerShape(key.shape[1], key.shape[3], value.shape[3])
+        if attention_mask is not None:
+            context.problems.append(f"{name} builds an attention mask of its own, which specwire's paged "
+                                    "attention (causal, optionally windowed) would ignore")
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            context.problems.append(f"{name} is bidirectional (is_causal=False); specwire serves causal decoders")
+        ignored = sorted(IGNORED_SEMANTICS & {k for k, v in kwargs.items() if v is not None})
+        if ignored:
+            context.problems.append(f"{name} passes {', '.join(ignored)} to its attention, which specwire's paged "
+                                    "attention does not implement")
         return query.new_zeros(1, query.shape[2], query.shape[1], value.shape[3]), None
     if not isinstance(context, _PagedContext):
         raise RuntimeError("specwire's paged attention was called without the step's paging metadata: this model "
@@ -95,7 +138,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     write_kv(k, v, key_cache, value_cache, context.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window = sliding_window or None
-    sinks = s_aux if s_aux is not None else None
+    sinks = s_aux
     meta = context.meta
     if meta is not None:
         o = paged_attention_tensors(q, key_cache, value_cache, meta.block_tables, meta.query_start,
@@ -137,6 +180,7 @@ def check_config(config: Any) -> None:
         raise UnsupportedModelError(f"model type {model_type!r} has layers of kind {', '.join(odd)}: recurrent or "
                                     "hybrid layers keep state that is not a KV cache, which specwire cannot page "
                                     "or roll back")
+    check_rope(config)
     if any(t == "chunked_attention" for t in layer_types):
         raise UnsupportedModelError(f"model type {model_type!r} uses chunked attention, which specwire's paged "
                                     "attention does not implement")
@@ -154,14 +198,44 @@ def check_model(model: Any) -> None:
 
 # -- the runner -----------------------------------------------------------------------------------------------
 
+class _PackedLinearModule(torch.nn.Module):
+    """An nn.Linear's drop-in on CPU: its weight reordered once for oneDNN (common.cpu_linear.PackedLinear: several
+    times faster than aten for the few rows of a decoding step, and a one-row step computed as two rows, so a
+    token's logits do not depend on the block it is verified in). Any leading dims, as nn.Linear takes."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.inner = PackedLinear(linear)
+        # what modeling code may read from a Linear (its dtype and device); the float weights are not kept
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=linear.weight.dtype, device=linear.weight.device),
+                                         requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: Any) -> int:
+    """Replace every nn.Linear of the model (lm_head included; MoE experts are not Linear modules and stay) with
+    its packed drop-in. Returns how many were replaced."""
+    targets = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+               if type(child) is torch.nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, _PackedLinearModule(child))
+    return len(targets)
+
+
 def kv_cache_spec_by_probe(model: Any) -> KVCacheSpec:
     """Each layer's K and V shapes, as the model's own attention calls show them for one token: exact for any
     architecture (per-layer head counts and head dims, different K and V head dims). Every decoder layer must
     call attention through the interface; one that does not is a recurrent or hybrid layer."""
-    probe = _ShapeProbe({})
+    probe = _ShapeProbe({}, [])
     ids = torch.zeros((1, 1), dtype=torch.int64, device=model.device)
     with torch.inference_mode():
         model(input_ids=ids, position_ids=ids, use_cache=False, logits_to_keep=1, **{CONTEXT_KWARG: probe})
+    if probe.problems:
+        raise UnsupportedModelError(f"model type {model.config.model_type!r}: " + "; ".join(dict.fromkeys(
+            probe.problems)))
     num_layers = int(model.config.num_hidden_layers)
     missing = [i for i in range(num_layers) if i not in probe.shapes]
     if missing:
@@ -175,16 +249,22 @@ class TransformersPagedLM:
     """The same interface as common.paged_model.PagedCausalLM (forward over a ForwardBatch; hidden_states, norm
     and logits for the static path), over a transformers model loaded with attention `specwire_paged`."""
 
-    packed = False
     quantization = "none"
     model_impl = "transformers"
 
-    def __init__(self, model: Any, kv_cache: KVCache) -> None:
+    def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True) -> None:
+        """pack_weights: on CPU in float32 or bfloat16, every nn.Linear becomes a oneDNN-packed drop-in (the
+        native path packs the same way); the model is changed in place."""
         check_model(model)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
         self.kv_cache = kv_cache
+        self._vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.packed = (pack_weights and model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
+                       and onednn_available())
+        if self.packed:
+            log.info("transformers_packed_linears", count=pack_linears(model))
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
@@ -197,7 +277,7 @@ class TransformersPagedLM:
 
     @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self._vocab_size
 
     @property
     def supports_static(self) -> bool:
@@ -245,16 +325,21 @@ class TransformersPagedLM:
     def _head_matches(self) -> bool:
         """One probe token both ways: the model's own logits against decoder + `logits`. A model that does
         something else to its logits keeps the full forward for every step."""
-        cache = KVCache(self.kv_cache.spec, 1, self.kv_cache.block_size, self.device)
-        ids = torch.zeros(1, dtype=torch.int64, device=self.device)
-        context = _PagedContext(cache, ids, [[0]], [0, 1], [1], None)
+        n = 4  # a few tokens, some of them common ones, so that transformed logits are not all near zero
+        block = self.kv_cache.block_size
+        num_blocks = -(-n // block)
+        cache = KVCache(self.kv_cache.spec, num_blocks, block, self.device)
+        ids = torch.randint(0, self._vocab_size, (n,), generator=torch.Generator().manual_seed(0)).to(self.device)
+        positions = torch.arange(n, device=self.device)
+        table = list(range(num_blocks))
+        context = _PagedContext(cache, positions, [table], [0, n], [n], None)
         with torch.inference_mode():
             if platform.use_triton(self.embed_tokens.weight):
-                context.meta = attention_metadata([[0]], [0, 1], [1], self.device)
-            full = self.model(input_ids=ids[None], position_ids=ids[None], use_cache=False,
-                              **{CONTEXT_KWARG: context}).logits[0, -1]
-            hidden = self.base(input_ids=ids[None], position_ids=ids[None], use_cache=False,
-                               **{CONTEXT_KWARG: context}).last_hidden_state[0, -1]
+                context.meta = attention_metadata([table], [0, n], [n], self.device)
+            full = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                              **{CONTEXT_KWARG: context}).logits[0]
+            hidden = self.base(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                               **{CONTEXT_KWARG: context}).last_hidden_state[0]
             split = self.logits(hidden)
         same = bool(torch.allclose(full.float(), split.float(), rtol=1e-3, atol=1e-3))
         if not same:

@@ -148,6 +148,9 @@ def _autotuned_kernel():
 ROW_INVARIANT_MAX_QUERIES = 16
 
 
+_CHUNK = 128  # queries per score matrix of the softcap / sinks reference path
+
+
 def _attend(q, k, v, scale, allowed, softcap, sinks) -> torch.Tensor:
     """Attention with a logit softcap and/or sinks, which scaled_dot_product_attention has no terms for: q [1, H,
     n, D], k [1, KVH, ctx, D], v [1, KVH, ctx, Dv], allowed [n, ctx] bool; scores in
@@ -206,8 +209,9 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, query
             allowed &= k_pos > q_pos - sliding_window
         if plain:
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-        else:
-            o = _attend(q, k, v, scale, allowed, softcap, sinks)
+        else:  # a score matrix per chunk of queries: [H, chunk, ctx], never [H, n, ctx] for a long prefill
+            o = torch.cat([_attend(q[:, :, a:a + _CHUNK], k, v, scale, allowed[a:a + _CHUNK], softcap, sinks)
+                           for a in range(0, n, _CHUNK)], dim=2)
         out[q0:q1] = o.squeeze(0).transpose(0, 1)
     return out
 
@@ -283,9 +287,10 @@ def paged_attention_tensors(
     out = query.new_empty((num_tokens, num_heads, head_dim_v))
     query = query.contiguous()
     sinks = sinks.float().contiguous() if sinks is not None else out  # never read without HAS_SINKS
+    # tiles of at least 16 along the head dims: tl.dot's smallest edge
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-                  BLOCK_D=triton.next_power_of_2(head_dim), HEAD_DIM_V=head_dim_v,
-                  BLOCK_DV=triton.next_power_of_2(head_dim_v), HAS_SINKS=sinks is not out,
+                  BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM_V=head_dim_v,
+                  BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), HAS_SINKS=sinks is not out,
                   PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda)
     args = (out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale, block_tables.stride(0),
             sliding_window or 0, float(softcap or 0.0), sinks)

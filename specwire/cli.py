@@ -76,6 +76,9 @@ def _generate_parser(sub) -> None:
 
 def _demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="start both services on loopback with the default pair and compare with k=0")
+    p.add_argument("--pair", default="default", choices=("default", "gemma3"),
+                   help="default: Qwen2.5-Coder 1.5B verified against a 0.5B draft (native path); gemma3: Gemma 3 "
+                        "270M on the transformers backend, drafted by prompt lookup (make models PAIR=gemma3)")
     p.add_argument("--target", default=None, help="target model (default: .models/target from `make models`)")
     p.add_argument("--draft", default=None, help="draft model (default: .models/draft)")
     p.add_argument("--prompt", default=None, help="prompt text (default: a code prompt)")

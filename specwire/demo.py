@@ -13,18 +13,25 @@ from pathlib import Path
 from specwire.client import Client, Result
 from specwire.launch import Stack
 
+# Gemma 3 270M is a base model without a chat template: a prompt it continues, with text that prompt lookup finds
+# again in what it writes. Prompt text is encoded without adding special tokens (a chat template's text carries its
+# own), and Gemma wants its <bos> first: the text says it.
+GEMMA3_PROMPT = (
+    "<bos>class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n\nclass Queue:\n"
+)
 DEFAULT_PROMPT = (
     "<|im_start|>user\nWrite a Python function `is_prime(n)` that returns True when n is a prime number, "
     "with a docstring.<|im_end|>\n<|im_start|>assistant\n"
 )
 
 
-def _default_model(name: str) -> Path:
+def _default_model(name: str, fetch: str = "make models") -> Path:
     for root in (Path.cwd(), Path(__file__).resolve().parent.parent):
         path = root / ".models" / name
         if (path / "config.json").exists():
             return path
-    raise SystemExit(f"error: no default {name} model in .models/{name}: run `make models` first "
+    raise SystemExit(f"error: no default {name} model in .models/{name}: run `{fetch}` first "
                      "(or pass --target/--draft)")
 
 
@@ -73,22 +80,33 @@ def _chat_over_http(url: str, max_tokens: int) -> None:
 
 
 def run_demo(args) -> int:
-    target = Path(args.target) if args.target else _default_model("target")
-    draft = Path(args.draft) if args.draft else _default_model("draft")
-    prompt = args.prompt or DEFAULT_PROMPT
+    gemma3 = getattr(args, "pair", "default") == "gemma3"
+    if gemma3:
+        target = Path(args.target) if args.target else _default_model("gemma3", "make models PAIR=gemma3")
+        draft = target  # prompt lookup: the target's tokenizer is all the draft needs
+    else:
+        target = Path(args.target) if args.target else _default_model("target")
+        draft = Path(args.draft) if args.draft else _default_model("draft")
+    prompt = args.prompt or (GEMMA3_PROMPT if gemma3 else DEFAULT_PROMPT)
     k = args.num_speculative_tokens
     log_dir = Path(tempfile.mkdtemp(prefix="specwire-demo-"))
     target_q, draft_q = args.quantization, args.draft_quantization
     weights = {q: "" if q == "none" else f", {q} weights" for q in (target_q, draft_q)}
-    print(f"specwire demo: target {target} ({args.dtype}{weights[target_q]}), draft {draft} ({args.draft_dtype}"
-          f"{weights[draft_q]}), k = {k}, greedy, {args.max_tokens} tokens (service logs in {log_dir})", flush=True)
+    if gemma3:
+        draft_args = ["--proposer", "ngram"]
+        print(f"specwire demo: target {target} ({args.dtype}, transformers backend), drafted by prompt lookup, "
+              f"k = {k}, greedy, {args.max_tokens} tokens (service logs in {log_dir})", flush=True)
+    else:
+        draft_args = ["--dtype", args.draft_dtype, "--quantization", draft_q]
+        print(f"specwire demo: target {target} ({args.dtype}{weights[target_q]}), draft {draft} ({args.draft_dtype}"
+              f"{weights[draft_q]}), k = {k}, greedy, {args.max_tokens} tokens (service logs in {log_dir})",
+              flush=True)
     with Stack() as stack:
         verifier = stack.start("verifier", ["verifier", "--model", str(target), "--dtype", args.dtype,
                                             "--quantization", target_q, "--max-draft-tokens", str(max(k, 16))],
                                log_dir=log_dir)
-        drafter = stack.start("draft", ["draft", "--model", str(draft), "--dtype", args.draft_dtype,
-                                        "--quantization", draft_q, "--verifier", verifier.address,
-                                        "--num-speculative-tokens", str(k)], log_dir=log_dir)
+        drafter = stack.start("draft", ["draft", "--model", str(draft), *draft_args, "--verifier",
+                                        verifier.address, "--num-speculative-tokens", str(k)], log_dir=log_dir)
         print(f"verifier on {verifier.address}, draft service on {drafter.address}\n", flush=True)
         with Client(drafter.address) as client:
             print(f"--- speculative (--speculation auto: the verifier chooses each round's k, at most {k}) ---",
@@ -103,7 +121,9 @@ def run_demo(args) -> int:
                 same = base.token_ids == spec.token_ids
                 speedup = spec.stats.tokens_per_second / base.stats.tokens_per_second
                 print(f"\nspeedup over k=0: {speedup:.2f}x; greedy outputs identical: {same}", flush=True)
-        if not args.no_gateway:
+        if gemma3 and not args.no_gateway:
+            print("\n(the gateway's chat request is skipped: Gemma 3 270M is a base model with no chat template)")
+        elif not args.no_gateway:
             gateway = stack.start_gateway(drafter.address, tokenizer=target, args=("--model-name", "target"),
                                           log_dir=log_dir)
             print(f"\n--- the OpenAI API: specwire gateway on {gateway.address}, a streamed chat request ---",

@@ -101,11 +101,17 @@ def _check_against_transformers(reference, runner, blocks, tol):
 
 
 @pytest.mark.parametrize("arch", ALL)
-def test_transformers_backend_logits_equal_transformers(arch):
-    reference, ours = _pair_of_models(arch)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_transformers_backend_logits_equal_transformers(arch, dtype):
+    """float64: the torch path as it is; float32: with every Linear oneDNN-packed, as the services run on CPU."""
+    reference, ours = _pair_of_models(arch, dtype)
     spec = kv_cache_spec_by_probe(ours)
     runner = TransformersPagedLM(ours, KVCache(spec, 32, 4))
-    _check_against_transformers(reference, runner, BlockManager(32, 4), tol=_tolerance(reference))
+    from common.cpu_linear import onednn_available
+
+    assert runner.packed == (dtype == torch.float32 and onednn_available())
+    tol = _tolerance(reference) if dtype == torch.float64 else 1e-4
+    _check_against_transformers(reference, runner, BlockManager(32, 4), tol=tol)
     if arch == "deepseek_v3":  # MLA: values of another head dim than keys, in a pool shaped per layer
         assert spec.layer(0).head_dim == 24 and spec.layer(0).v_head_dim == 12
 
@@ -155,9 +161,11 @@ def test_the_checks_fail_when_a_layer_term_is_dropped(monkeypatch):
             _check_against_transformers(reference, runner, BlockManager(32, 4), tol=1e-8)
 
 
-def test_qwen3_native_logits_equal_transformers():
-    """Qwen3 on the native path: per-head q and k norms before RoPE."""
-    model = build_model(model_config("qwen3", 97, eos_token_id=None), seed=3)
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_native_logits_equal_transformers(arch):
+    """The native path: Qwen3's per-head q and k norms before RoPE; Mistral's window on every layer (its config
+    has no layer_types)."""
+    model = build_model(model_config(arch, 97, eos_token_id=None), seed=3)
     runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 32, 4))
     _check_against_transformers(model, runner, BlockManager(32, 4), tol=1e-8)
 
@@ -241,6 +249,34 @@ def test_what_cannot_be_served_is_refused_at_load_saying_why(tmp_path, config, r
 
     with pytest.raises(UnsupportedModelError, match=reason):
         load_model(_config_dir(tmp_path / config["model_type"], **config))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                  {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8,
+                                   "long_factor": [2.0] * 8, "original_max_position_embeddings": 16}])
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_rope_that_depends_on_the_batch_is_refused(arch, rope):
+    """Dynamic NTK and longrope pick their frequencies from the longest position in the forward: in a batch, one
+    sequence's logits would depend on another's. Refused on both paths."""
+    from common.model_loading import resolve_model_impl
+
+    config = model_config(arch, 97, eos_token_id=None)
+    config.rope_parameters = rope
+    for impl in ("auto", "transformers"):
+        with pytest.raises(UnsupportedModelError, match=rope["rope_type"]):
+            resolve_model_impl(config, impl)
+
+
+def test_a_bidirectional_model_is_refused_by_the_probe():
+    """A model whose attention is not causal (Gemma 3 as an embedding model) passes the config checks and is
+    caught when its layers are probed."""
+    config = model_config("gemma3_text", 97, eos_token_id=None)
+    config.use_bidirectional_attention = True
+    register_attention()
+    model = build_model(config, seed=1, dtype=torch.float32)
+    model.set_attn_implementation(ATTENTION_NAME)
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        kv_cache_spec_by_probe(model)
 
 
 def test_native_is_refused_for_an_architecture_it_does_not_have(tmp_path):

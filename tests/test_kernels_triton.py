@@ -80,6 +80,8 @@ LAYER_VARIANTS = {
     "head_dim 80": dict(head_dim=80),
     "head_dim 256": dict(head_dim=256),
     "k 24, v 12 (MLA)": dict(head_dim=24, v_head_dim=12),
+    # contexts past two key tiles (64) with a short window: the kernel skips whole tiles before the window
+    "long context, window 20, sinks": dict(window=20, sinks=True, contexts=([5, 20, 1], [150, 200, 70])),
 }
 
 
@@ -89,7 +91,7 @@ def test_paged_attention_layer_variants_match_reference(variant, dtype, tol):
     v = LAYER_VARIANTS[variant]
     gen = torch.Generator().manual_seed(len(variant))
     head_dim = v.get("head_dim", 32)
-    q_lens, ctx_lens = [5, 20, 1], [37, 20, 16]
+    q_lens, ctx_lens = v.get("contexts", ([5, 20, 1], [37, 20, 16]))
     query, k_cache, v_cache, tables, qs = _attention_case(gen, 8, 2, head_dim, 16, q_lens, ctx_lens, dtype)
     if "v_head_dim" in v:
         v_cache = torch.randn(*v_cache.shape[:3], v["v_head_dim"], generator=gen).to(dtype)
@@ -104,7 +106,7 @@ def test_paged_attention_layer_variants_match_reference(variant, dtype, tol):
     if v.get("softcap") or sinks is not None:  # the terms change the result: a kernel that ignored them fails
         plain = paged_attention_reference(query.float(), k_cache.float(), v_cache.float(), tables, qs, ctx_lens,
                                           scale, v.get("window"))
-        assert (plain - ref).abs().max() > 10 * tol
+        assert (plain - ref).abs().max() > 3 * tol
 
 
 def test_paged_attention_softcap_and_sinks_reference_matches_transformers_eager():

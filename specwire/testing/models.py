@@ -83,6 +83,7 @@ def model_config(family: str, vocab_size: int, *, eos_token_id: int | None, hidd
 # (gemma2, gemma3_text, gpt_oss, starcoder2), attention sinks (gpt_oss), fused projections (phi3), whole-projection
 # q/k norms (olmo2), scaling multipliers (granite), LayerNorm with biases (starcoder2).
 ARCHITECTURES = {
+    "mistral": dict(sliding_window=8),  # every layer windowed (no layer_types)
     "qwen3": dict(head_dim=16),
     "qwen3_moe": dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True),
