@@ -260,7 +260,8 @@ class TransformersPagedLM:
         model.set_attn_implementation(ATTENTION_NAME)
         self.model = model
         self.kv_cache = kv_cache
-        self._vocab_size = model.get_output_embeddings().weight.shape[0]
+        head = model.get_output_embeddings()  # packed already when another runner shares this model
+        self._vocab_size = head.out_features if isinstance(head, _PackedLinearModule) else head.weight.shape[0]
         self.packed = (pack_weights and model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
                        and onednn_available())
         if self.packed:
