@@ -220,5 +220,6 @@ class AsyncEngine:
                  phases=self.phases.plan.num_phases if self.phases and self.phases.plan else None,
                  chosen_draft_tokens=sum(s.chosen_draft_lengths) if s.chosen_draft_lengths else None,
                  predicted_goodput=None if s.predicted_goodput is None else round(s.predicted_goodput, 1),
+                 speculation_arm=s.speculation_arm,
                  **({} if s.priced_wait is None else {"wait_ms": round(s.priced_wait[0] * 1e3, 1),
                                                       "wait_ms_per_block_token": round(s.priced_wait[1] * 1e3, 1)}))

@@ -71,6 +71,9 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                       "no verdict between) after which a stream is ended with RESOURCE_EXHAUSTED")
     handshake_timeout_s: float = option(10.0, "end a Verify stream (DEADLINE_EXCEEDED) whose hello has not arrived "
                                         "within this many seconds", flag="--handshake-timeout")
+    speculation_trial: bool = option(True, "with --goodput, put the goodput choice on trial against plain decoding "
+                                     "on the tokens per second the verifier measures, and follow the one that "
+                                     "measures more (see verifier_service/speculation_trial.py)")
     goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")

@@ -23,6 +23,7 @@ from verifier_service.admission import Admission, AdmissionLimits
 from verifier_service.goodput import DraftLengthController
 from verifier_service.model_runner import RunnerOutput, VerifierRunner
 from verifier_service.scheduler import Scheduler
+from verifier_service.speculation_trial import Arm, SpeculationTrial
 from verifier_service.types import (
     CloseCmd,
     CloseStreamCmd,
@@ -47,7 +48,8 @@ class VerifierEngine:
                  max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
                  sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096,
                  max_sequences: int = 16384, max_waiting_tokens: int = 1 << 20, max_q_support: int = 256,
-                 static: StaticForward | None = None, goodput: bool = True) -> None:
+                 static: StaticForward | None = None, goodput: bool = True,
+                 speculation_trial: bool = True) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -55,6 +57,8 @@ class VerifierEngine:
         self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, max_q_support)
         # --speculation auto's other half: None with --no-goodput (no choice is sent; drafts decide alone)
         self.goodput = DraftLengthController(max_draft_tokens) if goodput else None
+        # the goodput choice on trial against plain decoding, on the output measured (speculation_trial.py)
+        self.trial = SpeculationTrial() if goodput and speculation_trial else None
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
                                    eos_token_ids=frozenset(loaded.eos_token_ids),
@@ -138,6 +142,7 @@ class VerifierEngine:
             return verdicts
         now = time.perf_counter()
         idle_s = None if self._last_step_end is None else max(0.0, step_started - self._last_step_end)
+        since_last = now - (self._last_step_end if self._last_step_end is not None else step_started)
         self._last_step_end = now
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
         self._observe_drafting(scheduled, control)
@@ -159,9 +164,18 @@ class VerifierEngine:
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
             caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
-        if not caps:
+        chosen = control.choose(caps, other_tokens, other_output, other_longest) if caps else None
+        if self.trial is not None:
+            gain = None
+            if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
+                gain = chosen.goodput / chosen.plain_goodput
+            arm = self.trial.observe(since_last, len(self.scheduler.running), stats.num_emitted_tokens,
+                                     stats.num_verifications, gain)
+            stats.speculation_arm = arm.value
+            if chosen is not None and arm is Arm.PLAIN:
+                chosen = dataclasses.replace(chosen, draft_lengths=dict.fromkeys(chosen.draft_lengths, 0))
+        if chosen is None:
             return verdicts
-        chosen = control.choose(caps, other_tokens, other_output, other_longest)
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
         stats.priced_wait = control.last_price

@@ -49,6 +49,7 @@ class Allocation:
     expected_tokens: float  # expected verified tokens of the step, the other work's included
     step_tokens: int  # tokens of the step that verifies them, the other work included
     predicted_step_s: float  # the step's predicted time plus the verifier's idle time per step
+    plain_goodput: float = 0.0  # what the same step would yield per second with k = 0 for every candidate
 
     @property
     def goodput(self) -> float:
@@ -138,7 +139,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     m, limit = int(m_all[pick]), int(bound_all[pick])
     counts = np.bincount(index[position < limit][:m], minlength=base)
     lengths = {c.key: int(counts[i]) for i, c in enumerate(cands)}
-    return Allocation(lengths, float(expected_all[pick]), fixed_n + m, float(costs[pick]))
+    return Allocation(lengths, float(expected_all[pick]), fixed_n + m, float(costs[pick]), float(goodputs[0]))
 
 
 @dataclass

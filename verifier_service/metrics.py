@@ -88,6 +88,9 @@ class VerifierMetrics:
                                        "the last choice of draft lengths expects of its step", registry=r)
         self.goodput = Gauge("specwire_goodput_tokens_per_second", "Verified tokens per second of step time "
                              "(the ratio of moving sums over about 16 steps)", registry=r)
+        self.speculation_arm = Gauge("specwire_speculation_trial_plain", "1 while the verifier's choice follows "
+                                     "plain decoding (the speculation trial's plain arm), 0 while it speculates",
+                                     registry=r)
 
     def open_stream(self, stream_id: int) -> None:
         self._open_streams.add(stream_id)
@@ -130,6 +133,8 @@ class VerifierMetrics:
             self.draft_length_chosen.observe(k)
         if stats.predicted_goodput is not None:
             self.goodput_predicted.set(stats.predicted_goodput)
+        if stats.speculation_arm is not None:
+            self.speculation_arm.set(1 if stats.speculation_arm == "plain" else 0)
         if stats.step_time_s > 0:  # tokens over seconds, each a moving sum: a prefill step weighs by its time
             self._emitted_ema = 0.94 * self._emitted_ema + stats.num_emitted_tokens
             self._seconds_ema = 0.94 * self._seconds_ema + stats.step_time_s

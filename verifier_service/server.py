@@ -55,7 +55,8 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           sequence_idle_timeout_s=config.sequence_idle_timeout_s,
                           max_sequences_per_stream=config.max_sequences_per_stream,
                           max_sequences=config.max_sequences, max_waiting_tokens=config.max_waiting_tokens,
-                          max_q_support=config.max_q_support, goodput=config.goodput)
+                          max_q_support=config.max_q_support, goodput=config.goodput,
+                          speculation_trial=config.speculation_trial)
 
 
 def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:

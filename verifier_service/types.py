@@ -131,6 +131,7 @@ class StepStats:
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
     # how the choice priced the verifier's wait: seconds no length changes, and per token of the longest block
     priced_wait: tuple[float, float] | None = None
+    speculation_arm: str | None = None  # the arm of the speculation trial the next choices follow
 
     @property
     def budget_fairness(self) -> float:
