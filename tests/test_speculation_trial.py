@@ -81,6 +81,14 @@ def test_the_warm_up_is_not_measured():
     assert trial._window.tokens == 7
 
 
+def test_steps_that_compute_prompts_are_not_measured():
+    trial = SpeculationTrial()
+    trial.observe(STEP_S, 4, 0, 4, 1.2, num_prefill_tokens=500)
+    assert trial._window.seconds == 0 and trial._window.sequence_s == 0
+    trial.observe(STEP_S, 4, 6, 4, 1.2)
+    assert trial._window.tokens == 6 and trial._window.seconds == STEP_S
+
+
 @pytest.mark.parametrize("num_running", [0])
 def test_an_idle_verifier_measures_nothing(num_running):
     trial = SpeculationTrial()

@@ -81,16 +81,21 @@ class SpeculationTrial:
         return self.running is not self.incumbent
 
     def observe(self, dt_s: float, num_running: int, num_emitted: int, num_verifications: int,
-                predicted_gain: float | None) -> Arm:
+                predicted_gain: float | None, num_prefill_tokens: int = 0) -> Arm:
         """One step: `dt_s` since the previous one ended (its step and the wait before it), with `num_running`
-        sequences admitted, `num_emitted` tokens emitted and `num_verifications` verifications; the controller's
-        predicted gain of its choice over k = 0 (None: nothing was chosen). Returns the arm the next choices
-        follow."""
+        sequences admitted, `num_emitted` tokens emitted, `num_verifications` verifications and
+        `num_prefill_tokens` of prompts computed; the controller's predicted gain of its choice over k = 0 (None:
+        nothing was chosen). A step that computes prompts is not measured: prefill costs both arms the same, and
+        new requests arrive at any time, so counting it would judge an arm by its arrivals. Returns the arm the
+        next choices follow."""
         if predicted_gain is not None and predicted_gain > 0:
             d = self.gain_decay
             self.predicted_gain = predicted_gain if self.predicted_gain is None else (
                 d * self.predicted_gain + (1 - d) * predicted_gain)
         if num_running <= 0:
+            return self.running
+        if num_prefill_tokens > 0:
+            self._warmup_left -= num_verifications
             return self.running
         if self._warmup_left > 0 and self._warmup_s < self.max_warmup_s:
             self._warmup_left -= num_verifications
