@@ -49,6 +49,8 @@ def pair(tmp_path_factory):
 
 
 def _engine(target, step_time: StepTimeModel | None = None, **kwargs):
+    # the controller's own choices, not the trial's arm (wall-clock windows), unless a test asks for the trial
+    kwargs.setdefault("speculation_trial", False)
     config = VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=8, num_blocks=256,
                             **kwargs)
     engine = build_engine(config)
@@ -194,3 +196,22 @@ def test_without_goodput_no_choice_is_sent_and_the_feature_is_not_listed(pair):
     engine, config = _engine(target)
     assert wire.FEATURE_GOODPUT in verifier_info(engine, config).features
 
+
+
+def test_the_plain_arm_of_the_trial_sends_zero_and_the_output_stays_exact(pair):
+    """While the speculation trial runs its plain arm, every choice is 0 (the idle verifier would choose the cap);
+    with --speculation-trial false there is no trial."""
+    from verifier_service.speculation_trial import Arm
+
+    target, _ = pair
+    engine, _ = _engine(target, IDLE, speculation_trial=True)
+    engine.trial.running = Arm.PLAIN
+    engine.trial.window_tokens = 10**9  # stays on its plain arm for this test
+    outputs, proposed, chosen = _generate(engine, PROMPTS[:2], 12, _oracle(target, 12)[:2], ask=6)
+    for key in chosen:
+        assert set(chosen[key][:-1]) == {0} and set(proposed[key][1:]) == {0}
+    assert outputs == [greedy_continuation(target, p, 12) for p in PROMPTS[:2]]
+    engine, _ = _engine(target, IDLE, speculation_trial=False)
+    assert engine.trial is None
+    _, _, chosen = _generate(engine, PROMPTS[:1], 12, _oracle(target, 12)[:1], ask=6)
+    assert chosen[next(iter(chosen))][0] == 6

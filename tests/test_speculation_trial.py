@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
+import random
 
 from verifier_service.speculation_trial import Arm, SpeculationTrial
 
@@ -10,18 +10,24 @@ STEP_S = 0.1
 
 
 def _run(trial: SpeculationTrial, rates: dict[Arm, float], seconds: float, *, num_running: int = 4,
-         predicted_gain: float | None = 1.2, lag_steps: int = 0) -> list[Arm]:
-    """Steps of STEP_S: each running sequence emits rates[arm] tokens per second under the arm that was running
-    `lag_steps` steps ago (a choice takes effect a round later). Returns the arm of every step."""
+         predicted_gain: float | None = 1.2, mean_drafted: float = 3.0, lag_steps: int = 1, noise: float = 0.0,
+         rng: random.Random | None = None, gap_every: int = 0, gap_s: float = 30.0) -> list[Arm]:
+    """Steps of STEP_S: each running sequence emits rates[arm] tokens per second (times 1 + noise * N(0, 1), per
+    step) under the arm that was running `lag_steps` steps ago (a choice takes effect a round later); every
+    `gap_every`-th step comes after a gap of `gap_s` (a stalled client) in which nothing is emitted. Returns the
+    arm of every step."""
+    rng = rng or random.Random(0)
     arms: list[Arm] = []
     history = [trial.running] * (lag_steps + 1)
     carry = 0.0
-    for _ in range(round(seconds / STEP_S)):
+    for i in range(round(seconds / STEP_S)):
         effective = history[-(lag_steps + 1)]
-        carry += rates[effective] * num_running * STEP_S
+        carry += max(0.0, rates[effective] * (1 + noise * rng.gauss(0, 1))) * num_running * STEP_S
         emitted = int(carry)
         carry -= emitted
-        running = trial.observe(STEP_S, num_running, emitted, num_running, predicted_gain)
+        dt = STEP_S + (gap_s if gap_every and i % gap_every == gap_every - 1 else 0.0)
+        running = trial.observe(dt, STEP_S, num_running, emitted, num_running,
+                                predicted_gain=predicted_gain, mean_drafted=mean_drafted)
         history.append(running)
         arms.append(running)
     return arms
@@ -29,7 +35,7 @@ def _run(trial: SpeculationTrial, rates: dict[Arm, float], seconds: float, *, nu
 
 def test_plain_decoding_takes_over_when_it_measures_more_and_the_model_expects_little():
     trial = SpeculationTrial()
-    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 240, lag_steps=2)
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 240)
     assert trial.incumbent is Arm.PLAIN and trial.num_switches == 1
     later = arms[len(arms) // 2:]
     assert later.count(Arm.PLAIN) / len(later) > 0.85  # settled on plain, speculation challenging ever less often
@@ -41,9 +47,16 @@ def test_speculation_is_never_put_on_trial_where_the_model_expects_a_large_gain(
     assert set(arms) == {Arm.SPECULATE} and trial.num_trials == 0
 
 
+def test_no_trial_while_the_controller_drafts_nothing():
+    """Both arms are then plain decoding: a trial would only measure noise."""
+    trial = SpeculationTrial()
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 60, mean_drafted=0.1)
+    assert set(arms) == {Arm.SPECULATE} and trial.num_trials == 0
+
+
 def test_speculation_that_measures_more_keeps_its_place_and_is_questioned_ever_less_often():
     trial = SpeculationTrial()
-    arms = _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 1.5}, 300, lag_steps=2)
+    arms = _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 1.5}, 300)
     assert trial.incumbent is Arm.SPECULATE and trial.num_switches == 0
     assert trial.num_trials >= 3 and trial.ratio > trial.base_ratio  # clear losses: challenges spread out
     assert arms.count(Arm.PLAIN) / len(arms) < 0.15
@@ -51,21 +64,53 @@ def test_speculation_that_measures_more_keeps_its_place_and_is_questioned_ever_l
 
 def test_speculation_wins_back_when_the_load_changes():
     trial = SpeculationTrial()
-    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 60, lag_steps=1)
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 120)
     assert trial.incumbent is Arm.PLAIN
-    _run(trial, {Arm.SPECULATE: 4.0, Arm.PLAIN: 2.0}, 200, lag_steps=1)
+    _run(trial, {Arm.SPECULATE: 4.0, Arm.PLAIN: 2.0}, 200)
+    assert trial.incumbent is Arm.SPECULATE
+
+
+def test_after_plain_settled_a_model_that_expects_a_large_gain_gets_a_challenge_at_once():
+    """Plain decoding won clearly for a long time (ratio up to its maximum); then the load drops and the
+    controller expects 2x: speculation is challenged within a few windows, not 64."""
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 1.0, Arm.PLAIN: 3.0}, 600)
+    assert trial.incumbent is Arm.PLAIN and trial.ratio >= 16
+    _run(trial, {Arm.SPECULATE: 6.0, Arm.PLAIN: 3.0}, 40, predicted_gain=2.0)
     assert trial.incumbent is Arm.SPECULATE
 
 
 def test_a_close_result_changes_nothing():
     trial = SpeculationTrial()
-    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.02}, 120)
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 120)
     assert trial.incumbent is Arm.SPECULATE and trial.num_trials >= 2 and trial.ratio == trial.base_ratio
+
+
+def test_equal_arms_under_noise_rarely_switch():
+    """A-B-A and the margin: arms that differ by nothing, with 40 % noise per step, over 20 minutes."""
+    switches = 0
+    for seed in range(5):
+        trial = SpeculationTrial()
+        _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.0}, 1200, noise=0.4, rng=random.Random(seed))
+        assert trial.num_trials >= 10
+        switches += trial.num_switches
+    assert switches <= 2, switches
+
+
+def test_a_stalled_client_decides_nothing():
+    """Gaps of 30 s between steps (a client that stalls) count as at most a second each: speculation, the better
+    arm, keeps its place."""
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 2.0}, 200, gap_every=37)
+    assert trial.incumbent is Arm.SPECULATE and trial.num_switches == 0
+    fresh = SpeculationTrial()
+    fresh.observe(30.0, STEP_S, 4, 2, 4)
+    assert fresh._window.seconds == STEP_S + fresh.max_gap_s
 
 
 def test_a_challenger_that_emits_nothing_ends_and_loses():
     trial = SpeculationTrial()
-    arms = _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 0.0}, 120, lag_steps=1)
+    arms = _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 0.0}, 120)
     assert trial.incumbent is Arm.SPECULATE and trial.num_trials >= 2 and arms[-1] is Arm.SPECULATE
 
 
@@ -73,24 +118,25 @@ def test_the_warm_up_is_not_measured():
     """After a switch, the tokens of the first two verifications of each running sequence (still the old
     choice's, a round later) are not the new arm's."""
     trial = SpeculationTrial()
-    trial._start(Arm.PLAIN, num_running=4)
+    trial._begin(trial._phase, Arm.PLAIN, num_running=4)
     for _ in range(2):  # 4 verifications a step: two steps of warm-up
-        trial.observe(STEP_S, 4, 100, 4, 1.2)
+        trial.observe(STEP_S, STEP_S, 4, 100, 4)
     assert trial._window.tokens == 0
-    trial.observe(STEP_S, 4, 7, 4, 1.2)
+    trial.observe(STEP_S, STEP_S, 4, 7, 4)
     assert trial._window.tokens == 7
 
 
-def test_steps_that_compute_prompts_are_not_measured():
+def test_steps_that_compute_prompts_and_load_changes_are_not_measured():
     trial = SpeculationTrial()
-    trial.observe(STEP_S, 4, 0, 4, 1.2, num_prefill_tokens=500)
+    trial.observe(STEP_S, STEP_S, 4, 0, 4, num_prefill_tokens=500)
     assert trial._window.seconds == 0 and trial._window.sequence_s == 0
-    trial.observe(STEP_S, 4, 6, 4, 1.2)
+    trial.observe(STEP_S, STEP_S, 4, 6, 4)
     assert trial._window.tokens == 6 and trial._window.seconds == STEP_S
+    trial.observe(STEP_S, STEP_S, 9, 5, 9)  # 4 -> 9 sequences: a new window
+    assert trial._window.tokens == 5 and trial._window.num_running == 9
 
 
-@pytest.mark.parametrize("num_running", [0])
-def test_an_idle_verifier_measures_nothing(num_running):
+def test_an_idle_verifier_measures_nothing():
     trial = SpeculationTrial()
-    _run(trial, {Arm.SPECULATE: 1.0, Arm.PLAIN: 5.0}, 60, num_running=num_running)
+    _run(trial, {Arm.SPECULATE: 1.0, Arm.PLAIN: 5.0}, 60, num_running=0)
     assert trial.num_trials == 0 and trial.incumbent is Arm.SPECULATE

@@ -169,8 +169,10 @@ class VerifierEngine:
             gain = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
                 gain = chosen.goodput / chosen.plain_goodput
-            arm = self.trial.observe(since_last, len(self.scheduler.running), stats.num_emitted_tokens,
-                                     stats.num_verifications, gain, stats.num_prefill_tokens)
+            lengths = list(chosen.draft_lengths.values()) if chosen is not None else []
+            arm = self.trial.observe(since_last, stats.step_time_s, len(self.scheduler.running),
+                                     stats.num_emitted_tokens, stats.num_verifications, stats.num_prefill_tokens,
+                                     gain, sum(lengths) / len(lengths) if lengths else None)
             stats.speculation_arm = arm.value
             if chosen is not None and arm is Arm.PLAIN:
                 chosen = dataclasses.replace(chosen, draft_lengths=dict.fromkeys(chosen.draft_lengths, 0))

@@ -7,18 +7,28 @@ wait it measures (each group drafted while the other's step ran) while the draft
 steps: it chose 4 tokens for drafts accepted 30 % of the time, and output fell to 0.69x of plain decoding.
 
 So the verifier runs speculation as one arm of a trial against plain decoding (k = 0 for every sequence that lets
-the verifier choose), on what it measures directly: tokens emitted per second per running sequence. The arm in
-use (the incumbent) runs for `ratio` times as long as a challenge of the other arm; each period is measured after
-a warm-up in which every running sequence is verified about twice under it (a choice takes effect one round
-later). The challenger replaces the incumbent when it measured `margin` more. A challenger that loses clearly
-(by more than `clear_loss`) doubles the ratio, up to `max_ratio`, so a settled choice is questioned ever less
-often; a close result keeps the ratio.
+the verifier choose), on what it measures directly: tokens emitted per second per running sequence, over windows
+of at least `window_tokens` tokens and `min_window_s` seconds.
 
-Plain decoding challenges speculation only while the controller itself expects little of it (its predicted gain
-over k = 0, smoothed, at most `challenge_below_gain`): where it predicts 2x (one stream, a good draft) nothing is
-put at risk. Speculation challenges plain decoding always, ever less often while it loses.
+- The arm in use (the incumbent) runs `ratio` windows, then the other arm runs one (the challenge), then the
+  incumbent one more (A-B-A: a load that drifts moves both incumbent windows). A challenger that beat both by
+  `margin` is challenged again at once, after one more incumbent window, and takes over when it wins twice in a
+  row (one window's noise does not switch the arm); when it lost to both by `clear_loss`, the ratio doubles (up
+  to `max_ratio`), so a settled choice is questioned ever less often.
+- A window is measured after a warm-up in which each running sequence is verified twice under its arm (a choice
+  takes effect a round later). Steps that compute prompts are not measured (arrivals would judge an arm), and a
+  window restarts when the number of running sequences moves by more than a quarter (a per-sequence rate depends
+  on the load). A step's time counts at most its own time plus `max_gap_s` (a stalled client or an idle spell is
+  not the arm's doing).
+- Plain decoding challenges speculation only while the controller both drafts (its mean choice at least
+  `min_drafted` tokens per sequence: otherwise the arms are the same and a trial only measures noise) and expects
+  little of it (its predicted gain over k = 0, smoothed, at most `challenge_below_gain`): where it predicts 2x
+  (one stream, a good draft) nothing is put at risk. Under plain decoding, speculation challenges whenever the
+  controller would draft, and at once (the ratio reset) when it expects more than `challenge_below_gain`.
+- A challenge that has not finished a window within `max_challenge_s` of wall time ends undecided.
 
-Lives on the engine thread: no locks. Greedy and coupled outputs do not depend on k, so neither arm changes them.
+Lives on the engine thread: no locks, O(1) state. Greedy and coupled outputs do not depend on k, so neither arm
+changes them; seeded sparse and one-hot requests keep their fixed k and never ask.
 """
 
 from __future__ import annotations
@@ -36,10 +46,17 @@ class Arm(Enum):
     PLAIN = "plain"  # k = 0 for every sequence that lets the verifier choose
 
 
+class _Phase(Enum):
+    INCUMBENT = "incumbent"  # the arm in use, `ratio` windows
+    CHALLENGE = "challenge"  # the other arm, one window
+    CONFIRM = "confirm"  # the incumbent again, one window (A-B-A)
+
+
 @dataclass
 class _Window:
-    """Tokens emitted and running-sequence seconds over a measured period."""
+    """Tokens emitted and running-sequence seconds over a measured stretch, at about `num_running` sequences."""
 
+    num_running: int = 0
     tokens: float = 0.0
     sequence_s: float = 0.0
     seconds: float = 0.0
@@ -52,100 +69,150 @@ class _Window:
 
 @dataclass
 class SpeculationTrial:
-    challenge_tokens: int = 32  # tokens a challenge measures (after its warm-up), at the least
-    min_challenge_s: float = 1.0  # and seconds
-    base_ratio: float = 4.0  # the incumbent's period against a challenge's
-    max_ratio: float = 64.0
-    margin: float = 0.05  # the challenger wins with this much more
-    clear_loss: float = 0.15  # loses by more than this: challenge half as often
+    window_tokens: int = 32  # a window measures at least this many tokens
+    min_window_s: float = 1.0  # and seconds
+    base_ratio: int = 4  # incumbent windows per challenge
+    max_ratio: int = 64
+    margin: float = 0.10  # the challenger wins when it beat both incumbent windows by this much
+    clear_loss: float = 0.20  # it lost to both by more than this: challenge half as often
     challenge_below_gain: float = 1.5  # plain decoding challenges only while the predicted gain is at most this
+    min_drafted: float = 0.5  # and the controller drafts at least this many tokens per sequence, on average
+    max_gap_s: float = 1.0  # a step's time counts at most its own time plus this
     max_warmup_s: float = 5.0
-    gain_decay: float = 0.9
+    max_challenge_s: float = 60.0  # wall time
+    decay: float = 0.9  # of the smoothed predicted gain and mean choice
     incumbent: Arm = Arm.SPECULATE
-    running: Arm = Arm.SPECULATE  # the arm the next choice follows
-    ratio: float = 4.0
+    running: Arm = Arm.SPECULATE  # the arm the next choices follow
+    ratio: int = 4
     predicted_gain: float | None = None  # smoothed goodput(choice) / goodput(k = 0), as the controller predicts
+    mean_drafted: float | None = None  # smoothed mean of the controller's choices (before a plain arm's zeros)
     num_trials: int = 0
     num_switches: int = 0
-    _incumbent_rate: float | None = field(default=None, init=False)
+    _won_once: bool = field(default=False, init=False)  # the last trial's challenger won: one more decides
+    _phase: _Phase = field(default=_Phase.INCUMBENT, init=False)
     _window: _Window = field(default_factory=_Window, init=False)
-    _warmup_left: int = field(default=0, init=False)  # verifications before the period is measured
+    _windows_done: int = field(default=0, init=False)  # incumbent windows since the last challenge
+    _rates: dict[_Phase, float] = field(default_factory=dict, init=False)  # the last window's rate per phase
+    _warmup_left: int = field(default=0, init=False)  # verifications before measuring
     _warmup_s: float = field(default=0.0, init=False)
-    _challenge_s: float = field(default=0.0, init=False)  # the last challenge's measured length
+    _phase_s: float = field(default=0.0, init=False)  # wall time in this phase
 
     def __post_init__(self) -> None:
         self.ratio = self.base_ratio
 
-    @property
-    def challenging(self) -> bool:
-        return self.running is not self.incumbent
-
-    def observe(self, dt_s: float, num_running: int, num_emitted: int, num_verifications: int,
-                predicted_gain: float | None, num_prefill_tokens: int = 0) -> Arm:
-        """One step: `dt_s` since the previous one ended (its step and the wait before it), with `num_running`
-        sequences admitted, `num_emitted` tokens emitted, `num_verifications` verifications and
-        `num_prefill_tokens` of prompts computed; the controller's predicted gain of its choice over k = 0 (None:
-        nothing was chosen). A step that computes prompts is not measured: prefill costs both arms the same, and
-        new requests arrive at any time, so counting it would judge an arm by its arrivals. Returns the arm the
-        next choices follow."""
-        if predicted_gain is not None and predicted_gain > 0:
-            d = self.gain_decay
-            self.predicted_gain = predicted_gain if self.predicted_gain is None else (
-                d * self.predicted_gain + (1 - d) * predicted_gain)
-        if num_running <= 0:
+    def observe(self, dt_s: float, step_s: float, num_running: int, num_emitted: int, num_verifications: int,
+                num_prefill_tokens: int = 0, predicted_gain: float | None = None,
+                mean_drafted: float | None = None) -> Arm:
+        """One step that took `step_s`, `dt_s` after the previous one ended, with `num_running` sequences
+        admitted, `num_emitted` tokens emitted, `num_verifications` verifications and `num_prefill_tokens` of
+        prompts computed; the controller's predicted gain of its choice over k = 0 and the mean length it chose
+        (None: nothing was chosen). Returns the arm the next choices follow."""
+        self._smooth(predicted_gain, mean_drafted)
+        dt = min(dt_s, step_s + self.max_gap_s)
+        self._phase_s += dt
+        if self._phase is _Phase.CHALLENGE and self._phase_s > self.max_challenge_s:
+            log.info("speculation_trial", challenger=self.running.value, decided=False, reason="too long")
+            self._begin(_Phase.INCUMBENT, self.incumbent, num_running)
             return self.running
-        if num_prefill_tokens > 0:
-            self._warmup_left -= num_verifications
+        if self._phase is _Phase.INCUMBENT and self.incumbent is Arm.PLAIN and self._eager_to_speculate():
+            self.ratio = self.base_ratio
+            self._windows_done = max(self._windows_done, self.ratio)
+        if num_running <= 0:
             return self.running
         if self._warmup_left > 0 and self._warmup_s < self.max_warmup_s:
             self._warmup_left -= num_verifications
-            self._warmup_s += dt_s
+            self._warmup_s += dt
+            return self.running
+        if num_prefill_tokens > 0:
             return self.running
         w = self._window
+        if w.num_running == 0 or abs(num_running - w.num_running) > max(1, w.num_running // 4):
+            w = self._window = _Window(num_running)  # the load moved: a per-sequence rate is another figure
         w.tokens += num_emitted
-        w.sequence_s += num_running * dt_s
-        w.seconds += dt_s
-        if self.challenging:
-            # done once it measured enough tokens, or ran twice as long as the incumbent takes for them (clearly
-            # worse: a challenger that emits nothing must not run for ever)
-            rate = self._incumbent_rate
-            slow = rate is not None and rate > 0 and w.seconds >= 2 * self.challenge_tokens / (rate * num_running)
-            if w.seconds >= self.min_challenge_s and (w.tokens >= self.challenge_tokens or slow):
-                self._decide(num_running)
-        elif w.seconds >= max(self.min_challenge_s, self._challenge_s) * self.ratio and w.tokens >= self.challenge_tokens:
-            self._incumbent_rate = w.rate
-            if self._may_challenge():
-                self._start(self._other(self.incumbent), num_running)
-            else:  # measured again from here: a fresher figure for the next challenge
-                self._window = _Window()
+        w.sequence_s += num_running * dt
+        w.seconds += dt
+        if self._window_done(w):
+            self._window_finished(w, num_running)
         return self.running
 
+    # -- internals ---------------------------------------------------------------------------------------------
+
+    def _smooth(self, predicted_gain: float | None, mean_drafted: float | None) -> None:
+        d = self.decay
+        if predicted_gain is not None and predicted_gain > 0:
+            self.predicted_gain = predicted_gain if self.predicted_gain is None else (
+                d * self.predicted_gain + (1 - d) * predicted_gain)
+        if mean_drafted is not None:
+            self.mean_drafted = mean_drafted if self.mean_drafted is None else (
+                d * self.mean_drafted + (1 - d) * mean_drafted)
+
+    def _drafts(self) -> bool:
+        return self.mean_drafted is not None and self.mean_drafted >= self.min_drafted
+
+    def _eager_to_speculate(self) -> bool:
+        return self._drafts() and self.predicted_gain is not None and self.predicted_gain > self.challenge_below_gain
+
     def _may_challenge(self) -> bool:
+        if not self._drafts():
+            return False  # the controller drafts (about) nothing: both arms are plain decoding
         if self.incumbent is Arm.PLAIN:
             return True
         return self.predicted_gain is not None and self.predicted_gain <= self.challenge_below_gain
 
+    def _window_done(self, w: _Window) -> bool:
+        if w.seconds < self.min_window_s:
+            return False
+        if w.tokens >= self.window_tokens:
+            return True
+        # a challenger that takes twice as long as the incumbent did for a window's tokens has lost (one that
+        # emits nothing must not run for ever)
+        before = self._rates.get(_Phase.INCUMBENT)
+        return (self._phase is _Phase.CHALLENGE and before is not None and before > 0
+                and w.seconds >= 2 * self.window_tokens / (before * max(1, w.num_running)))
+
+    def _window_finished(self, w: _Window, num_running: int) -> None:
+        self._rates[self._phase] = w.rate or 0.0
+        self._window = _Window(num_running)
+        if self._phase is _Phase.INCUMBENT:
+            self._windows_done += 1
+            if self._windows_done >= self.ratio and self._may_challenge():
+                self._begin(_Phase.CHALLENGE, self._other(self.incumbent), num_running)
+        elif self._phase is _Phase.CHALLENGE:
+            self._begin(_Phase.CONFIRM, self.incumbent, num_running)
+        else:
+            self._decide(num_running)
+
     def _decide(self, num_running: int) -> None:
-        challenger, rate, incumbent_rate = self.running, self._window.rate, self._incumbent_rate
-        self._challenge_s = self._window.seconds
+        challenger = self._other(self.incumbent)
+        rate = self._rates[_Phase.CHALLENGE]
+        before, after = self._rates.get(_Phase.INCUMBENT, 0.0), self._rates[_Phase.CONFIRM]
         self.num_trials += 1
-        won = rate is not None and incumbent_rate is not None and rate > incumbent_rate * (1 + self.margin)
-        if won:
+        won = rate > max(before, after) * (1 + self.margin)
+        confirm = won and not self._won_once
+        if won and self._won_once:
             self.incumbent = challenger
             self.ratio = self.base_ratio
             self.num_switches += 1
-        elif rate is not None and incumbent_rate is not None and rate < incumbent_rate * (1 - self.clear_loss):
+        elif not won and rate < min(before, after) * (1 - self.clear_loss):
             self.ratio = min(self.max_ratio, self.ratio * 2)
-        log.info("speculation_trial", challenger=challenger.value, won=won, incumbent=self.incumbent.value,
-                 challenger_rate=round(rate or 0.0, 3), incumbent_rate=round(incumbent_rate or 0.0, 3),
-                 ratio=self.ratio, predicted_gain=round(self.predicted_gain or 0.0, 3))
-        self._start(self.incumbent, num_running)
+        self._won_once = confirm
+        log.info("speculation_trial", challenger=challenger.value, decided=True, won=won,
+                 incumbent=self.incumbent.value, challenger_rate=round(rate, 3), incumbent_before=round(before, 3),
+                 incumbent_after=round(after, 3), ratio=self.ratio,
+                 predicted_gain=round(self.predicted_gain or 0.0, 3),
+                 mean_drafted=round(self.mean_drafted or 0.0, 2))
+        self._begin(_Phase.INCUMBENT, self.incumbent, num_running)
+        if confirm:  # the next challenge after one more incumbent window
+            self._windows_done = self.ratio - 1
 
-    def _start(self, arm: Arm, num_running: int) -> None:
-        """Run `arm` from the next choice; measure it once each running sequence was verified about twice."""
+    def _begin(self, phase: _Phase, arm: Arm, num_running: int) -> None:
+        """Enter `phase` running `arm`; measure once each running sequence was verified about twice under it."""
         switched = arm is not self.running
-        self.running = arm
-        self._window = _Window()
+        self._phase, self.running = phase, arm
+        self._window = _Window(num_running)
+        self._phase_s = 0.0
+        if phase is _Phase.INCUMBENT:
+            self._windows_done = 0
         self._warmup_left = 2 * num_running if switched else 0
         self._warmup_s = 0.0
 
