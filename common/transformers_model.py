@@ -286,11 +286,12 @@ class TransformersPagedLM:
         which the static path needs; otherwise every step takes the full forward."""
         return self._static_head
 
-    def _context(self, batch: Any) -> _PagedContext:
+    def _context(self, batch: Any, kv_cache: KVCache | None = None) -> _PagedContext:
+        """The step's paging metadata over `kv_cache` (default: the runner's pool)."""
         meta = batch.attention
         if meta is None and platform.use_triton(self.embed_tokens.weight):
             meta = attention_metadata(batch.block_tables, batch.query_start, batch.context_lens, self.device)
-        return _PagedContext(self.kv_cache, batch.slot_mapping, batch.block_tables, batch.query_start,
+        return _PagedContext(kv_cache or self.kv_cache, batch.slot_mapping, batch.block_tables, batch.query_start,
                              batch.context_lens, meta)
 
     @torch.inference_mode()
@@ -332,11 +333,11 @@ class TransformersPagedLM:
         cache = KVCache(self.kv_cache.spec, num_blocks, block, self.device)
         ids = torch.randint(0, self._vocab_size, (n,), generator=torch.Generator().manual_seed(0)).to(self.device)
         positions = torch.arange(n, device=self.device)
-        table = list(range(num_blocks))
-        context = _PagedContext(cache, positions, [table], [0, n], [n], None)
+        from common.paged_model import ForwardBatch
+
+        batch = ForwardBatch(ids, positions, positions, [0, n], [n], [list(range(num_blocks))], None)
+        context = self._context(batch, cache)  # slots 0..n-1 of the probe's own pool
         with torch.inference_mode():
-            if platform.use_triton(self.embed_tokens.weight):
-                context.meta = attention_metadata([table], [0, n], [n], self.device)
             full = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                               **{CONTEXT_KWARG: context}).logits[0]
             hidden = self.base(input_ids=ids[None], position_ids=positions[None], use_cache=False,
