@@ -175,9 +175,21 @@ def test_time_the_verifier_waits_between_steps_makes_drafts_cheaper():
 def test_probes_try_one_token_more_and_the_prior_is_per_group():
     from verifier_service.goodput import DraftLengthController
 
-    control = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=3)
+    control = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=3,
+                                    max_probe_every=12)
+    lengths = [control.choose({"a": 4}).draft_lengths["a"] for _ in range(36)]
+    # one more than the best at the third choice; as long as no choice drafts, each probe comes twice as late
+    # (a probe makes a draft held at k = 0 catch up on everything verified since), up to every 12th
+    assert [i + 1 for i, k in enumerate(lengths) if k] == [3, 9, 21, 33]
+    assert set(lengths) == {0, 1}
+    control.idle_s = 0.020  # the verifier now waits between steps: drafting pays, and probes come every third
     lengths = [control.choose({"a": 4}).draft_lengths["a"] for _ in range(6)]
-    assert lengths == [0, 0, 1, 0, 0, 1]  # every third choice one more than the best
+    assert lengths == [4] * 6
+    assert control._probe_interval == 3
+    control.idle_s = 0.0
+    lengths = [control.choose({"a": 4}).draft_lengths["a"] for _ in range(6)]
+    assert [k for k in lengths if k] == [1]  # three choices on, and no choice drafted since: then every sixth
+    assert control._probe_interval == 6
     tracker = AcceptanceTracker(2, group_of=lambda key: key[0], max_groups=2)
     for _ in range(50):
         tracker.observe(("garbage", 1), 2, 0)  # one client's drafts are always rejected

@@ -153,8 +153,64 @@ def test_a_step_waits_for_the_sequences_answered_with_it_when_they_are_due_befor
     decision = planner.hold(now, now)
     assert decision is not None
     assert decision.num_awaited == 4
-    assert sent + 0.1 < decision.deadline < sent + 0.2  # when they are due (their turnaround, plus slack)
-    assert decision.deadline - now < decision.saving_s
+    # due at sent + 0.1 (their turnaround, plus slack); held until they are in or the saving is spent
+    assert decision.deadline == pytest.approx(now + decision.saving_s)
+    assert decision.saving_s == pytest.approx(0.5)  # a step's fixed cost
+
+
+def test_a_hold_outlasts_a_due_that_passed_while_the_saving_lasts():
+    """They were due at sent + 0.1 and are a little late: the step still waits for them (a split batch stays split
+    otherwise), but not past the saving, nor for sequences gone past twice their turnaround."""
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    started = sent + 0.05
+    decision = planner.hold(sent + 0.15, started)
+    assert decision is not None and decision.num_awaited == 4
+    assert decision.deadline == pytest.approx(started + 0.5)
+    assert planner.hold(started + 0.5, started) is None  # the saving is spent
+    assert planner.hold(sent + 0.25, sent + 0.25) is None  # past twice their turnaround: gone, perhaps
+
+
+def test_rounds_that_draft_nothing_do_not_set_when_a_drafting_round_is_due():
+    """Under load the goodput choice alternates k = 0 rounds (back in milliseconds) with drafting ones (back after
+    a model step). A sequence asked to draft is expected after the drafting rounds' turnaround, one asked for
+    k = 0 after the plain rounds': one average of both would put a drafting round's due (mean plus two
+    deviations) past the 0.5 s a merged step saves, and the step would not wait."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    t = 0.0
+    for key in KEYS:
+        planner.submitted(_propose(key), t)
+    for r in range(12):
+        t += 0.5
+        k = 0 if r % 2 else 2
+        for key in KEYS:
+            planner.replied(_verdict(key, next_k=k), t)
+        t += 0.3 if k else 0.005
+        for key in KEYS:
+            planner.submitted(_propose(key, k=k), t)
+    t += 0.5
+    for key in KEYS:
+        planner.replied(_verdict(key, next_k=2), t)
+    for key in KEYS[:4]:
+        planner.submitted(_propose(key, k=2), t + 0.29)
+    now = t + 0.29
+    assert planner.plan_phases(now).num_phases == 1
+    times = planner._streams[1]
+    assert times.due(t, 0.0) == pytest.approx(t + 0.3, abs=0.01)
+    assert times.due(t, 0.0, plain=True) == pytest.approx(t + 0.005, abs=0.01)
+    decision = planner.hold(now, now)
+    assert decision is not None and decision.num_awaited == 4
+
+
+def test_a_hold_prices_a_merged_step_past_the_sizes_seen_at_the_marginal_cost():
+    """Two halves of a batch, 40 tokens each, and no step seen above 40: in proportion the merged 80 tokens would
+    cost as much as both halves (nothing saved, so never merged); at the marginal cost they save the fixed 0.5 s."""
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    for key in KEYS:
+        planner._block_tokens[key] = 10  # 4 present and 4 awaited blocks of 10: 40 + 40 tokens
+    decision = planner.hold(sent + 0.05, sent + 0.05)
+    assert decision is not None and decision.saving_s == pytest.approx(0.5, abs=0.05)
+    assert planner.step_time.predict(80) == pytest.approx(2 * planner.step_time.predict(40))
+    assert planner.step_time.predict(80, marginal_beyond=True) == pytest.approx(0.5 + 0.02 * 80)
 
 
 def test_a_step_starts_once_the_awaited_are_in_or_overdue():

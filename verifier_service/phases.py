@@ -24,17 +24,24 @@ least `margin` shorter) and enforces it before each step:
 - two phases: a step verifies at most half of the sequences (max_verifications), so that a phase whose
   proposals all arrived at once splits in two, and each half drafts while the other is verified.
 
-An arrival is expected at the verdict's time + d + twice d's mean deviation. d is the stream's own; in the
-plan, d is the mean over the sequences (a stream with many sequences weighs more, one slow client does not set
-it alone) and c the largest of the streams' (a stream's c is at most its d: compute cannot outlast the time
-away; a draft that does not say its compute is taken to compute all the time it is away). Two phases are planned
-only where the step-time model interpolates (between step sizes it has seen: outside them it scales in
-proportion and knows no fixed cost), entered when 5 % shorter and left only once not shorter. A sequence later
-than expected, or whose stream has no estimate yet, holds nothing; a stream whose last two proposals came late (none on
-time between) is not waited for until one comes on time; no hold lasts longer than the saving it buys; and a sequence silent for four
-of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always late,
-costs the others at most what a slow honest draft would, once per step. A step is never held for a sequence
-whose next proposal is already in (pipelined drafting), nor on a verifier with no work.
+An arrival is expected at the verdict's time + d + twice d's mean deviation. d is the stream's own, kept apart
+for rounds that draft and rounds that draft nothing (k = 0 comes back in milliseconds, a drafted block after a
+model step: one average of both was far off either, and its deviation put every due past what a hold may wait,
+so a batch split in two by one late arrival stayed split). In the plan, d is the mean over the sequences of the
+drafting rounds' (a stream with many sequences weighs more, one slow client does not set it alone) and c the
+largest of the streams' (a stream's c is at most its d: compute cannot outlast the time away; a draft that does
+not say its compute is taken to compute all the time it is away). Two phases are planned only where the
+step-time model interpolates (between step sizes it has seen: outside them it scales in proportion and knows no
+fixed cost), entered when 5 % shorter and left only once not shorter. A hold prices the merged step past the
+sizes seen at the marginal cost per token (in proportion, merging would never save anything, and a split batch
+whose merged size is never seen again would never merge). A hold that waits for sequences due within the saving
+lasts until they are in or the saving is spent: one a little past its due still pays. A sequence later than
+twice its expected turnaround, or whose stream has no estimate yet, holds nothing; a stream whose last two
+proposals came late (none on time between) is not waited for until one comes on time; no hold lasts longer than
+the saving it buys; and a sequence silent for four of its turnarounds (plus a second) leaves the plan. So a
+client that never proposes again, or always late, costs the others at most what a slow honest draft would, once
+per step. A step is never held for a sequence whose next proposal is already in (pipelined drafting), nor on a
+verifier with no work.
 
 Lives on the asyncio side (async_engine), between steps: no locks."""
 
@@ -89,12 +96,18 @@ class PhasePlan:
 
 @dataclass
 class _StreamTimes:
-    turnaround: _Average | None = None
+    turnaround: _Average | None = None  # of the rounds that drafted
+    # of the rounds that drafted nothing (k = 0, which the goodput choice asks for under load): the draft answers
+    # those at once, so one average of both would be far off either (milliseconds against a model step), and its
+    # deviation would push every arrival's due past what a hold may wait
+    plain_turnaround: _Average | None = None
     compute: _Average | None = None  # Proposal.draft_seconds
     late_in_a_row: int = 0
 
-    def due(self, sent: float, slack_s: float) -> float | None:
-        t = self.turnaround
+    def due(self, sent: float, slack_s: float, plain: bool = False) -> float | None:
+        """When a proposal answered at `sent` is expected back; `plain`: it is to draft nothing."""
+        t = self.plain_turnaround if plain and self.plain_turnaround is not None else self.turnaround
+        t = t if t is not None else self.plain_turnaround
         return None if t is None else sent + t.mean + 2 * t.deviation + slack_s
 
     def compute_s(self) -> float | None:
@@ -128,13 +141,16 @@ class PhasePlanner:
             if not key.seq_id:  # no such sequence: the engine refuses it
                 return
             self._outstanding[key] = self._outstanding.get(key, 0) + 1
-            self._block_tokens[key] = command.num_draft_tokens + 1
             times = self._streams.setdefault(key.stream_id, _StreamTimes())
             sent = self._awaited.pop(key, None)
             if sent is not None:
-                due = times.due(sent, self.min_slack_s)
+                due = times.due(sent, self.min_slack_s, plain=self._asked_plain(key))
                 times.late_in_a_row = times.late_in_a_row + 1 if due is not None and now > due else 0
-                times.turnaround = _add(times.turnaround, max(0.0, now - sent), self.decay)
+                if command.num_draft_tokens:
+                    times.turnaround = _add(times.turnaround, max(0.0, now - sent), self.decay)
+                else:
+                    times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
+            self._block_tokens[key] = command.num_draft_tokens + 1
             if command.draft_seconds is not None:
                 times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
@@ -190,6 +206,7 @@ class PhasePlanner:
         keys = [*self._awaited, *self._outstanding]
         one_phase = PhasePlan(1, 0.0, 0.0)
         times = [self._streams.get(k.stream_id) for k in keys]
+        # drafting rounds only: two phases hide drafting, and a round that drafts nothing has none to hide
         turnarounds = [s.turnaround.mean for s in times if s is not None and s.turnaround is not None]
         if not self.split or len(keys) < 2 or not turnarounds or not self.step_time.ready:
             return self._set_plan(one_phase)
@@ -226,21 +243,25 @@ class PhasePlanner:
             times = self._streams.get(key.stream_id)
             if times is None or times.late_in_a_row >= self.max_late:
                 continue
-            due = times.due(sent, self.min_slack_s)
-            if due is not None and due > now:
+            due = times.due(sent, self.min_slack_s, plain=self._asked_plain(key))
+            if due is not None and now - sent <= 2 * (due - sent):  # later than that: it may be gone
                 arrivals.append((due, self._block_tokens.get(key, 1)))
         if not arrivals:
             return None
         arrivals.sort()
-        t = self.step_time.predict
+
+        def t(n: int) -> float:
+            return self.step_time.predict(n, marginal_beyond=True) if n else 0.0
+
         present = sum(self._block_tokens.get(k, 1) for k in self._outstanding)
         best = None
         awaited_tokens = 0
         for i, (due, tokens) in enumerate(arrivals):
             awaited_tokens += tokens
-            saving = (t(present) if present else 0.0) + t(awaited_tokens) - t(present + awaited_tokens)
-            if due - hold_started < saving:
-                best = HoldDecision(due, i + 1, saving)
+            saving = t(present) + t(awaited_tokens) - t(present + awaited_tokens)
+            if due - hold_started < saving and now - hold_started < saving:
+                # until they are in or the saving is spent: an arrival a little past its due still pays
+                best = HoldDecision(hold_started + saving, i + 1, saving)
         return best
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -263,6 +284,10 @@ class PhasePlanner:
                 silent.append(key)
         for key in silent:
             self._forget(key)
+
+    def _asked_plain(self, key: SeqKey) -> bool:
+        """Whether `key`'s next block is to draft nothing (its verdict chose k = 0, or it drafted none last)."""
+        return self._block_tokens.get(key, 1) <= 1
 
     def _forget(self, key: SeqKey) -> None:
         self._awaited.pop(key, None)

@@ -91,7 +91,12 @@ class StepTimeModel:
         inside = np.interp(n, self._xs, [s for _, s in pts])
         return np.where(n <= n0, s0 * n / n0, np.where(n >= n1, s1 * n / n1, inside))
 
-    def predict(self, num_tokens: int) -> float:
+    def predict(self, num_tokens: int, *, marginal_beyond: bool = False) -> float:
+        """t(num_tokens). Past the largest step seen, in proportion to the tokens; `marginal_beyond`: at the
+        marginal cost per token seen over the larger half of the steps seen instead (the slope from the largest
+        step to the largest one of at most half its tokens, or to the smallest). That is the estimate of what two
+        steps merged would cost: in proportion a step has no fixed cost, so merging two never saves anything,
+        and a batch split in two (whose merged size is then never seen) would stay split for good."""
         pts = self.points()
         if not pts:
             raise ValueError("no step observed yet")
@@ -99,7 +104,11 @@ class StepTimeModel:
         if n <= pts[0][0]:
             return pts[0][1] * n / pts[0][0]
         if n >= pts[-1][0]:
-            return pts[-1][1] * n / pts[-1][0]
+            n1, s1 = pts[-1]
+            if not marginal_beyond or len(pts) < 2:
+                return s1 * n / n1
+            n0, s0 = next((p for p in reversed(pts) if p[0] <= n1 / 2), pts[0])
+            return s1 + (n - n1) * (s1 - s0) / (n1 - n0)
         i = bisect.bisect_left(self._xs, n)
         (n0, s0), (n1, s1) = pts[i - 1], pts[i]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
