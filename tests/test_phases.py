@@ -10,6 +10,7 @@ from common.sampling import FinishReason, SamplingParams
 from verifier_service.config import VerifierConfig
 from verifier_service.phases import HoldDecision, PhasePlanner
 from verifier_service.server import build_engine
+from verifier_service.step_time import StepTimeModel
 from verifier_service.types import (
     CloseCmd,
     DroppedOut,
@@ -153,28 +154,72 @@ def test_a_step_waits_for_the_sequences_answered_with_it_when_they_are_due_befor
     decision = planner.hold(now, now)
     assert decision is not None
     assert decision.num_awaited == 4
-    # due at sent + 0.1 (their turnaround, plus slack); held until they are in or the saving is spent
-    assert decision.deadline == pytest.approx(now + decision.saving_s)
     assert decision.saving_s == pytest.approx(0.5)  # a step's fixed cost
+    # due at about sent + 0.1 (their turnaround, twice its deviation and slack); held until they are in, or
+    # twice that has passed (within the saving)
+    due = planner._streams[1].due(sent, planner.min_slack_s)
+    assert sent + 0.1 < due < sent + 0.15
+    assert decision.deadline == pytest.approx(sent + 2 * (due - sent))
 
 
-def test_a_hold_outlasts_a_due_that_passed_while_the_saving_lasts():
-    """They were due at sent + 0.1 and are a little late: the step still waits for them (a split batch stays split
-    otherwise), but not past the saving, nor for sequences gone past twice their turnaround."""
+def test_a_hold_outlasts_a_due_that_passed_but_not_the_saving_nor_twice_the_turnaround():
+    """Due at sent + 0.101 and a little late: the step still waits for them (a split batch stays split
+    otherwise), until twice their turnaround; a longer turnaround is waited for at most the saving."""
     planner, sent = _one_phase_with_late_half(turnaround=0.1)
-    started = sent + 0.05
-    decision = planner.hold(sent + 0.15, started)
+    due = planner._streams[1].due(sent, planner.min_slack_s)
+    decision = planner.hold(due + 0.01, sent + 0.05)
     assert decision is not None and decision.num_awaited == 4
-    assert decision.deadline == pytest.approx(started + 0.5)
-    assert planner.hold(started + 0.5, started) is None  # the saving is spent
-    assert planner.hold(sent + 0.25, sent + 0.25) is None  # past twice their turnaround: gone, perhaps
+    assert decision.deadline == pytest.approx(sent + 2 * (due - sent))
+    slow, sent = _one_phase_with_late_half(turnaround=0.4)  # due after about 0.4 s, gone after about 0.8 s
+    assert slow._streams[1].due(sent, slow.min_slack_s) > sent + 0.4
+    decision = slow.hold(sent + 0.2, sent + 0.2)
+    assert decision.deadline == pytest.approx(sent + 0.7)  # the saving: 0.5 s
+    assert slow.hold(sent + 0.71, sent + 0.2) is None  # the saving is spent
+
+
+def test_sequences_past_twice_their_turnaround_hold_nothing_and_count_as_late():
+    """A client that goes silent: its sequences stop holding steps once twice their turnaround has passed, and
+    count as late, once each; two in a row and the stream is not waited for until one comes on time."""
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    gone = sent + 2 * (planner._streams[1].due(sent, planner.min_slack_s) - sent)
+    assert planner.hold(gone - 0.01, gone - 0.01) is not None
+    assert planner._streams[1].late_in_a_row == 0
+    assert planner.hold(gone + 0.01, gone - 0.01) is None
+    assert planner._streams[1].late_in_a_row == planner.max_late  # counted until the stream is not waited for
+    expired = set(planner._expired)
+    assert len(expired) == planner.max_late
+    planner.hold(gone + 0.1, gone + 0.1)
+    assert planner._streams[1].late_in_a_row == planner.max_late
+    for key in expired:
+        planner.submitted(_propose(key), gone + 0.2)  # they come after all: not counted twice
+    assert planner._streams[1].late_in_a_row == planner.max_late
+
+
+def test_a_step_starts_once_the_awaited_are_in():
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    for key in KEYS[4:6]:
+        planner.submitted(_propose(key), sent + 0.08)
+    assert planner.hold(sent + 0.08, sent + 0.05).num_awaited == 2
+    for key in KEYS[6:]:
+        planner.submitted(_propose(key), sent + 0.09)
+    assert planner.hold(sent + 0.09, sent + 0.05) is None  # all in
+
+
+def test_no_hold_for_a_merge_past_the_step_token_budget():
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    planner.max_step_tokens = 24  # 4 present blocks of 5 tokens: no awaited block of 5 fits beside them
+    assert planner.hold(sent + 0.05, sent + 0.05) is None
+    planner.max_step_tokens = 35  # three of them fit: the wait is for those
+    assert planner.hold(sent + 0.05, sent + 0.05).num_awaited == 3
+    planner.max_step_tokens = 40
+    assert planner.hold(sent + 0.05, sent + 0.05).num_awaited == 4
 
 
 def test_rounds_that_draft_nothing_do_not_set_when_a_drafting_round_is_due():
     """Under load the goodput choice alternates k = 0 rounds (back in milliseconds) with drafting ones (back after
-    a model step). A sequence asked to draft is expected after the drafting rounds' turnaround, one asked for
-    k = 0 after the plain rounds': one average of both would put a drafting round's due (mean plus two
-    deviations) past the 0.5 s a merged step saves, and the step would not wait."""
+    a model step, 0.45 s here). A sequence asked to draft is expected after the drafting rounds' turnaround, one
+    asked for k = 0 after the plain rounds': one average of both would put a drafting round's due (mean plus two
+    deviations) past the 0.5 s a merged step saves, and a step that starts at once would not wait."""
     planner = _planner(fixed_s=0.5, per_token_s=0.02)
     t = 0.0
     for key in KEYS:
@@ -184,21 +229,44 @@ def test_rounds_that_draft_nothing_do_not_set_when_a_drafting_round_is_due():
         k = 0 if r % 2 else 2
         for key in KEYS:
             planner.replied(_verdict(key, next_k=k), t)
-        t += 0.3 if k else 0.005
+        t += 0.45 if k else 0.005
         for key in KEYS:
             planner.submitted(_propose(key, k=k), t)
     t += 0.5
     for key in KEYS:
         planner.replied(_verdict(key, next_k=2), t)
-    for key in KEYS[:4]:
-        planner.submitted(_propose(key, k=2), t + 0.29)
-    now = t + 0.29
+    others = [SeqKey(2, i) for i in range(1, 5)]  # another stream's work, in at once
+    for key in others:
+        planner.submitted(_propose(key), t + 0.01)
+    now = t + 0.01
     assert planner.plan_phases(now).num_phases == 1
     times = planner._streams[1]
-    assert times.due(t, 0.0) == pytest.approx(t + 0.3, abs=0.01)
+    assert times.due(t, 0.0) == pytest.approx(t + 0.45, abs=0.01)
     assert times.due(t, 0.0, plain=True) == pytest.approx(t + 0.005, abs=0.01)
     decision = planner.hold(now, now)
-    assert decision is not None and decision.num_awaited == 4
+    assert decision is not None and decision.num_awaited == 8
+
+
+def test_a_drafting_round_on_a_stream_that_never_drafted_holds_nothing():
+    """A probe after a long k = 0 stretch: the stream's only estimate is the plain rounds' milliseconds, which
+    says nothing of when a drafted block comes back."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    t = 0.0
+    for key in KEYS:
+        planner.submitted(_propose(key, k=0), t)
+    for _ in range(3):
+        t += 0.5
+        for key in KEYS:
+            planner.replied(_verdict(key, next_k=0), t)
+        t += 0.005
+        for key in KEYS:
+            planner.submitted(_propose(key, k=0), t)
+    t += 0.5
+    for key in KEYS:
+        planner.replied(_verdict(key, next_k=1 if key in KEYS[4:] else 0), t)
+    for key in KEYS[:4]:
+        planner.submitted(_propose(key, k=0), t + 0.004)
+    assert planner.hold(t + 0.004, t + 0.004) is None
 
 
 def test_a_hold_prices_a_merged_step_past_the_sizes_seen_at_the_marginal_cost():
@@ -209,19 +277,17 @@ def test_a_hold_prices_a_merged_step_past_the_sizes_seen_at_the_marginal_cost():
         planner._block_tokens[key] = 10  # 4 present and 4 awaited blocks of 10: 40 + 40 tokens
     decision = planner.hold(sent + 0.05, sent + 0.05)
     assert decision is not None and decision.saving_s == pytest.approx(0.5, abs=0.05)
-    assert planner.step_time.predict(80) == pytest.approx(2 * planner.step_time.predict(40))
-    assert planner.step_time.predict(80, marginal_beyond=True) == pytest.approx(0.5 + 0.02 * 80)
-
-
-def test_a_step_starts_once_the_awaited_are_in_or_overdue():
-    planner, sent = _one_phase_with_late_half(turnaround=0.1)
-    for key in KEYS[4:6]:
-        planner.submitted(_propose(key), sent + 0.08)
-    assert planner.hold(sent + 0.08, sent + 0.05).num_awaited == 2
-    assert planner.hold(sent + 0.5, sent + 0.05) is None  # the other two are late: nothing is held for them
-    for key in KEYS[6:]:
-        planner.submitted(_propose(key), sent + 0.09)
-    assert planner.hold(sent + 0.09, sent + 0.05) is None  # all in
+    model = planner.step_time
+    assert model.predict(80) == pytest.approx(2 * model.predict(40))
+    assert model.predict(80, marginal_beyond=True) == pytest.approx(0.5 + 0.02 * 80)
+    flat = StepTimeModel()
+    for n, seconds in ((10, 1.0), (40, 1.0)):  # pooled flat: no token is free, a tenth of proportional at least
+        flat.observe(n, seconds)
+    assert flat.predict(80, marginal_beyond=True) == pytest.approx(1.0 + 40 * 0.1 / 40)
+    near = StepTimeModel()
+    for n, seconds in ((32, 1.0), (33, 1.1)):  # no step of at most half the largest: in proportion
+        near.observe(n, seconds)
+    assert near.predict(66, marginal_beyond=True) == pytest.approx(near.predict(66))
 
 
 def test_no_hold_longer_than_the_step_it_saves():

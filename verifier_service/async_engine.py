@@ -44,7 +44,8 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._last_step_s = 0.0
-        self.phases = None if phases == "off" else PhasePlanner(split=phases == "split")
+        self.phases = None if phases == "off" else PhasePlanner(
+            split=phases == "split", max_step_tokens=engine.scheduler.max_num_batched_tokens)
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)
 
     def start(self) -> None:

@@ -26,6 +26,7 @@ hardly grows and the choice rises to each sequence's cap. Low acceptance lowers 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -146,15 +147,16 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 class DraftLengthController:
     """The verifier's side of `--speculation auto`: learns from every step it runs and every verdict it gives,
     and after a step chooses the next draft length of each sequence that asked for one (Proposal.max_draft_tokens)
-    by choose_draft_lengths. Every `probe_every`-th choice gives each sequence one draft token more than chosen:
-    a step size the model has not seen lately gets measured again, and a sequence held at k = 0 gets judged
-    again, so neither a stale step time nor a stale acceptance can hold k at 0 for good.
+    by choose_draft_lengths. A probe (every `probe_every`-th choice at first) gives each sequence one draft token
+    more than chosen: a step size the model has not seen lately gets measured again, and a sequence held at k = 0
+    gets judged again, so neither a stale step time nor a stale acceptance can hold k at 0 for good.
 
     A probe is dear where it matters least: under a load that holds every sequence at k = 0, the draft has not
     fed the tokens verified since its last block, and one probe makes it catch all of them up at once (measured
     at 32 streams on 2 cores: 2 to 4 s of the verifier waiting every 32 steps, 15 % of the output). So when no
-    choice between two probes drafted anything, the next probe comes twice as late, up to `max_probe_every`; a
-    choice that drafts brings the interval back to `probe_every`. Lives on the engine thread: no locks."""
+    choice between two probes drafted anything, the next probe comes twice as late, up to `max_probe_every`
+    choices and `max_probe_interval_s` seconds; a choice that drafts brings the interval back to `probe_every`.
+    Lives on the engine thread: no locks."""
 
     max_draft_tokens: int
     # smoother than the defaults: a step's time on a shared CPU is noisy, and one rejection is not a trend
@@ -162,6 +164,7 @@ class DraftLengthController:
     acceptance: AcceptanceTracker | None = None
     probe_every: int = 32
     max_probe_every: int = 512
+    max_probe_interval_s: float = 30.0
     # the step-time model and the acceptance are estimates: when a longer draft is within 3 % of the best
     # goodput, it is taken (measured on 2 cores, the noise alone otherwise cut k = 4 to 2 or 3 on an idle verifier)
     tolerance: float = 0.03
@@ -179,8 +182,12 @@ class DraftLengthController:
     _until_probe: int = 0  # choices before the next probe; 0: not started (set from probe_every)
     _probe_interval: int = 0
     _drafted_since_probe: bool = False
+    _last_probe: float | None = None  # time.monotonic() of the last probe
 
     def __post_init__(self) -> None:
+        if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
+            raise ValueError(f"probe_every ({self.probe_every}) must be >= 0 and at most max_probe_every "
+                             f"({self.max_probe_every})")
         if self.acceptance is None:
             # the prior of a sequence is its Verify stream's (one draft process, one draft model)
             self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens), decay=0.95, prior_strength=4.0,
@@ -253,8 +260,12 @@ class DraftLengthController:
                 self._probe_interval = self.probe_every
                 self._until_probe = min(self._until_probe, self.probe_every)
         self._until_probe -= 1
-        if self._until_probe > 0:
+        now = time.monotonic()
+        if self._last_probe is None:
+            self._last_probe = now
+        if self._until_probe > 0 and now - self._last_probe < self.max_probe_interval_s:
             return False
+        self._last_probe = now
         if not self._drafted_since_probe:
             self._probe_interval = min(self.max_probe_every, 2 * self._probe_interval)
         self._until_probe = self._probe_interval

@@ -101,14 +101,27 @@ class _StreamTimes:
     # those at once, so one average of both would be far off either (milliseconds against a model step), and its
     # deviation would push every arrival's due past what a hold may wait
     plain_turnaround: _Average | None = None
-    compute: _Average | None = None  # Proposal.draft_seconds
+    compute: _Average | None = None  # Proposal.draft_seconds of the drafting rounds
+    # arrivals past their due in a row, per kind of round (a k = 0 round's due is milliseconds away: its jitter
+    # must not stop the holds for the drafting rounds)
     late_in_a_row: int = 0
+    plain_late_in_a_row: int = 0
 
     def due(self, sent: float, slack_s: float, plain: bool = False) -> float | None:
-        """When a proposal answered at `sent` is expected back; `plain`: it is to draft nothing."""
+        """When a proposal answered at `sent` is expected back; `plain`: it is to draft nothing. A drafting round
+        on a stream that has not drafted yet has no estimate (None: it holds nothing); a plain one takes the
+        drafting rounds' (longer) estimate until it has its own."""
         t = self.plain_turnaround if plain and self.plain_turnaround is not None else self.turnaround
-        t = t if t is not None else self.plain_turnaround
         return None if t is None else sent + t.mean + 2 * t.deviation + slack_s
+
+    def late(self, plain: bool) -> int:
+        return self.plain_late_in_a_row if plain else self.late_in_a_row
+
+    def count_late(self, plain: bool, late: bool) -> None:
+        if plain:
+            self.plain_late_in_a_row = self.plain_late_in_a_row + 1 if late else 0
+        else:
+            self.late_in_a_row = self.late_in_a_row + 1 if late else 0
 
     def compute_s(self) -> float | None:
         if self.turnaround is None:
@@ -124,6 +137,7 @@ class PhasePlanner:
     margin: float = 0.05  # two phases only when this much shorter a round than one
     max_late: int = 2  # a stream late this many times in a row is not waited for
     split: bool = True  # False: one phase always (--phases hold)
+    max_step_tokens: int | None = None  # the step's token budget: no merge past it is ever waited for
     step_time: StepTimeModel = field(default_factory=lambda: StepTimeModel(decay=0.9))
     plan: PhasePlan | None = None  # the last one planned (metrics, logs)
     num_present: int = field(default=0, init=False)  # opens and proposals arrived since the last step started
@@ -132,6 +146,8 @@ class PhasePlanner:
     _outstanding: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # in, not answered
     _block_tokens: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # its next block's
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
+    # awaited past twice their expected turnaround: counted late once, held for no more
+    _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
 
     # -- what the loop reports ---------------------------------------------------------------------------------
 
@@ -143,15 +159,19 @@ class PhasePlanner:
             self._outstanding[key] = self._outstanding.get(key, 0) + 1
             times = self._streams.setdefault(key.stream_id, _StreamTimes())
             sent = self._awaited.pop(key, None)
+            expired = key in self._expired
+            self._expired.discard(key)
             if sent is not None:
-                due = times.due(sent, self.min_slack_s, plain=self._asked_plain(key))
-                times.late_in_a_row = times.late_in_a_row + 1 if due is not None and now > due else 0
+                plain = self._asked_plain(key)
+                due = times.due(sent, self.min_slack_s, plain=plain)
+                if not expired:  # one counted when it expired is not counted again
+                    times.count_late(plain, due is not None and now > due)
                 if command.num_draft_tokens:
                     times.turnaround = _add(times.turnaround, max(0.0, now - sent), self.decay)
                 else:
                     times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
             self._block_tokens[key] = command.num_draft_tokens + 1
-            if command.draft_seconds is not None:
+            if command.draft_seconds is not None and command.num_draft_tokens:
                 times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
             self._forget(command.key)
@@ -164,6 +184,7 @@ class PhasePlanner:
         for table in (self._awaited, self._outstanding, self._block_tokens):
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
+        self._expired = {k for k in self._expired if k.stream_id != stream_id}
         self._streams.pop(stream_id, None)
 
     def step_started(self) -> None:
@@ -205,9 +226,14 @@ class PhasePlanner:
         self._drop_silent(now)
         keys = [*self._awaited, *self._outstanding]
         one_phase = PhasePlan(1, 0.0, 0.0)
-        times = [self._streams.get(k.stream_id) for k in keys]
-        # drafting rounds only: two phases hide drafting, and a round that drafts nothing has none to hide
-        turnarounds = [s.turnaround.mean for s in times if s is not None and s.turnaround is not None]
+        # each sequence's turnaround for the round it was asked for (a k = 0 round has no drafting to hide)
+        turnarounds = []
+        for k in keys:
+            times = self._streams.get(k.stream_id)
+            t = None if times is None else (times.plain_turnaround if self._asked_plain(k) else None) or \
+                times.turnaround
+            if t is not None:
+                turnarounds.append(t.mean)
         if not self.split or len(keys) < 2 or not turnarounds or not self.step_time.ready:
             return self._set_plan(one_phase)
         d = sum(turnarounds) / len(turnarounds)
@@ -241,11 +267,18 @@ class PhasePlanner:
         arrivals = []
         for key, sent in self._awaited.items():
             times = self._streams.get(key.stream_id)
-            if times is None or times.late_in_a_row >= self.max_late:
+            plain = self._asked_plain(key)
+            if times is None or times.late(plain) >= self.max_late or key in self._expired:
                 continue
-            due = times.due(sent, self.min_slack_s, plain=self._asked_plain(key))
-            if due is not None and now - sent <= 2 * (due - sent):  # later than that: it may be gone
-                arrivals.append((due, self._block_tokens.get(key, 1)))
+            due = times.due(sent, self.min_slack_s, plain=plain)
+            if due is None:
+                continue
+            expiry = sent + 2 * (due - sent)  # twice its expected turnaround: it may be gone, and is late
+            if now > expiry:
+                self._expired.add(key)
+                times.count_late(plain, True)
+                continue
+            arrivals.append((due, expiry, self._block_tokens.get(key, 1)))
         if not arrivals:
             return None
         arrivals.sort()
@@ -256,12 +289,17 @@ class PhasePlanner:
         present = sum(self._block_tokens.get(k, 1) for k in self._outstanding)
         best = None
         awaited_tokens = 0
-        for i, (due, tokens) in enumerate(arrivals):
+        last_expiry = 0.0
+        for i, (due, expiry, tokens) in enumerate(arrivals):
             awaited_tokens += tokens
+            last_expiry = max(last_expiry, expiry)
+            if self.max_step_tokens is not None and present + awaited_tokens > self.max_step_tokens:
+                break  # no step holds them all: waiting would merge nothing
             saving = t(present) + t(awaited_tokens) - t(present + awaited_tokens)
             if due - hold_started < saving and now - hold_started < saving:
-                # until they are in or the saving is spent: an arrival a little past its due still pays
-                best = HoldDecision(hold_started + saving, i + 1, saving)
+                # until they are in, the saving is spent, or they pass twice their turnaround: one a little past
+                # its due still pays
+                best = HoldDecision(min(hold_started + saving, last_expiry), i + 1, saving)
         return best
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -283,6 +321,9 @@ class PhasePlanner:
             if now - sent > 4 * away + 1.0:
                 silent.append(key)
         for key in silent:
+            times = self._streams.get(key.stream_id)
+            if times is not None and key not in self._expired:
+                times.count_late(self._asked_plain(key), True)  # silence is lateness
             self._forget(key)
 
     def _asked_plain(self, key: SeqKey) -> bool:
@@ -290,6 +331,7 @@ class PhasePlanner:
         return self._block_tokens.get(key, 1) <= 1
 
     def _forget(self, key: SeqKey) -> None:
+        self._expired.discard(key)
         self._awaited.pop(key, None)
         self._outstanding.pop(key, None)
         self._block_tokens.pop(key, None)

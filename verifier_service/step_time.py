@@ -94,7 +94,8 @@ class StepTimeModel:
     def predict(self, num_tokens: int, *, marginal_beyond: bool = False) -> float:
         """t(num_tokens). Past the largest step seen, in proportion to the tokens; `marginal_beyond`: at the
         marginal cost per token seen over the larger half of the steps seen instead (the slope from the largest
-        step to the largest one of at most half its tokens, or to the smallest). That is the estimate of what two
+        step to the largest one of at most half its tokens; in proportion where no step that small was seen),
+        between a tenth of the proportional cost per token and all of it. That is the estimate of what two
         steps merged would cost: in proportion a step has no fixed cost, so merging two never saves anything,
         and a batch split in two (whose merged size is then never seen) would stay split for good."""
         pts = self.points()
@@ -105,10 +106,14 @@ class StepTimeModel:
             return pts[0][1] * n / pts[0][0]
         if n >= pts[-1][0]:
             n1, s1 = pts[-1]
-            if not marginal_beyond or len(pts) < 2:
+            below = next((p for p in reversed(pts) if p[0] <= n1 / 2), None)
+            if not marginal_beyond or below is None:
                 return s1 * n / n1
-            n0, s0 = next((p for p in reversed(pts) if p[0] <= n1 / 2), pts[0])
-            return s1 + (n - n1) * (s1 - s0) / (n1 - n0)
+            n0, s0 = below
+            # never dearer per token than in proportion, and never below a tenth of that: no token is free (the
+            # isotonic pooling can flatten the largest points)
+            slope = min(max((s1 - s0) / (n1 - n0), 0.1 * s1 / n1), s1 / n1)
+            return s1 + (n - n1) * slope
         i = bisect.bisect_left(self._xs, n)
         (n0, s0), (n1, s1) = pts[i - 1], pts[i]
         return s0 + (s1 - s0) * (n - n0) / (n1 - n0)
