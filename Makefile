@@ -3,14 +3,14 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install models demo test test-all test-compose test-triton36 lint protos gpu-wheels certs clean
+.PHONY: install models demo test test-all test-compose test-triton36 lint protos gpu-wheels certs docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# NOTE: torch first and pinned, so no later requirement can pull a newer (multi-GB CUDA) build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[server,gateway,test,bench]'
+	$(PY) -m pip install -q -e '.[server,gateway,test,bench,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,6 +32,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m ''
+
+# The documentation site (mkdocs.yml) into site/, strict: a broken link, anchor or reference fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
 
 # Builds the image and runs compose.yaml for real (scripts/compose_check.py); exit 77 = no Docker engine possible.
 test-compose: $(STAMP)
@@ -69,4 +73,4 @@ gpu-wheels: $(STAMP)
 	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .gpu-wheels grpcio==1.85.1 'protobuf>=6.31,<8'
 
 clean:
-	rm -rf $(VENV) $(T36) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(T36) .pytest_cache .ruff_cache site

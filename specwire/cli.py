@@ -153,11 +153,16 @@ def _run_draft(args) -> int:
 
     configure_logging(config.log_level, service="draft")
     set_torch_threads(threads)
+    from common.errors import ServiceError
+
     try:
         asyncio.run(serve(config))
     except HandshakeRefused as err:
         print(f"error: the verifier refused this draft: {err}", file=sys.stderr)
         return 3
+    except ServiceError as err:  # the verifier never answered within --connect-timeout
+        print(f"error: {err.code.name}: {err.message}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -19,6 +19,10 @@ from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
 @dataclass(frozen=True)
 class Chunk:
+    """What one verification round added to a stream: its token ids and their text. The text can lag the ids
+    by a few tokens (text that could still become a stop string, or an incomplete UTF-8 character, is held back
+    until it is decided); the concatenated texts of a stream equal the final result's text."""
+
     token_ids: list[int]
     text: str
 
@@ -29,12 +33,17 @@ Stats = GenerationStats
 
 @dataclass
 class Result:
+    """A whole generation: every token id, the text, and the generation's statistics (`stats`: rounds, drafted
+    and accepted tokens, acceptance per position, times, finish reason), which arrive with the last chunk."""
+
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     stats: Stats | None = None
 
     @property
     def finish_reason(self) -> str | None:
+        """"stop" (an end-of-sequence token or a stop string) or "length" (`max_tokens` or the context); None
+        before the generation ended."""
         return self.stats.finish_reason if self.stats else None
 
 
@@ -138,11 +147,17 @@ def _connection(token: str | None, root_certificates: bytes | None, private_key:
     return _Connection(credentials, security.tls_name_override(tls_server_name), security.token_metadata(token))
 
 
-def _probe_failed(err: grpc.RpcError, target: str, connect_timeout: float):
-    """The error for a failed reachability probe: UnavailableError naming the address when nothing answered."""
+def _probe_failed(err: grpc.RpcError, target: str, connect_timeout: float, tls: bool):
+    """The error for a failed reachability probe: UnavailableError naming the address when nothing answered.
+    A TLS handshake that fails looks the same from here (the channel never connects), so with TLS the message
+    names the certificate checks too; without TLS, a server that wants it."""
     if err.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+        hint = ("with TLS on, also that the server's certificate names the host you dial (or pass "
+                "tls_server_name) and is signed by the CA you trust" if tls else
+                "a server started with --tls-cert needs TLS from the client (root_certificates)")
         return UnavailableError(f"no draft service answered at {target} within {connect_timeout:g}s: check the "
-                                "address, and that the service is up (raise connect_timeout to wait longer)")
+                                f"address, that the service is up (raise connect_timeout to wait longer), and, "
+                                f"{hint}")
     return from_rpc_error(err)
 
 
@@ -159,6 +174,7 @@ class _ClientBase:
         self._target = target
         conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
                            tls_server_name)
+        self._tls = conn.credentials is not None
         self._metadata = conn.metadata
         channels = grpc.aio if self._aio else grpc
         self._channel = (channels.secure_channel(target, conn.credentials, options=conn.options) if conn.credentials
@@ -199,7 +215,7 @@ class Client(_ClientBase):
             self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True,
                                metadata=self._metadata)
         except grpc.RpcError as err:
-            raise _probe_failed(err, self._target, self._connect_timeout) from None
+            raise _probe_failed(err, self._target, self._connect_timeout, self._tls) from None
 
     def _responses(self, req: draft_pb2.GenerateRequest) -> Iterator[draft_pb2.GenerateResponse]:
         self._wait_connected()
@@ -244,7 +260,7 @@ class AsyncClient(_ClientBase):
             await self._health.Check(_HEALTH_CHECK, timeout=self._connect_timeout, wait_for_ready=True,
                                      metadata=self._metadata)
         except grpc.RpcError as err:
-            raise _probe_failed(err, self._target, self._connect_timeout) from None
+            raise _probe_failed(err, self._target, self._connect_timeout, self._tls) from None
 
     async def close(self) -> None:
         await self._channel.close()
@@ -257,7 +273,7 @@ class AsyncClient(_ClientBase):
             reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
                                              metadata=self._metadata)
         except grpc.RpcError as err:
-            raise _probe_failed(err, self._target, timeout) from None
+            raise _probe_failed(err, self._target, timeout, self._tls) from None
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def __aenter__(self) -> AsyncClient:

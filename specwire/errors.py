@@ -25,26 +25,44 @@ class SpecwireError(Exception):
 
 
 class InvalidArgumentError(SpecwireError):
+    """The request is malformed or out of range (an empty prompt, `top_p` outside (0, 1], `max_tokens` < 1, a
+    prompt as long as the target's context, an unknown `wire_mode`). Fix the request; retrying does not help."""
+
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class FailedPreconditionError(SpecwireError):
+    """The services cannot serve this request as configured: the draft and the target do not share a tokenizer,
+    a resumed sequence's verifier now runs another model, or the verifier lacks a feature the request needs
+    (`coupled`, `cache_salt`). Fix the deployment; retrying does not help."""
+
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class ResourceExhaustedError(SpecwireError):
+    """A limit was reached: the verifier's `--max-streams`, `--max-sequences` or `--max-waiting-tokens`, or a
+    prompt that can never fit the KV pool. The message names the flag. Retry later, or raise the limit."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class NotFoundError(SpecwireError):
+    """The service does not know what the request names (a sequence that already ended)."""
+
     code = grpc.StatusCode.NOT_FOUND
 
 
 class UnavailableError(SpecwireError):
+    """Nothing answered: the draft service is not reachable within `connect_timeout`, or its verifier could
+    not be reached (or a sequence resumed) within the draft's `--verifier-retry-deadline`. Safe to retry."""
+
     code = grpc.StatusCode.UNAVAILABLE
 
 
 class UnauthenticatedError(SpecwireError):
+    """The service refused the call's bearer token (missing, wrong, or not listed in its `--auth-token-file`),
+    before any work was done."""
+
     code = grpc.StatusCode.UNAUTHENTICATED
 
 

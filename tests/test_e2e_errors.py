@@ -23,6 +23,8 @@ from specwire.v1 import common_pb2, draft_pb2, draft_pb2_grpc, verifier_pb2, ver
 from stacks import InProcessStack
 from tiny_models import build_model, model_config, save, word_tokenizer
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 @pytest.mark.parametrize("kwargs,error,fragment", [
     ({"prompt": ""}, specwire.InvalidArgumentError, "prompt is empty"),
@@ -189,6 +191,30 @@ def test_a_wrong_address_fails_fast_with_unavailable():
     cli = subprocess.run([sys.executable, "-m", "specwire.cli", "generate", "hi", "--server", address,
                           "--connect-timeout", "1"], capture_output=True, text=True, timeout=60)
     assert cli.returncode == 1 and address in cli.stderr
+
+
+def test_unreachable_with_tls_names_the_certificate_checks(tmp_path):
+    """A TLS handshake that fails (a certificate for another name) looks like nothing answering: with TLS on, the
+    message says what to check about the certificate."""
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "make_dev_certs.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    with specwire.Client(f"127.0.0.1:{free_port()}", connect_timeout=0.5,
+                         root_certificates=(tmp_path / "ca.pem").read_bytes()) as client:
+        with pytest.raises(specwire.UnavailableError, match="certificate names the host you dial"):
+            client.generate("hi")
+    with specwire.Client(f"127.0.0.1:{free_port()}", connect_timeout=0.5) as client:
+        with pytest.raises(specwire.UnavailableError, match="needs TLS from the client"):
+            client.generate("hi")
+
+
+def test_a_draft_whose_verifier_never_answers_exits_with_a_message(text_stack):
+    address = f"127.0.0.1:{free_port()}"
+    draft = subprocess.run([sys.executable, "-m", "specwire.cli", "draft", "--model", str(text_stack.draft_dir),
+                            "--verifier", address, "--connect-timeout", "1", "--port", str(free_port())],
+                           capture_output=True, text=True, timeout=120)
+    assert draft.returncode == 1, draft.stderr[-2000:]
+    assert f"error: UNAVAILABLE: the verifier at {address} was not reachable" in draft.stderr
+    assert "Traceback" not in draft.stderr
 
 
 def test_a_sequence_opened_and_left_idle_is_ended_by_the_verifier(text_stack, tmp_path):

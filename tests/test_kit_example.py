@@ -1,4 +1,4 @@
-# An example of specwire.testing as a user writes it (the README's "Testing your code" shows this file).
+# An example of specwire.testing as a user writes it (docs/testing.md's "Testing your code" shows this file).
 import pytest
 
 from specwire import InvalidArgumentError

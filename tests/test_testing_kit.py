@@ -68,10 +68,10 @@ def test_an_acceptance_pair_is_accepted_at_its_rate(tmp_path):
     assert abs(rate - 0.6) < 4 * math.sqrt(0.6 * 0.4 / trials), (rate, trials)
 
 
-def test_the_readme_shows_the_example_test_file_as_it_is():
+def test_the_docs_show_the_example_test_file_as_it_is():
     root = Path(__file__).resolve().parent.parent
     example = (root / "tests" / "test_kit_example.py").read_text().rstrip("\n")
-    assert example in (root / "README.md").read_text(), "README's 'Testing your code' example is stale"
+    assert example in (root / "docs" / "testing.md").read_text(), "docs/testing.md's example is stale"
 
 
 def test_a_local_stack_survives_a_verifier_restart(tmp_path):

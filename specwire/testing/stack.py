@@ -78,12 +78,15 @@ class LocalStack:
             time.sleep(0.05)
 
     def client(self, **kwargs) -> Client:
+        """A `specwire.Client` of the draft service; keyword arguments go to the client."""
         return Client(self.draft, **kwargs)
 
     def async_client(self, **kwargs) -> AsyncClient:
+        """A `specwire.AsyncClient` of the draft service; keyword arguments go to the client."""
         return AsyncClient(self.draft, **kwargs)
 
     def service(self, name: str) -> Service:
+        """The running "verifier", "draft" or "gateway" process: its address and `proc`."""
         return next(s for s in reversed(self.stack.services) if s.name == name)
 
     def start_gateway(self, *args: str, timeout_s: float = 60.0) -> str:
@@ -95,6 +98,7 @@ class LocalStack:
         return gateway.address
 
     def stop(self) -> None:
+        """Stop every process this stack started (the context manager does it on exit)."""
         self.stack.stop()
 
     def __enter__(self) -> LocalStack:
