@@ -35,7 +35,7 @@ test-all: $(STAMP)
 
 # The documentation site (mkdocs.yml) into site/, strict: a broken link, anchor or reference fails the build.
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Builds the image and runs compose.yaml for real (scripts/compose_check.py); exit 77 = no Docker engine possible.
 test-compose: $(STAMP)

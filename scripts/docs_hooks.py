@@ -35,7 +35,8 @@ def cli_reference() -> str:
     out = []
     for name, command in sub.choices.items():
         command.prog = f"specwire {name}"
-        out += [f"## specwire {name}", "", f"{helps.get(name, '').capitalize()}.", ""]
+        summary = helps.get(name, "")
+        out += [f"## specwire {name}", "", f"{summary[:1].upper()}{summary[1:]}.", ""]
         out += ["```text", command.format_usage().strip(), "```", ""]
         out += ["| flag | what it sets |", "|---|---|"]
         for action in command._actions:

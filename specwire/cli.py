@@ -60,7 +60,7 @@ def _generate_parser(sub) -> None:
     add_flag(p, "--client-cert", default=None, help="PEM client certificate (mutual TLS, with --client-key)")
     add_flag(p, "--client-key", default=None, help="PEM private key of --client-cert")
     add_flag(p, "--tls-server-name", default=None, help="check the certificate against this name")
-    add_flag(p, "--token-file", default=None, help="file whose first line is the bearer token to send")
+    add_flag(p, "--token-file", default=None, help="token file: the first line that is not blank or a # comment is the bearer token to send")
     add_flag(p, "--max-tokens", default=64, type=int, help="tokens to generate")
     add_flag(p, "--temperature", default=1.0, type=float, help="0 for greedy")
     add_flag(p, "--top-k", default=0, type=int, help="0: off")

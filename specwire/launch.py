@@ -68,17 +68,22 @@ def scrape_metric(url: str, name: str, labels: dict[str, str] | None = None) -> 
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-    """Until the health service says SERVING (`credentials` for a TLS server)."""
+                 credentials: grpc.ChannelCredentials | None = None, *, service: str = "",
+                 server_name: str | None = None) -> None:
+    """Until the health service says SERVING for `service` ("" is the process; "specwire.v1.Draft" follows a
+    draft's verifier link). `credentials` for a TLS server; `server_name`: the name its certificate is checked
+    against, when that is not the address's host (a probe dialling 127.0.0.1 of a server named otherwise)."""
     deadline = time.monotonic() + timeout_s
-    channel = grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name and credentials else []
+    channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+               else grpc.insecure_channel(address))
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"service for {address} exited with code {proc.returncode}")
             try:
-                status = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status
+                status = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:

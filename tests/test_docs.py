@@ -59,3 +59,16 @@ def test_the_sdk_reference_has_the_docstrings(site):
 
 def test_the_readme_is_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_no_list_renders_as_a_paragraph(site):
+    """Python-Markdown wants a blank line before a list and four spaces before a nested item (GitHub does not):
+    a list written otherwise renders as one paragraph of dashes, which strict mode cannot see."""
+    import re
+
+    flat = []
+    for page in site.rglob("index.html"):
+        for paragraph in re.findall(r"<p>(.*?)</p>", page.read_text(), re.S):
+            if re.search(r"(^|\n)\s*(- |\d+\. )\S", paragraph):
+                flat.append(f"{page.parent.name}: {paragraph[:80]!r}")
+    assert not flat, flat

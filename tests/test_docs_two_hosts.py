@@ -4,11 +4,14 @@ their `<!-- … -->` tag names, in the page's order:
 
 - `workstation`: in a scratch directory standing for the user's machine (the repository's scripts/ and the
   tiny test models as .models/target and .models/draft);
-- `copy`: the page's `scp` lines, carried out as copies into each host's home directory, so each host holds
-  exactly the files the page sends it;
+- `copy`: the page's `ssh HOST mkdir -p` and `scp` lines, carried out as directories and copies in each host's
+  home directory, so each host holds exactly the files the page sends it (a copy into a directory the page did
+  not make fails, as scp would);
 - `serve: HOST`: started in the background in HOST's namespace, in its specwire/ directory;
 - `check: HOST`: run until it succeeds (the service it checks is starting), failing if a service exited;
 - `run: HOST`: run once, and it must succeed; a `--json` generation must give the target's greedy output;
+- `run-python: HOST`: the block as a Python script, run once, and it must succeed;
+- `not run: why`: a block the test cannot run (installing), named so; every block of the page has a tag;
 - `restart: HOST`: the service HOST serves is stopped and its `serve` block run again.
 
 Only what no page can say comes from the test: the tiny models' float64 dtype, one thread per service and a small
@@ -41,7 +44,7 @@ HOSTS = {"verifier": ("verifier.example.internal", "10.78.0.1"), "draft": ("draf
 
 @dataclass
 class Step:
-    tag: str  # workstation, copy, serve, check, run, restart
+    tag: str  # workstation, copy, serve, check, run, run-python, restart, not run
     host: str | None
     script: str  # the block's text; "" for restart
 
@@ -53,18 +56,23 @@ def page_steps(text: str) -> list[Step]:
     lines = text.split("\n")
     i = 0
     while i < len(lines):
-        m = re.fullmatch(r"<!-- (workstation|copy|serve|check|run|restart)(?:: (\w+))? -->", lines[i].strip())
+        m = re.fullmatch(r"<!-- (workstation|copy|serve|check|run|run-python|restart|not run)(?:: ([^>]+?))? -->",
+                         lines[i].strip())
         i += 1
         if not m:
+            assert not lines[i - 1].startswith("```"), f"line {i}: a block with no tag before it"
             continue
         tag, host = m.group(1), m.group(2)
+        if tag == "not run":
+            host = None
         if tag == "restart":
             steps.append(Step(tag, host, ""))
             continue
         while not lines[i].startswith("```"):
             i += 1
         end = lines.index("```", i + 1)
-        steps.append(Step(tag, host, "\n".join(lines[i + 1:end])))
+        if tag != "not run":
+            steps.append(Step(tag, host, "\n".join(lines[i + 1:end])))
         i = end + 1
     return steps
 
@@ -74,8 +82,23 @@ def test_the_page_is_tagged_as_the_test_reads_it():
     steps = page_steps(PAGE.read_text())
     assert [(s.tag, s.host) for s in steps] == [
         ("workstation", None), ("copy", None), ("serve", "verifier"), ("check", "draft"), ("run", "draft"),
-        ("serve", "draft"), ("check", "draft"), ("run", "draft"), ("restart", "verifier"), ("run", "draft")]
+        ("serve", "draft"), ("check", "draft"), ("run", "draft"), ("run-python", "draft"), ("restart", "verifier"),
+        ("check", "draft"), ("run", "draft")]
     assert all(s.host in (None, *HOSTS) for s in steps)
+
+
+def _host_of(name: str) -> str:
+    return next(h for h, (host_name, _) in HOSTS.items() if host_name == name)
+
+
+def _page_dirs(script: str) -> list[tuple[str, list[str]]]:
+    """(host, directories) of each `ssh HOST mkdir -p DIR...` line of a block."""
+    made = []
+    for line in script.replace("\\\n", " ").split("\n"):
+        words = shlex.split(line)
+        if words[:1] == ["ssh"] and words[2:4] == ["mkdir", "-p"]:
+            made.append((_host_of(words[1]), words[4:]))
+    return made
 
 
 def _scp_copies(script: str) -> list[tuple[list[str], str, str, bool]]:
@@ -88,8 +111,7 @@ def _scp_copies(script: str) -> list[tuple[list[str], str, str, bool]]:
         recursive = "-r" in words
         args = [w for w in words[1:] if w != "-r"]
         host_name, dest = args[-1].split(":", 1)
-        host = next(h for h, (name, _) in HOSTS.items() if name == host_name)
-        copies.append((args[:-1], host, dest, recursive))
+        copies.append((args[:-1], _host_of(host_name), dest, recursive))
     return copies
 
 
@@ -156,9 +178,12 @@ class TwoHosts:
         return path.read_text()[-3000:] if path.exists() else ""
 
     def copy(self, script: str) -> None:
+        for host, dirs in _page_dirs(script):
+            for d in dirs:
+                (self.homes[host] / d).mkdir(parents=True, exist_ok=True)
         for sources, host, dest, recursive in _scp_copies(script):
             target = self.homes[host] / dest
-            target.mkdir(parents=True, exist_ok=True)
+            assert target.is_dir(), f"scp into {dest} on {host}: the page never made that directory"
             for source in sources:
                 src = self.workstation / source
                 assert recursive or not src.is_dir(), f"scp without -r of a directory: {source}"
@@ -212,6 +237,9 @@ def test_two_hosts_as_the_page_says(tmp_path):
             elif step.tag == "restart":
                 hosts.stop(step.host)
                 hosts.serve(step.host, served_scripts[step.host])
+            elif step.tag == "run-python":
+                done = hosts.run(step.host, f"python - <<'PAGE_PYTHON'\n{step.script}\nPAGE_PYTHON")
+                assert done.returncode == 0, f"{step.script}\n{done.stderr}"
             else:
                 done = hosts.run(step.host, step.script)
                 assert done.returncode == 0, f"{step.script}\n{done.stderr}\n{hosts.log('draft')}"

@@ -194,8 +194,9 @@ def test_a_wrong_address_fails_fast_with_unavailable():
 
 
 def test_unreachable_with_tls_names_the_certificate_checks(tmp_path):
-    """A TLS handshake that fails (a certificate for another name) looks like nothing answering: with TLS on, the
-    message says what to check about the certificate."""
+    """A TLS channel that never connects (a certificate for another name fails its handshake the same way as a
+    closed port: the probe times out) is reported with what to check about the certificate; a channel without
+    TLS, with the hint that a TLS server needs it."""
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_dev_certs.py"), str(tmp_path)], check=True,
                    capture_output=True)
     with specwire.Client(f"127.0.0.1:{free_port()}", connect_timeout=0.5,

@@ -186,6 +186,11 @@ def test_the_container_healthcheck_speaks_tls_and_mutual_tls(secure_stack, certs
     assert check(running.draft) == 1  # plaintext against TLS
     assert check(running.verifier, *ca) == 1  # no client certificate
     assert check(running.verifier, *ca, "--cert", str(certs / "client.pem"), "--key", str(certs / "client.key")) == 0
+    # the draft's own service follows its verifier link (connected here); a name the certificate lacks fails
+    assert check(running.draft, *ca, "--service", "specwire.v1.Draft") == 0
+    assert check(running.draft, *ca, "--service", "no.such.Service") == 1
+    assert check(running.draft, *ca, "--server-name", "localhost") == 0
+    assert check(running.draft, *ca, "--server-name", "elsewhere.example.internal") == 1
 
 
 # -- token files, without a stack ------------------------------------------------------------------------------

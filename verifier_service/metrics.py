@@ -73,7 +73,7 @@ class VerifierMetrics:
     def _add_router_and_goodput_metrics(self, r: CollectorRegistry) -> None:
         """What routers read (vLLM's names under the specwire: prefix) and the goodput control."""
         # What routers read to pick a replica, named as vLLM's (vllm:num_requests_waiting, ...) under this
-        # prefix so that an endpoint picker reads them the same way (README: metrics for routers).
+        # prefix so that an endpoint picker reads them the same way (docs/load.md: metrics for routers).
         self.requests_waiting = Gauge("specwire:num_requests_waiting", "Sequences opened (or preempted) and waiting "
                                       "for KV blocks: the verifier's queue", registry=r)
         self.requests_running = Gauge("specwire:num_requests_running", "Sequences holding KV blocks, verified in "
