@@ -44,8 +44,9 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._last_step_s = 0.0
+        scheduler = getattr(engine, "scheduler", None)  # a test's stand-in engine may have none
         self.phases = None if phases == "off" else PhasePlanner(
-            split=phases == "split", max_step_tokens=engine.scheduler.max_num_batched_tokens)
+            split=phases == "split", max_step_tokens=getattr(scheduler, "max_num_batched_tokens", None))
         metrics.kv_blocks_total.set(engine.blocks.num_blocks)
 
     def start(self) -> None:
