@@ -151,6 +151,50 @@ class DraftModel:
                 for i, (job, d, q, alt, guess) in enumerate(zip(jobs, drafted, qs, alternatives, guesses,
                                                                 strict=True))]
 
+    @torch.inference_mode()
+    def warm(self, seqs: list[DraftSequence], max_tokens: int) -> list[bool]:
+        """Feed each sequence's context but its last token into its cache, at most `max_tokens` in all in one
+        forward (a prompt a k = 0 round left unfed, or the tokens verified since the last drafted block): the next
+        round that drafts then starts at once. Its drafts are the same as without (the same tokens at the same
+        positions; the last one is always fed by the drafting round, whose logits it samples). A sequence the
+        pool cannot hold now is left as it is (its drafting round decides). Returns, per sequence, whether
+        tokens are left to feed (False for one the pool could not hold)."""
+        feeds: list[tuple[DraftSequence, list[int]]] = []
+        stop: list[bool] = []
+        room = max_tokens
+        for seq in seqs:
+            stop.append(True)
+            if seq.num_cached >= seq.num_context or seq.fork_from is not None:
+                continue  # not rolled back to its context (a block in flight), or a pipelined branch
+            stop[-1] = False
+            self.blocks.truncate(seq, seq.num_cached)
+            n = min(seq.num_context - 1 - seq.num_cached, room)
+            if n <= 0:
+                continue
+            # all of what is left at once, or none (pieces held by several sequences would leave none whole),
+            # and never a context the whole pool cannot hold
+            copies = None if self.blocks.blocks_for(seq.num_context) > self.blocks.num_blocks else \
+                self.blocks.reserve(seq, seq.num_cached, seq.num_context - 1)
+            if copies is None:
+                stop[-1] = True  # the pool is short: its drafting round decides
+                continue
+            if copies:
+                self.runner.kv_cache.copy_blocks(copies)
+            feeds.append((seq, seq.context_ids[seq.num_cached:seq.num_cached + n]))
+            room -= n
+        if feeds:
+            starts = [seq.num_cached for seq, _ in feeds]
+            try:
+                self._forward(feeds)  # only its K/V is wanted
+            except Exception:
+                for (seq, _), start in zip(feeds, starts, strict=True):  # no cached token without its K/V
+                    del seq.cached_token_ids[start:]
+                    self.blocks.truncate(seq, start)
+                raise
+        # more to feed: fed in part, or not reached for lack of room in this forward (each call feeds the first
+        # that has any, so warming ends)
+        return [not s and seq.num_cached < seq.num_context - 1 for s, seq in zip(stop, seqs, strict=True)]
+
     def _reserve(self, jobs: list[DraftJob], num_steps: list[int]) -> tuple[dict[int, ServiceError], set[int]]:
         """Give each job, before its first step, the blocks of every position it may write (what it feeds now
         and its drafts but the last). Returns the jobs that fail (a pipelined branch the pool cannot hold now,

@@ -37,6 +37,15 @@ class Drafter(Protocol):
         """seq continues as its pipelined branch, whose assumed tokens the verifier confirmed."""
         ...
 
+    def warm(self, seq: DraftSequence) -> None:
+        """While seq's round drafts nothing, prepare its next drafting round where there is idle time (its
+        proposal is out; call settle() before seq changes again)."""
+        ...
+
+    async def settle(self, seq: DraftSequence) -> None:
+        """Ends warm(seq): nothing touches seq after this until it drafts."""
+        ...
+
 
 class ModelDrafter:
     """Drafts with the draft model; a block ends early when the draft's confidence in its next token falls below
@@ -68,6 +77,12 @@ class ModelDrafter:
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         await self.batcher.adopt(seq, branch)
 
+    def warm(self, seq: DraftSequence) -> None:
+        self.batcher.warm(seq)
+
+    async def settle(self, seq: DraftSequence) -> None:
+        await self.batcher.settle(seq)
+
 
 class NgramDrafter:
     """Prompt lookup: one-hot proposals, so sampled requests stay lossless without any q."""
@@ -92,3 +107,9 @@ class NgramDrafter:
 
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         seq.adopt(branch)
+
+    def warm(self, seq: DraftSequence) -> None:
+        return None  # no model, no cache
+
+    async def settle(self, seq: DraftSequence) -> None:
+        return None

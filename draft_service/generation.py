@@ -130,13 +130,21 @@ class Generator:
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
                 width = self.pipeline.width_for(k)
                 branches = await self.pipeline.draft_branches(seq, block, k, width, flight)
+                # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
+                # while the model has nothing to draft (never for k = 0 requests: they never draft)
+                warming = not block.num_draft_tokens and not branches and length.k > 0
+                if warming:
+                    self.drafter.warm(seq)
                 t_sent = time.perf_counter()
                 try:
                     verdict = await self._verify(seq, len(prompt), block, req.deadline, flight)
+                    t_verdict = time.perf_counter()  # before any wait for warming: the round's times
                 except VerifierFailed:
                     finished = True  # the verifier has already freed the sequence
                     raise
-                t_verdict = time.perf_counter()
+                finally:
+                    if warming:
+                        await self.drafter.settle(seq)  # before seq changes (or is released)
                 self.pipeline.observe(width, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
                 seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)

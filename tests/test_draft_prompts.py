@@ -365,3 +365,113 @@ def test_long_prompts_end_to_end(chunked_stack):
             client.generate("x" * ((64 << 10) + 1), max_tokens=2)
         assert client.generate("def", max_tokens=3, temperature=0.0).stats.num_generated_tokens >= 1
     chunked_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+# -- warming: a round that drafts nothing feeds the cache meanwhile -------------------------------------------------
+
+
+def test_warming_feeds_all_but_the_last_token_and_changes_no_draft():
+    """Sequences whose rounds draft nothing (a new one's first round, k = 0 under load) are warmed in forwards of
+    at most the chunk: everything but the context's last token gets cached, a sequence already cached to there
+    is left alone, and the blocks drafted afterwards are exactly the unwarmed ones (greedy and sampled)."""
+    results = {}
+    for warm in (False, True):
+        draft, sizes = _draft_model(None)
+        decoding, *fresh = _batch((6, 45, 3, 30, 1))
+        _draft_all(draft, [DraftJob(decoding, 3)])
+        decoding.extend((5, 9))
+        decoding.roll_back()
+        seqs = [*fresh, decoding]
+        sizes.clear()
+        if warm:
+            before = [s.num_cached for s in seqs]
+            left = draft.warm(seqs, 10)
+            # the first takes the whole forward and has more; the others wait for the next (the 1-token prompt
+            # has nothing to feed: its one token is the drafting round's)
+            assert sizes == [10] and left == [True, True, True, False, True]
+            assert [s.num_cached for s in seqs] == [10, *before[1:]]
+            while any(draft.warm(seqs, 10)):
+                pass
+            assert all(s.num_cached == s.num_context - 1 for s in seqs)
+            assert max(sizes) <= 10
+            assert draft.warm(seqs, 10) == [False] * 5 and max(sizes) <= 10  # nothing left: no forward
+        blocks = _draft_all(draft, [DraftJob(seq, 4) for seq in seqs])
+        results[warm] = [(d.block.token_ids, d.block.draft_probs) for d in blocks]
+    assert results[True] == results[False]
+
+
+def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
+    """Through the DraftBatcher: a warmed sequence's cache catches up while no drafting waits; settle() does not
+    return while a warming forward holds the sequence; a drafting job's block equals an unwarmed one's; a
+    released sequence leaves the queue."""
+    reference, _ = _draft_model(None)
+    seq = _batch((45,))[0]
+    expected = reference.draft([DraftJob(DraftSequence(seq.sampling, list(seq.token_ids)), 4)])[0].block
+    draft, sizes = _draft_model(None)
+    gate, entered = threading.Event(), threading.Event()
+    model_warm = draft.warm
+
+    def gated(seqs, max_tokens):
+        entered.set()
+        assert gate.wait(10)
+        return model_warm(seqs, max_tokens)
+
+    draft.warm = gated
+
+    async def run():
+        executor = ThreadPoolExecutor(1)
+        batcher = DraftBatcher(draft, executor)
+        batcher.start()
+        try:
+            batcher.warm(seq)
+            while not entered.is_set():
+                await asyncio.sleep(0.005)
+            settling = asyncio.ensure_future(batcher.settle(seq))
+            await asyncio.sleep(0.05)
+            assert not settling.done()  # a forward holds seq
+            gate.set()
+            await settling
+            assert 0 < seq.num_cached <= 44  # one forward of at most the chunk
+            cached = seq.num_cached
+            await asyncio.sleep(0.05)
+            assert seq.num_cached == cached  # settled: never touched again until it drafts
+            batcher.warm(seq)
+            for _ in range(400):
+                if seq.num_cached == seq.num_context - 1:
+                    break
+                await asyncio.sleep(0.01)
+            await batcher.settle(seq)
+            assert seq.num_cached == seq.num_context - 1 and max(sizes) <= 64  # WARM_CHUNK_TOKENS
+            drafted = await batcher.draft(DraftJob(seq, 4))
+            assert drafted.block.token_ids == expected.token_ids
+            other = _batch((1, 30))[1]
+            batcher.warm(other)
+            await batcher.release(other)
+            assert not batcher._warm
+        finally:
+            gate.set()
+            await batcher.stop()
+
+    asyncio.run(run())
+
+
+def test_a_round_of_k_0_waiting_for_a_cancelled_batch_is_not_stuck_behind_warming():
+    """wait_for_batch() waits for the batch the queued jobs make; when those jobs are cancelled the batch is
+    empty, and warming in its place must still free the waiter."""
+    draft, _ = _draft_model(None)
+
+    async def run():
+        batcher = DraftBatcher(draft, ThreadPoolExecutor(1))
+        try:
+            cancelled = asyncio.ensure_future(batcher.draft(DraftJob(_batch((6,))[0], 2)))
+            await asyncio.sleep(0)
+            waiter = asyncio.ensure_future(batcher.wait_for_batch())
+            await asyncio.sleep(0)
+            cancelled.cancel()
+            batcher.warm(_batch((1, 30))[1])
+            batcher.start()
+            await asyncio.wait_for(waiter, 10)
+        finally:
+            await batcher.stop()
+
+    asyncio.run(run())
