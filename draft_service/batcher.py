@@ -44,9 +44,9 @@ class DraftBatcher:
         self._batches_started = 0
         self._batches_done = 0
         self._batch_waiters: list[tuple[int, asyncio.Future]] = []  # (batches done awaited, future)
-        self._warm: dict[int, DraftSequence] = {}  # id -> sequence to warm, in order
+        self._warm: dict[DraftSequence, None] = {}  # the sequences to warm, in order (compared by identity)
         self._warming: asyncio.Future | None = None  # done when the warming forward running now is
-        self._warming_ids: set[int] = set()
+        self._warming_seqs: set[DraftSequence] = set()  # the ones it feeds
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="draft-batcher")
@@ -88,13 +88,13 @@ class DraftBatcher:
         """Warm `seq` while the model's thread has nothing to draft (see the class); call settle() before the
         sequence changes again."""
         if seq.fork_from is None:
-            self._warm[id(seq)] = seq
+            self._warm[seq] = None
             self._wakeup.set()
 
     async def settle(self, seq: DraftSequence) -> None:
         """Ends `seq`'s warming: after this the model's thread does not touch it until it is asked to draft."""
-        self._warm.pop(id(seq), None)
-        while self._warming is not None and id(seq) in self._warming_ids:
+        self._warm.pop(seq, None)
+        while self._warming is not None and seq in self._warming_seqs:
             await asyncio.shield(self._warming)
 
     async def draft(self, job: DraftJob) -> Drafted:
@@ -108,7 +108,7 @@ class DraftBatcher:
         the caller is cancelled meanwhile (a client gone while its branches draft): the model's one thread runs
         it after any batch still drafting them, so nothing they hold is left behind."""
         for seq in seqs:
-            self._warm.pop(id(seq), None)
+            self._warm.pop(seq, None)
         if seqs:
             await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._executor, self.model.release,
                                                                             *seqs))
@@ -167,8 +167,8 @@ class DraftBatcher:
 
     async def _warm_once(self, loop: asyncio.AbstractEventLoop) -> None:
         """One warming forward over the sequences waiting for it (the model's thread is otherwise idle)."""
-        seqs = list(self._warm.values())
-        self._warming_ids = {id(seq) for seq in seqs}
+        seqs = list(self._warm)
+        self._warming_seqs = set(seqs)
         self._warming = loop.create_future()
         try:
             chunk = min(WARM_CHUNK_TOKENS, self.model.max_num_batched_tokens or WARM_CHUNK_TOKENS)
@@ -178,9 +178,9 @@ class DraftBatcher:
             left = [False] * len(seqs)
         finally:
             self._warming.set_result(None)
-            self._warming, self._warming_ids = None, set()
+            self._warming, self._warming_seqs = None, set()
         for seq, more in zip(seqs, left, strict=True):
             if not more:
-                self._warm.pop(id(seq), None)
+                self._warm.pop(seq, None)
         if self._warm or self._pending:
             self._wakeup.set()

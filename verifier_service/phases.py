@@ -111,8 +111,12 @@ class _StreamTimes:
         """When a proposal answered at `sent` is expected back; `plain`: it is to draft nothing. A drafting round
         on a stream that has not drafted yet has no estimate (None: it holds nothing); a plain one takes the
         drafting rounds' (longer) estimate until it has its own."""
-        t = self.plain_turnaround if plain and self.plain_turnaround is not None else self.turnaround
+        t = self.turnaround_for(plain)
         return None if t is None else sent + t.mean + 2 * t.deviation + slack_s
+
+    def turnaround_for(self, plain: bool) -> _Average | None:
+        """The turnaround of a round that drafts (`plain` False) or drafts nothing."""
+        return self.plain_turnaround if plain and self.plain_turnaround is not None else self.turnaround
 
     def late(self, plain: bool) -> int:
         return self.plain_late_in_a_row if plain else self.late_in_a_row
@@ -230,8 +234,7 @@ class PhasePlanner:
         turnarounds = []
         for k in keys:
             times = self._streams.get(k.stream_id)
-            t = None if times is None else (times.plain_turnaround if self._asked_plain(k) else None) or \
-                times.turnaround
+            t = None if times is None else times.turnaround_for(self._asked_plain(k))
             if t is not None:
                 turnarounds.append(t.mean)
         if not self.split or len(keys) < 2 or not turnarounds or not self.step_time.ready:
