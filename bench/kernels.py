@@ -83,8 +83,8 @@ def main() -> int:
                                 torch.full((seqs,), 1000, dtype=torch.int64, device=device))
     inputs = dict(target_probs=target_probs, target_argmax=target_probs.argmax(1), spec=spec, sampling=sampling)
     ref = rejection_sample_reference(target_probs.cpu(), target_probs.argmax(1).cpu(), spec.to("cpu"),
-                                     sampling.to("cpu"))
-    results["rejection_sample_exact"] = bool(torch.equal(rejection_sample_triton(**inputs), ref.to(device)))
+                                     sampling.to("cpu"))[0]
+    results["rejection_sample_exact"] = bool(torch.equal(rejection_sample_triton(**inputs)[0], ref.to(device)))
     seeds = torch.tensor([0, 1, 2**32 + 5, 2**63 - 1], dtype=torch.int64, device=device)
     positions = torch.tensor([0, 7, 7, 2**31], dtype=torch.int64, device=device)
     results["uniform64_exact"] = bool(torch.equal(

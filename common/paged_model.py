@@ -26,6 +26,7 @@ from kernels import platform
 from kernels.kv_cache_write import write_kv
 from kernels.paged_attention import (
     AttentionMetadata,
+    TreeMask,
     attention_metadata,
     longest_query,
     paged_attention,
@@ -49,6 +50,13 @@ class ForwardBatch:
     # the Triton path's attention metadata already on the device (common.static_forward); None: built from the
     # lists above when the Triton path runs
     attention: AttentionMetadata | None = None
+    tree: TreeMask | None = None  # token trees among the queries (kernels.paged_attention); None: none
+
+    def attention_metadata(self, device: torch.device) -> AttentionMetadata:
+        """The Triton path's metadata: the one held, or built from the lists in one host-to-device copy."""
+        if self.attention is not None:
+            return self.attention
+        return attention_metadata(self.block_tables, self.query_start, self.context_lens, device, self.tree)
 
     @property
     def max_query_len(self) -> int:
@@ -62,8 +70,9 @@ class ForwardBatch:
         if self.logits_indices is not None:
             parts.append(self.logits_indices)
         moved = torch.cat(parts).to(device).split([t.numel() for t in parts])
+        # the tree's masks stay on the host: attention_metadata() copies them with the tables
         return ForwardBatch(moved[0], moved[1], moved[2], self.query_start, self.context_lens, self.block_tables,
-                            moved[3] if self.logits_indices is not None else None, self.attention)
+                            moved[3] if self.logits_indices is not None else None, self.attention, self.tree)
 
 
 def kv_cache_spec(model: Any) -> KVCacheSpec:
@@ -183,9 +192,8 @@ class PagedCausalLM:
         cos, sin = self.rotary_emb(hidden.unsqueeze(0), batch.positions.unsqueeze(0))  # [1, num_tokens, head_dim]
         cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [num_tokens, 1, head_dim]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        meta = batch.attention
-        if meta is None and platform.use_triton(hidden):  # block tables etc. built once per forward, not per layer
-            meta = attention_metadata(batch.block_tables, batch.query_start, batch.context_lens, hidden.device)
+        # block tables etc. built once per forward, not per layer
+        meta = batch.attention_metadata(hidden.device) if platform.use_triton(hidden) else batch.attention
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(hidden)
@@ -205,10 +213,10 @@ class PagedCausalLM:
             if meta is not None:
                 o = paged_attention_tensors(q, key_cache, value_cache, meta.block_tables, meta.query_start,
                                             meta.context_lens, meta.max_query_len, self.scale,
-                                            self.sliding_windows[i])
+                                            self.sliding_windows[i], tree=meta.tree)
             else:
                 o = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.query_start,
-                                    batch.context_lens, self.scale, self.sliding_windows[i])
+                                    batch.context_lens, self.scale, self.sliding_windows[i], tree=batch.tree)
             o = o.reshape(num_tokens, q_size)
             hidden = hidden + (self.o_proj[i](o) if self.packed else attn.o_proj(o))
             h = layer.post_attention_layernorm(hidden)

@@ -113,7 +113,7 @@ class StaticForward:
         return self.layout.max_tokens
 
     def eligible(self, batch: ForwardBatch) -> bool:
-        return (batch.logits_indices is None and batch.attention is None
+        return (batch.logits_indices is None and batch.attention is None and batch.tree is None
                 and 0 < batch.input_ids.numel() <= self.max_tokens
                 and batch.max_query_len <= self.max_query_len
                 and max(len(t) for t in batch.block_tables) <= self.layout.width)

@@ -30,7 +30,7 @@ from kernels import platform
 from kernels.kv_cache_write import write_kv
 from kernels.paged_attention import (
     AttentionMetadata,
-    attention_metadata,
+    TreeMask,
     paged_attention,
     paged_attention_tensors,
 )
@@ -87,6 +87,7 @@ class _PagedContext:
     query_start: list[int]
     context_lens: list[int]
     meta: AttentionMetadata | None  # the Triton path's metadata on the device; None: the torch path's lists
+    tree: TreeMask | None = None  # token trees (host side, for the torch path)
 
 
 @dataclass
@@ -143,10 +144,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if meta is not None:
         o = paged_attention_tensors(q, key_cache, value_cache, meta.block_tables, meta.query_start,
                                     meta.context_lens, meta.max_query_len, scale, window, softcap=softcap,
-                                    sinks=sinks)
+                                    sinks=sinks, tree=meta.tree)
     else:
         o = paged_attention(q, key_cache, value_cache, context.block_tables, context.query_start,
-                            context.context_lens, scale, window, softcap=softcap, sinks=sinks)
+                            context.context_lens, scale, window, softcap=softcap, sinks=sinks, tree=context.tree)
     return o.unsqueeze(0), None
 
 
@@ -288,11 +289,10 @@ class TransformersPagedLM:
 
     def _context(self, batch: Any, kv_cache: KVCache | None = None) -> _PagedContext:
         """The step's paging metadata over `kv_cache` (default: the runner's pool)."""
-        meta = batch.attention
-        if meta is None and platform.use_triton(self.embed_tokens.weight):
-            meta = attention_metadata(batch.block_tables, batch.query_start, batch.context_lens, self.device)
+        meta = batch.attention_metadata(self.device) if platform.use_triton(self.embed_tokens.weight) else \
+            batch.attention
         return _PagedContext(kv_cache or self.kv_cache, batch.slot_mapping, batch.block_tables, batch.query_start,
-                             batch.context_lens, meta)
+                             batch.context_lens, meta, batch.tree)
 
     @torch.inference_mode()
     def forward(self, batch: Any) -> torch.Tensor:  # [num_logits, vocab_size]

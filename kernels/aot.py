@@ -19,7 +19,7 @@ from kernels.kv_cache_write import write_kv_kernel
 from kernels.paged_attention import paged_attention_kernel
 from kernels.philox import uniform64_kernel
 from kernels.platform import ATTENTION_TILES, VOCAB_BLOCK, attention_warps, elementwise_warps, vocab_warps
-from kernels.rejection_sampler import rejection_sample_kernel, sample_target_kernel
+from kernels.rejection_sampler import decide_rows_kernel, descend_kernel
 from kernels.sampling_probs import sampling_probs_kernel
 
 TARGETS = {
@@ -74,12 +74,14 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
         attn_sig = {"out_ptr": f"*{dt}", "q_ptr": f"*{dt}", "k_cache_ptr": f"*{dt}", "v_cache_ptr": f"*{dt}",
                     "block_tables_ptr": "*i32", "query_start_ptr": "*i32", "context_lens_ptr": "*i32",
                     "scale": "fp32", "max_blocks_per_seq": "i32", "sliding_window": "i32", "softcap": "fp32",
-                    "sinks_ptr": "*fp32"}
+                    "sinks_ptr": "*fp32", "tree_starts_ptr": "*i32", "tree_masks_ptr": "*i64", "positions_ptr": "*i64"}
         attn_const = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128,
                           HAS_SINKS=False, PAGE_SIZE=16, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                          DOT_FP32=False)
+                          DOT_FP32=False, HAS_TREE=False)
         specs.append((KernelSpec(f"paged_attention[{dt}]", paged_attention_kernel, attn_sig, attn_const, True),
                       tiles.num_warps))
+        specs.append((KernelSpec(f"paged_attention[{dt},tree]", paged_attention_kernel, attn_sig,
+                                 {**attn_const, "HAS_TREE": True}, True), tiles.num_warps))
         if dt == "bf16":  # the layer shapes of the architectures beyond Llama (softcap and window are runtime)
             for label, shape in ATTENTION_VARIANTS.items():
                 const = {**attn_const, **shape}
@@ -96,16 +98,16 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
         if dt == "bf16":  # the static buffers (common.static_forward) carry int32 slots, -1 for padding
             specs.append((KernelSpec(f"write_kv[{dt},i32 slots]", write_kv_kernel, {**kv_sig, "slot_ptr": "*i32"},
                                      {"ROW": 1024, "BLOCK": 1024, "ROW_V": 0}, False), elementwise_warps(rocm)))
-    target_sig = {"out_ptr": "*i64", "target_probs_ptr": "*fp32", "draft_token_ids_ptr": "*i64",
-               "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
-               "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}
-    specs.append((KernelSpec("sample_target", sample_target_kernel, target_sig,
+    decide_sig = {"choice_ptr": "*i64", "final_ptr": "*i64", "target_probs_ptr": "*fp32", "target_argmax_ptr": "*i64",
+                  "draft_token_ids_ptr": "*i64", "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64",
+                  "child_offsets_ptr": "*i64", "child_ids_ptr": "*i64", "row_depth_ptr": "*i64",
+                  "scratch_rows_ptr": "*i64", "scratch_ptr": "*fp64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
+                  "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}
+    specs.append((KernelSpec("decide_rows", decide_rows_kernel, decide_sig,
                              {"HAS_DRAFT_PROBS": True, "BLOCK_V": VOCAB_BLOCK}, False), vocab_warps(rocm)))
-    rs_sig = {"out_ptr": "*i64", "draft_token_ids_ptr": "*i64", "cu_num_draft_ptr": "*i64", "target_probs_ptr": "*fp32",
-              "target_argmax_ptr": "*i64", "draft_probs_ptr": "*fp32", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
-              "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "target_sample_ptr": "*i64", "vocab_size": "i32",
-              "out_stride": "i32"}
-    specs.append((KernelSpec("rejection_sample", rejection_sample_kernel, rs_sig, {"HAS_DRAFT_PROBS": True}, False), 1))
+    descend_sig = {"out_ptr": "*i64", "path_ptr": "*i64", "draft_token_ids_ptr": "*i64", "cu_num_draft_ptr": "*i64",
+                   "choice_ptr": "*i64", "final_ptr": "*i64", "out_stride": "i32", "path_stride": "i32"}
+    specs.append((KernelSpec("descend", descend_kernel, descend_sig, {}, False), 1))
     ph_sig = {"out_ptr": "*fp64", "seeds_ptr": "*i64", "positions_ptr": "*i64", "purpose": "i32", "n": "i32"}
     specs.append((KernelSpec("uniform64", uniform64_kernel, ph_sig, {"BLOCK": 128}, False), elementwise_warps(rocm)))
     sp_sig = {"out_ptr": "*fp32", "logits_ptr": "*bf16", "temperature_ptr": "*fp32", "top_k_ptr": "*i64",

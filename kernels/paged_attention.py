@@ -4,6 +4,12 @@ window, a logit softcap (Gemma 2: s = c * tanh(s / c) after scaling), attention 
 per head that joins the softmax's denominator and attends to nothing), any head dim (80, 96, 256: tiles are the
 next power of two, masked) and a value head dim other than the key's (MLA).
 
+Token trees (speculative decoding): a sequence's last queries may be the nodes of a tree, cached from index
+`start` on in node order. A node sees the keys before `start` (the verified prefix, by its own position: causal
+and windowed) and the nodes of its own path from the root: its row's 64-bit ancestor mask (bit j: node j, itself
+included) selects them, so no [nodes, nodes] mask exists per head. Its position (RoPE, the window) is the prefix's
+length plus its depth, not its index in the cache. A tree's depth must stay below the sliding window.
+
 The Triton kernel runs one program per (sequence, tile of BLOCK_M query rows, query head). It walks the keys
 in BLOCK_N steps, gathering each key's slot through the block table, with an online softmax in fp32: no score
 matrix larger than a [BLOCK_M, BLOCK_N] tile exists. Prefill chunks and verification blocks go through the same
@@ -45,6 +51,10 @@ def paged_attention_kernel(
     sliding_window,  # 0: none
     softcap,  # 0.0: none
     sinks_ptr,  # [num_heads] fp32 (read only with HAS_SINKS)
+    tree_starts_ptr,  # [num_seqs] int32: a sequence's first tree node's index (its context length: no tree)
+    tree_masks_ptr,  # [num_tokens] int64: per query row, bit j = may see tree node j (-1: every key, causally)
+    positions_ptr,  # [num_tokens] int64: per query row, its position (the window's reference)
+    HAS_TREE: tl.constexpr,  # the three above are read
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -85,7 +95,11 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     last = tl.minimum(ctx, ctx - q_len + tile * BLOCK_M + BLOCK_M)  # no key past the tile's last query
     first = 0
-    if sliding_window > 0:
+    if HAS_TREE:
+        tree_start = tl.load(tree_starts_ptr + seq)
+        row_mask = tl.load(tree_masks_ptr + rows, mask=m_mask, other=-1)
+        q_true = tl.load(positions_ptr + rows, mask=m_mask, other=0).to(tl.int32)
+    elif sliding_window > 0:  # (a tree's rows sit past their positions: its keys are walked from the first)
         first = tl.maximum(0, (ctx - q_len + tile * BLOCK_M - sliding_window + 1) // BLOCK_N * BLOCK_N)
     # NOTE: BLOCK_N spans BLOCK_N // PAGE_SIZE whole pages. Each page is contiguous, so its K/V tile is a scalar
     # int64 base plus a loop-invariant int32 offset tile; a [BLOCK_N, BLOCK_D] tensor of 64-bit gather pointers
@@ -112,7 +126,14 @@ def paged_attention_kernel(
             if softcap > 0:  # c * tanh(s / c); tanh(x) = 1 - 2 / (exp(2x) + 1), which saturates cleanly at +-1
                 s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
             allowed = (k_pos[None, :] <= q_pos[:, None]) & n_mask[None, :]
-            if sliding_window > 0:
+            if HAS_TREE:
+                rel = k_pos - tree_start
+                in_tree = rel >= 0
+                bit = (row_mask[:, None] >> tl.where(in_tree, rel, 0).to(tl.int64)[None, :]) & 1
+                allowed = allowed & ((rel < 0)[None, :] | (bit != 0))
+                if sliding_window > 0:  # by position; a node's ancestors are all within the window
+                    allowed = allowed & (in_tree[None, :] | (k_pos[None, :] > q_true[:, None] - sliding_window))
+            elif sliding_window > 0:
                 allowed = allowed & (k_pos[None, :] > q_pos[:, None] - sliding_window)
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -135,7 +156,7 @@ def paged_attention_kernel(
 def _autotuned_kernel():
     configs = [triton.Config({"BLOCK_M": t.block_m, "BLOCK_N": t.block_n}, num_warps=t.num_warps)
                for t in ATTENTION_AUTOTUNE["hip" if is_rocm() else "cuda"]]
-    return triton.autotune(configs, key=["NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "HEAD_DIM_V", "HAS_SINKS"])(paged_attention_kernel)
+    return triton.autotune(configs, key=["NUM_HEADS", "NUM_KV_HEADS", "HEAD_DIM", "HEAD_DIM_V", "HAS_SINKS", "HAS_TREE"])(paged_attention_kernel)
 
 
 # NOTE: blocks of at most this many queries (decoding steps, verification blocks, drafts' catch-up) are computed
@@ -170,8 +191,32 @@ def _attend(q, k, v, scale, allowed, softcap, sinks) -> torch.Tensor:
     return torch.matmul(p, v.to(dt)).to(q.dtype)
 
 
+@dataclass(frozen=True)
+class TreeMask:
+    """The token trees of a batch (see the module's docstring), on the host for the reference or on the device
+    for the kernel."""
+
+    starts: torch.Tensor  # [num_seqs] int32: the index of a sequence's first tree node; its context length: no tree
+    masks: torch.Tensor  # [num_tokens] int64: per query row, bit j set = it sees tree node j; -1 outside trees
+    positions: torch.Tensor  # [num_tokens] int64: per query row, its position
+
+    def to(self, device: torch.device) -> TreeMask:
+        return TreeMask(self.starts.to(device), self.masks.to(device), self.positions.to(device))
+
+
+def _tree_keys(tree: TreeMask, row: int, index: int, tree_start: int, window: int | None,
+               device: torch.device) -> torch.Tensor:
+    """The keys query row `row` (at `index` in its sequence's cache) sees: the prefix before the tree, causally
+    and within the window by its position, then the tree nodes its mask selects."""
+    mask, position = int(tree.masks[row]), int(tree.positions[row])
+    low = max(0, position - window + 1) if window is not None else 0
+    keys = list(range(low, min(index + 1, tree_start)))
+    keys += [tree_start + j for j in range(max(0, index + 1 - tree_start)) if (mask >> j) & 1]
+    return torch.tensor(keys, dtype=torch.long, device=device)
+
+
 def paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
-                              sliding_window=None, softcap=None, sinks=None) -> torch.Tensor:
+                              sliding_window=None, softcap=None, sinks=None, tree=None) -> torch.Tensor:
     reference_guard("paged_attention_reference")
     num_tokens, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
@@ -189,6 +234,18 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, query
         k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].transpose(0, 1).unsqueeze(0)  # [1,KVH,ctx,D]
         v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:ctx].transpose(0, 1).unsqueeze(0)
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        tree_start = int(tree.starts[i]) if tree is not None else ctx
+        if tree_start < ctx:  # a token tree: each row over the keys it sees, gathered
+            for j in range(n):
+                keys = _tree_keys(tree, q0 + j, ctx - n + j, tree_start, sliding_window, query.device)
+                kj, vj = k[:, :, keys], v[:, :, keys]
+                if plain:
+                    o = F.scaled_dot_product_attention(q[:, :, j:j + 1], kj, vj, scale=scale, enable_gqa=gqa)
+                else:
+                    everything = torch.ones((1, keys.numel()), dtype=torch.bool, device=query.device)
+                    o = _attend(q[:, :, j:j + 1], kj, vj, scale, everything, softcap, sinks)
+                out[q0 + j] = o[0, :, 0]
+            continue
         if n <= ROW_INVARIANT_MAX_QUERIES:
             for j in range(n):
                 end = ctx - n + j + 1  # keys 0 .. this query's position
@@ -227,16 +284,17 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
+    tree: TreeMask | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
-    """The new tokens of sequence i sit at positions context_lens[i] - n_i .. context_lens[i] - 1 and their
+    """The new tokens of sequence i sit at cache indices context_lens[i] - n_i .. context_lens[i] - 1 and their
     K/V must already be written into the cache."""
     if not use_triton(query, key_cache) or query.dtype == torch.float64:
         return paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens,
-                                         scale, sliding_window, softcap, sinks)
-    meta = attention_metadata(block_tables, query_start, context_lens, query.device)
+                                         scale, sliding_window, softcap, sinks, tree)
+    meta = attention_metadata(block_tables, query_start, context_lens, query.device, tree)
     return paged_attention_tensors(query, key_cache, value_cache, meta.block_tables, meta.query_start,
                                    meta.context_lens, meta.max_query_len, scale, sliding_window, softcap=softcap,
-                                   sinks=sinks)
+                                   sinks=sinks, tree=meta.tree)
 
 
 @dataclass(frozen=True)
@@ -247,6 +305,7 @@ class AttentionMetadata:
     query_start: torch.Tensor  # [num_seqs + 1] int32
     context_lens: torch.Tensor  # [num_seqs] int32; 0 with an empty query: a padding sequence, skipped
     max_query_len: int  # sets the launch grid's query tiles
+    tree: TreeMask | None = None  # on the device; None: no token tree in the batch
 
 
 def longest_query(query_start: list[int]) -> int:
@@ -254,7 +313,7 @@ def longest_query(query_start: list[int]) -> int:
 
 
 def attention_metadata(block_tables: list[list[int]], query_start: list[int], context_lens: list[int],
-                       device: torch.device) -> AttentionMetadata:
+                       device: torch.device, tree: TreeMask | None = None) -> AttentionMetadata:
     """From host lists, in one host-to-device copy: block tables zero-padded to the longest, query_start,
     context_lens, and the longest query."""
     width = max(1, max(len(t) for t in block_tables))
@@ -262,7 +321,8 @@ def attention_metadata(block_tables: list[list[int]], query_start: list[int], co
     flat = [b for t in block_tables for b in (*t, *[0] * (width - len(t)))]  # zero-padded rows
     packed = torch.tensor(flat + list(query_start) + list(context_lens), dtype=torch.int32).to(device)
     tables, qs, ctx = packed.split([num_seqs * width, len(query_start), len(context_lens)])
-    return AttentionMetadata(tables.view(num_seqs, width), qs, ctx, longest_query(query_start))
+    return AttentionMetadata(tables.view(num_seqs, width), qs, ctx, longest_query(query_start),
+                             tree.to(device) if tree is not None else None)
 
 
 def paged_attention_tensors(
@@ -277,6 +337,7 @@ def paged_attention_tensors(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [num_heads]
+    tree: TreeMask | None = None,  # on the device
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim_v]
     """The Triton launch with device-side metadata (what a CUDA-graph-friendly runner passes)."""
     num_tokens, num_heads, head_dim = query.shape
@@ -291,9 +352,11 @@ def paged_attention_tensors(
     common = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
                   BLOCK_D=max(16, triton.next_power_of_2(head_dim)), HEAD_DIM_V=head_dim_v,
                   BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)), HAS_SINKS=sinks is not out,
-                  PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda)
+                  PAGE_SIZE=key_cache.shape[1], DOT_FP32=not query.is_cuda, HAS_TREE=tree is not None)
+    # never read without HAS_TREE
+    tree_args = (tree.starts, tree.masks, tree.positions) if tree is not None else (context_lens, block_tables, block_tables)
     args = (out, query, key_cache, value_cache, block_tables, query_start, context_lens, scale, block_tables.stride(0),
-            sliding_window or 0, float(softcap or 0.0), sinks)
+            sliding_window or 0, float(softcap or 0.0), sinks, *tree_args)
     if os.environ.get("SPECWIRE_AUTOTUNE") == "1" and query.is_cuda:  # opt-in: the first launch per shape tunes
         grid = lambda meta: (block_tables.shape[0], triton.cdiv(max_query_len, meta["BLOCK_M"]), num_heads)  # noqa: E731
         _autotuned_kernel()[grid](*args, **common)

@@ -1,4 +1,6 @@
-"""Rejection sampling of a batch of draft blocks against the target (Leviathan et al. 2023; Chen et al. 2023).
+"""Rejection sampling of a batch of draft blocks against the target (Leviathan et al. 2023; Chen et al. 2023),
+where a block is a chain of draft tokens or a token tree (SpecInfer, Miao et al. 2024; Recursive Speculative
+Decoding, Jeon et al. 2024).
 
 Vocabulary, as in vLLM's sampler:
 - accepted tokens: draft tokens kept, each with probability min(1, p(x) / q(x)), up to the first rejection;
@@ -10,6 +12,18 @@ Wire modes: greedy rows accept while the draft equals argmax p and then emit arg
 q = delta(x) (accept with probability p(x), recover from p without x); sparse/dense rows use the q the draft
 sampled from.
 
+Trees. Target row r of a sequence is the distribution that decides its children (the root row: the tokens after
+the last verified one; the row after draft token j: its children). Verification descends from the root: at each
+row, its children x_1 .. x_m are tried in index order against a residual target r_i, starting from r_1 = p:
+x_i is accepted with probability min(1, r_i(x_i) / q_i(x_i)), and on rejection r_{i+1} = norm(max(0, r_i - q_i)).
+The first accepted child is the next row; when every child is rejected (or there is none) the round ends with a
+sample of r_{m+1}. This is lossless whenever x_i is distributed as q_i given everything before it: children drawn
+i.i.d. from q (q_i = q; SpecInfer's multi-step speculative sampling), or without replacement (q_i = q without the
+earlier children, renormalised; RSD), which is what the draft sends, q_i per node. With q_i = delta(x_i) (one-hot)
+it holds for any children, however chosen: r_{i+1} is then r_i without x_i. A chain is a tree of one child per row,
+and this rule is then the chain's. Greedy rows descend to the child equal to argmax p; coupled rows to the child
+equal to y = argmax p / E, and emit y where none is: the output is the target-alone output whatever the tree.
+
 Coupled rows (Gumbel-max coupling; Daliri, Musco and Suresh 2024, arXiv 2408.07978) need no q: at every position
 t of the block the verifier computes y_t = argmax_v p_t(v) / E_t(v), with E_t(v) = exponential64(seed, t,
 TARGET_SAMPLE, v) the very noise a target-alone step at t races p against. It accepts while the draft equals y
@@ -18,9 +32,15 @@ output whatever the draft proposed; a draft that picks x_t = argmax q_t / E_t wi
 probability at least (1 - TV(p, q)) / (1 + TV(p, q)).
 
 Random numbers are drawn where they are used, from kernels/philox.py, keyed by each sequence's seed and by the
-position each number decides: the acceptance uniform of the draft at position t is uniform64(seed, t, ACCEPT, 0),
-and the recovered-or-bonus sample at position t races p against exponential64(seed, t, TARGET_SAMPLE, v) over
-the vocabulary v. No [batch, vocab] noise tensor exists, and the reference draws the very same numbers.
+position each number decides: the acceptance uniform of a row's i-th child at position t is uniform64(seed, t,
+ACCEPT, i), and the recovered-or-bonus sample at position t races its residual against exponential64(seed, t,
+TARGET_SAMPLE, v) over the vocabulary v. Rows of one depth share their numbers: a round descends through one row
+per depth, so each number decides at most one token. No [batch, vocab] noise tensor exists, and the reference
+draws the very same numbers.
+
+Two kernels: one program per target row decides what the row does if the descent reaches it (the child it
+accepts, or its final token: the recovered or bonus sample, argmax, or y), computing a vocabulary-wide residual
+only for a row that rejects; then one program per sequence walks from its root.
 """
 
 from __future__ import annotations
@@ -32,24 +52,31 @@ import triton.language as tl
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.philox import Purpose, exponential64, exponential64_reference, uniform64, uniform64_reference
 from kernels.platform import VOCAB_BLOCK, reference_guard, use_triton, vocab_warps
-from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata, check_inputs
+from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata, TreeLayout, check_inputs
 
 ACCEPT = tl.constexpr(int(Purpose.ACCEPT))
 TARGET_SAMPLE = tl.constexpr(int(Purpose.TARGET_SAMPLE))
 
 
 @triton.jit
-def sample_target_kernel(
-    out_ptr,  # [num_target_rows] int64: the token each row would emit if the round ended there
+def decide_rows_kernel(
+    choice_ptr,  # [num_target_rows] int64 out: the child the row accepts (index among its sequence's drafts), or -1
+    final_ptr,  # [num_target_rows] int64 out: the token the round ends with at this row when choice is -1
     target_probs_ptr,  # [num_target_rows, vocab_size]
+    target_argmax_ptr,  # [num_target_rows] int64
     draft_token_ids_ptr,  # [num_draft_tokens] int64
     draft_probs_ptr,  # [num_draft_tokens, vocab_size] (unused without HAS_DRAFT_PROBS)
     cu_num_draft_ptr,  # [batch + 1] int64
+    child_offsets_ptr,  # [num_target_rows + 1] int64 (TreeLayout)
+    child_ids_ptr,  # [num_draft_tokens] int64
+    row_depth_ptr,  # [num_target_rows] int64
+    scratch_rows_ptr,  # [num_target_rows] int64: the row's residual buffer in scratch, -1 for none
+    scratch_ptr,  # [num_scratch_rows, vocab_size] float64: residuals of the rows with several q-drawn children
     is_greedy_ptr,  # [batch] bool
     is_one_hot_ptr,  # [batch] bool
     is_coupled_ptr,  # [batch] bool
     seeds_ptr,  # [batch] int64
-    positions_ptr,  # [batch] int64, the position the first draft token decides
+    positions_ptr,  # [batch] int64, the position the first draft tokens decide
     vocab_size,
     HAS_DRAFT_PROBS: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -57,110 +84,152 @@ def sample_target_kernel(
     seq = tl.program_id(0)
     j = tl.program_id(1)
     start = tl.load(cu_num_draft_ptr + seq)
-    k = tl.load(cu_num_draft_ptr + seq + 1) - start
-    if j > k:
-        return
-    if tl.load(is_greedy_ptr + seq):
+    n = tl.load(cu_num_draft_ptr + seq + 1) - start
+    if j > n:
         return
     row = (start + seq + j).to(tl.int64)  # int64: row * vocab overflows int32 for large batches
-    one_hot = tl.load(is_one_hot_ptr + seq)
-    coupled = tl.load(is_coupled_ptr + seq)
-    is_bonus = j == k
-    x = tl.load(draft_token_ids_ptr + start + j, mask=j < k, other=-1)
+    greedy = tl.load(is_greedy_ptr + seq)
+    coupled = tl.load(is_coupled_ptr + seq) & ~greedy
+    uses_q = HAS_DRAFT_PROBS & ~tl.load(is_one_hot_ptr + seq)
+    c0 = tl.load(child_offsets_ptr + row)
+    c1 = tl.load(child_offsets_ptr + row + 1)
     seed = tl.load(seeds_ptr + seq)
-    position = tl.load(positions_ptr + seq) + j  # the position this row's token decides
+    position = tl.load(positions_ptr + seq) + tl.load(row_depth_ptr + row)  # the position this row decides
+    scratch_row = tl.load(scratch_rows_ptr + row)
     offs = tl.arange(0, BLOCK_V)
-    best_r = tl.full([], -1.0, tl.float64)
-    best_p = tl.full([], -1.0, tl.float64)
-    idx_r = tl.full([], 0, tl.int64)
-    idx_p = tl.full([], 0, tl.int64)
-    mass_r = tl.full([], 0.0, tl.float64)
-    for v0 in range(0, vocab_size, BLOCK_V):
-        cols = v0 + offs
-        mask = cols < vocab_size
-        p = tl.load(target_probs_ptr + row * vocab_size + cols, mask=mask, other=0.0).to(tl.float64)
-        residual = p  # the bonus row, and every row of a coupled sequence: y = argmax p / E
-        if not (is_bonus | coupled):
-            if one_hot:
-                residual = tl.where(cols == x, 0.0, p)
-            elif HAS_DRAFT_PROBS:
-                q = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + cols, mask=mask,
-                            other=0.0).to(tl.float64)
-                residual = tl.maximum(p - q, 0.0)
-        e = exponential64(seed, position, TARGET_SAMPLE, cols)
-        score_r = tl.where(mask, residual / e, -1.0)
-        score_p = tl.where(mask, p / e, -1.0)
-        tile_r = tl.max(score_r, axis=0)
-        tile_p = tl.max(score_p, axis=0)
-        if tile_r > best_r:  # strict: the first maximum wins, as torch.argmax
-            best_r = tile_r
-            idx_r = v0 + tl.argmax(score_r, axis=0).to(tl.int64)
-        if tile_p > best_p:
-            best_p = tile_p
-            idx_p = v0 + tl.argmax(score_p, axis=0).to(tl.int64)
-        mass_r += tl.sum(residual, axis=0)
-    tl.store(out_ptr + row, tl.where(mass_r > 0.0, idx_r, idx_p))
+    p_row = target_probs_ptr + row * vocab_size
+    choice = tl.full([], -1, tl.int64)
+    final = tl.full([], -1, tl.int64)
+    if greedy:
+        final = tl.load(target_argmax_ptr + row)
+    elif coupled:  # y = argmax p / E, the target-alone sample at this position
+        best = tl.full([], -1.0, tl.float64)
+        for v0 in range(0, vocab_size, BLOCK_V):
+            cols = v0 + offs
+            mask = cols < vocab_size
+            p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float64)
+            score = tl.where(mask, p / exponential64(seed, position, TARGET_SAMPLE, cols), -1.0)
+            tile = tl.max(score, axis=0)
+            if tile > best:  # strict: the first maximum wins, as torch.argmax
+                best = tile
+                final = v0 + tl.argmax(score, axis=0).to(tl.int64)
+    if greedy | coupled:  # descend to the child that equals the row's token
+        for c in range(c0, c1):
+            node = tl.load(child_ids_ptr + c)
+            if choice < 0:
+                if tl.load(draft_token_ids_ptr + node) == final:
+                    choice = node - start
+    else:
+        z = tl.full([], 1.0, tl.float64)  # the mass of the unnormalised residual r_i (r_1 = p, taken as 1)
+        for c in range(c0, c1):
+            if choice < 0:
+                i = c - c0
+                node = tl.load(child_ids_ptr + c)
+                x = tl.load(draft_token_ids_ptr + node)
+                r_x = tl.load(p_row + x).to(tl.float64)
+                if i > 0:
+                    if uses_q:
+                        r_x = tl.load(scratch_ptr + scratch_row * vocab_size + x)
+                    else:  # r_i is p without the earlier children
+                        for c2 in range(c0, c):
+                            if tl.load(draft_token_ids_ptr + tl.load(child_ids_ptr + c2)) == x:
+                                r_x = r_x * 0.0
+                q_row = draft_probs_ptr + node * vocab_size
+                q_x = tl.full([], 1.0, tl.float64)
+                if uses_q:
+                    q_x = tl.load(q_row + x).to(tl.float64)
+                u = uniform64(seed, position, ACCEPT, i)
+                if u * q_x * z < r_x:  # with probability min(1, r_i(x) / q_i(x))
+                    choice = node - start
+                elif uses_q:
+                    if scratch_row >= 0:  # r_{i+1} = max(0, r_i - z q_i), kept for the next child
+                        z_next = tl.full([], 0.0, tl.float64)
+                        for v0 in range(0, vocab_size, BLOCK_V):
+                            cols = v0 + offs
+                            mask = cols < vocab_size
+                            if i == 0:
+                                r = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float64)
+                            else:
+                                r = tl.load(scratch_ptr + scratch_row * vocab_size + cols, mask=mask, other=0.0)
+                            q = tl.load(q_row + cols, mask=mask, other=0.0).to(tl.float64)
+                            r = tl.maximum(r - z * q, 0.0)
+                            tl.store(scratch_ptr + scratch_row * vocab_size + cols, r, mask=mask)
+                            z_next += tl.sum(r, axis=0)
+                        tl.debug_barrier()  # the next child reads this row's residual back
+                        z = z_next
+                else:
+                    z = z - r_x
+        if choice < 0:  # every child rejected, or none: a sample of the residual (of p for a leaf)
+            m = c1 - c0
+            first_q = draft_probs_ptr + tl.load(child_ids_ptr + c0, mask=m > 0, other=0) * vocab_size
+            best_r = tl.full([], -1.0, tl.float64)
+            best_p = tl.full([], -1.0, tl.float64)
+            idx_r = tl.full([], 0, tl.int64)
+            idx_p = tl.full([], 0, tl.int64)
+            mass_r = tl.full([], 0.0, tl.float64)
+            for v0 in range(0, vocab_size, BLOCK_V):
+                cols = v0 + offs
+                mask = cols < vocab_size
+                p = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float64)
+                residual = p
+                if m > 0:
+                    if uses_q:
+                        if m == 1:
+                            q = tl.load(first_q + cols, mask=mask, other=0.0).to(tl.float64)
+                            residual = tl.maximum(p - q, 0.0)
+                        else:
+                            residual = tl.load(scratch_ptr + scratch_row * vocab_size + cols, mask=mask, other=0.0)
+                    else:
+                        for c in range(c0, c1):
+                            x = tl.load(draft_token_ids_ptr + tl.load(child_ids_ptr + c))
+                            residual = tl.where(cols == x, 0.0, residual)
+                e = exponential64(seed, position, TARGET_SAMPLE, cols)
+                score_r = tl.where(mask, residual / e, -1.0)
+                score_p = tl.where(mask, p / e, -1.0)
+                tile_r = tl.max(score_r, axis=0)
+                tile_p = tl.max(score_p, axis=0)
+                if tile_r > best_r:
+                    best_r = tile_r
+                    idx_r = v0 + tl.argmax(score_r, axis=0).to(tl.int64)
+                if tile_p > best_p:
+                    best_p = tile_p
+                    idx_p = v0 + tl.argmax(score_p, axis=0).to(tl.int64)
+                mass_r += tl.sum(residual, axis=0)
+            # NOTE: the residual can vanish in floating point when rejection was (numerically) impossible; p and q
+            # then agree, so sampling p is right
+            final = tl.where(mass_r > 0.0, idx_r, idx_p)
+    tl.store(choice_ptr + row, choice)
+    tl.store(final_ptr + row, final)
 
 
 @triton.jit
-def rejection_sample_kernel(
-    out_ptr,  # [batch, max_k + 1] int64, prefilled with the placeholder
+def descend_kernel(
+    out_ptr,  # [batch, max_path + 1] int64, prefilled with the placeholder
+    path_ptr,  # [batch, max(max_path, 1)] int64, prefilled with -1: the accepted draft tokens' indices
     draft_token_ids_ptr,  # [num_draft_tokens] int64
     cu_num_draft_ptr,  # [batch + 1] int64
-    target_probs_ptr,  # [num_target_rows, vocab_size]
-    target_argmax_ptr,  # [num_target_rows] int64
-    draft_probs_ptr,  # [num_draft_tokens, vocab_size] (unused without HAS_DRAFT_PROBS)
-    is_greedy_ptr,  # [batch] bool
-    is_one_hot_ptr,  # [batch] bool
-    is_coupled_ptr,  # [batch] bool
-    seeds_ptr,  # [batch] int64
-    positions_ptr,  # [batch] int64
-    target_sample_ptr,  # [num_target_rows] int64 from sample_target_kernel
-    vocab_size,
+    choice_ptr,  # [num_target_rows] int64 from decide_rows_kernel
+    final_ptr,  # [num_target_rows] int64
     out_stride,
-    HAS_DRAFT_PROBS: tl.constexpr,
+    path_stride,
 ):
     seq = tl.program_id(0)
     start = tl.load(cu_num_draft_ptr + seq)
-    k = tl.load(cu_num_draft_ptr + seq + 1) - start
-    row0 = start + seq
-    greedy = tl.load(is_greedy_ptr + seq)
-    one_hot = tl.load(is_one_hot_ptr + seq)
-    coupled = tl.load(is_coupled_ptr + seq)
-    seed = tl.load(seeds_ptr + seq)
-    position = tl.load(positions_ptr + seq)
+    n = tl.load(cu_num_draft_ptr + seq + 1) - start
+    row = (start + seq).to(tl.int64)
     out_row = out_ptr + seq.to(tl.int64) * out_stride
-    rejected = False
-    for j in range(0, k):
-        if not rejected:
-            x = tl.load(draft_token_ids_ptr + start + j)
-            row = (row0 + j).to(tl.int64)
-            if greedy:
-                final = tl.load(target_argmax_ptr + row)
-                accept = x == final
-            elif coupled:
-                final = tl.load(target_sample_ptr + row)  # y = argmax p / E at this position
-                accept = x == final
+    path_row = path_ptr + seq.to(tl.int64) * path_stride
+    done = False
+    for d in range(0, n + 1):  # a path holds at most n drafts, then its final token
+        if not done:
+            c = tl.load(choice_ptr + row)
+            if c >= 0:
+                tl.store(out_row + d, tl.load(draft_token_ids_ptr + start + c))
+                tl.store(path_row + d, c)
+                row = (start + seq + c + 1).to(tl.int64)
             else:
-                p_x = tl.load(target_probs_ptr + row * vocab_size + x).to(tl.float64)
-                q_x = tl.full([], 1.0, tl.float64)
-                if HAS_DRAFT_PROBS:
-                    if not one_hot:
-                        q_x = tl.load(draft_probs_ptr + (start + j).to(tl.int64) * vocab_size + x).to(tl.float64)
-                u = uniform64(seed, position + j, ACCEPT, position * 0)
-                accept = u * q_x < p_x
-                final = tl.load(target_sample_ptr + row)
-            if accept:
-                tl.store(out_row + j, x)
-            else:
-                tl.store(out_row + j, final)
-                rejected = True
-    if not rejected:
-        row = (row0 + k).to(tl.int64)
-        if greedy:
-            tl.store(out_row + k, tl.load(target_argmax_ptr + row))
-        else:
-            tl.store(out_row + k, tl.load(target_sample_ptr + row))
+                tl.store(out_row + d, tl.load(final_ptr + row))
+                done = True
 
 
 def rejection_sample(
@@ -168,127 +237,173 @@ def rejection_sample(
     target_argmax: torch.Tensor,  # [num_draft_tokens + batch] int64, argmax of the target logits (greedy rows)
     spec: SpecDecodeMetadata,
     sampling: SamplingMetadata,
-) -> torch.Tensor:  # [batch, max_spec_len + 1] int64, padded with PLACEHOLDER_TOKEN_ID
+    *,
+    return_path: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[batch, max_path + 1] int64: each sequence's accepted draft tokens then its recovered or bonus token,
+    padded with PLACEHOLDER_TOKEN_ID (max_path: the longest root-to-leaf path; a chain's k). With return_path,
+    also [batch, max(max_path, 1)] int64: the indices of the accepted draft tokens among the sequence's, padded
+    with -1 (a chain's are 0, 1, ...)."""
     check_inputs(target_probs, target_argmax, spec, sampling)
+    layout = spec.tree_layout()
     if use_triton(target_probs):
-        return rejection_sample_triton(target_probs, target_argmax, spec, sampling)
-    return rejection_sample_reference(target_probs, target_argmax, spec, sampling)
+        out, path = rejection_sample_triton(target_probs, target_argmax, spec, sampling, layout)
+    else:
+        out, path = rejection_sample_reference(target_probs, target_argmax, spec, sampling, layout)
+    return (out, path) if return_path else out
+
+
+def _scratch_rows(spec: SpecDecodeMetadata, layout: TreeLayout) -> torch.Tensor:
+    """[num_target_rows] int64: a residual buffer for each row whose several children were drawn from a q that
+    was sent (the rows rejection may take through more than one residual), -1 for the others."""
+    per_row = layout.child_offsets[1:] - layout.child_offsets[:-1]
+    num_rows = per_row.numel()
+    row_seq = torch.repeat_interleave(torch.arange(spec.batch_size, device=per_row.device),
+                                      spec.cu_num_draft_tokens[1:] - spec.cu_num_draft_tokens[:-1] + 1)
+    needs = (per_row >= 2) & ~spec.is_one_hot[row_seq] if spec.draft_probs is not None else \
+        torch.zeros(num_rows, dtype=torch.bool, device=per_row.device)
+    return torch.where(needs, needs.to(torch.int64).cumsum(0) - 1, -1)
 
 
 def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
-                            sampling: SamplingMetadata) -> torch.Tensor:
-    batch, max_k = spec.batch_size, spec.max_spec_len
+                            sampling: SamplingMetadata, layout: TreeLayout | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, path) as rejection_sample gives them, from the two kernels."""
+    layout = layout or spec.tree_layout()
+    batch, width = spec.batch_size, layout.max_path
     device = target_probs.device
-    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    out = torch.full((batch, width + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
+    path = torch.full((batch, max(width, 1)), -1, dtype=torch.int64, device=device)
     if batch == 0:
-        return out
+        return out, path
     vocab = target_probs.shape[1]
+    num_rows = target_probs.shape[0]
     target_probs = target_probs.contiguous()
     has_q = spec.draft_probs is not None
     q = spec.draft_probs.contiguous() if has_q else target_probs  # a valid pointer the kernel never reads
     # an empty tensor gets a one-element stand-in: the kernels never read it, but the pointer must be valid
     drafts = spec.draft_token_ids if spec.num_draft_tokens else torch.zeros(1, dtype=torch.int64, device=device)
-    # step 1: the target's own sample at each row, the token it emits if the round ends there: the recovered token
-    # at a rejection, the bonus token after the last draft, the coupled token of a coupled sequence
-    target_samples = torch.zeros(target_probs.shape[0], dtype=torch.int64, device=device)  # [num_draft_tokens + batch]
-    coupled = sampling.coupled_mask()
-    sample_target_kernel[(batch, max_k + 1)](
-        target_samples, target_probs, drafts, q, spec.cu_num_draft_tokens, sampling.is_greedy, spec.is_one_hot, coupled,
-        sampling.seeds, sampling.positions, vocab, HAS_DRAFT_PROBS=has_q, BLOCK_V=VOCAB_BLOCK,
-        num_warps=vocab_warps())
-    # step 2: accept drafts up to the first rejection, then emit that row's target sample
-    rejection_sample_kernel[(batch,)](
-        out, drafts, spec.cu_num_draft_tokens, target_probs, target_argmax, q, sampling.is_greedy, spec.is_one_hot,
-        coupled, sampling.seeds, sampling.positions, target_samples, vocab, out.stride(0), HAS_DRAFT_PROBS=has_q, num_warps=1)
-    return out
+    child_ids = layout.child_ids if spec.num_draft_tokens else drafts
+    scratch_rows = _scratch_rows(spec, layout)
+    num_scratch = int(scratch_rows.max()) + 1 if num_rows else 0
+    scratch = torch.empty((max(num_scratch, 1), vocab if num_scratch else 1), dtype=torch.float64, device=device)
+    choice = torch.empty(num_rows, dtype=torch.int64, device=device)
+    final = torch.empty(num_rows, dtype=torch.int64, device=device)
+    max_nodes = int((spec.cu_num_draft_tokens[1:] - spec.cu_num_draft_tokens[:-1]).max())
+    # step 1: what each row does if the descent reaches it
+    decide_rows_kernel[(batch, max_nodes + 1)](
+        choice, final, target_probs, target_argmax, drafts, q, spec.cu_num_draft_tokens, layout.child_offsets,
+        child_ids, layout.row_depth, scratch_rows, scratch, sampling.is_greedy, spec.is_one_hot,
+        sampling.coupled_mask(), sampling.seeds, sampling.positions, vocab, HAS_DRAFT_PROBS=has_q,
+        BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
+    # step 2: from each root, through the accepted children, to the final token
+    descend_kernel[(batch,)](out, path, drafts, spec.cu_num_draft_tokens, choice, final, out.stride(0),
+                             path.stride(0), num_warps=1)
+    return out, path
 
 
 def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
-                               sampling: SamplingMetadata) -> torch.Tensor:  # [batch, max_spec_len + 1] int64
-    """Torch reference, vectorised over the batch (drafts padded to max_spec_len). It accepts first and then
-    samples one recovered-or-bonus token per sequence, where the kernels sample every row's first."""
+                               sampling: SamplingMetadata, layout: TreeLayout | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference: the scalars of every draft token (p and q of it at its parent row, its uniform) in a few
+    vectorised ops; then a descent of all sequences together, one depth per pass, whose coupled rows race in one
+    batch per pass; then the final samples of every sequence in one race. A residual over the vocabulary is
+    built in the descent only at a row that rejects one of several children drawn from a q that was sent."""
     reference_guard("rejection_sample_reference")
-    batch, max_k = spec.batch_size, spec.max_spec_len
-    out = torch.full((batch, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    layout = layout or spec.tree_layout()
+    batch, width = spec.batch_size, layout.max_path
+    out = torch.full((batch, width + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.int64)
+    path = torch.full((batch, max(width, 1)), -1, dtype=torch.int64)
     if batch == 0:
-        return out
-    cu = spec.cu_num_draft_tokens
-    num_draft = cu[1:] - cu[:-1]  # [batch]
-    j = torch.arange(max_k).unsqueeze(0)  # [1, max_k]
-    valid = j < num_draft.unsqueeze(1)  # [batch, max_k]
-    last_draft = max(spec.num_draft_tokens - 1, 0)
-    flat = (cu[:-1].unsqueeze(1) + j).clamp_max(last_draft)  # [batch, max_k], int64: row * vocab overflows int32
-    rows0 = cu[:-1] + torch.arange(batch)  # [batch], first target row of each sequence
-    target_rows = (rows0.unsqueeze(1) + j).clamp_max(target_probs.shape[0] - 1)  # [batch, max_k]
-    drafts = spec.draft_token_ids[flat] if spec.num_draft_tokens else torch.zeros_like(flat)
-    drafts = torch.where(valid, drafts, torch.zeros_like(drafts))  # [batch, max_k]
-
-    # step 1: accept. Greedy: while the draft equals the target argmax. Random: iff u * q(x) < p(x), i.e. with
-    # probability min(1, p(x) / q(x)).
-    accept_greedy = drafts == target_argmax[target_rows]
-    p_x = target_probs[target_rows, drafts].to(torch.float64)  # [batch, max_k]
-    q_x = torch.ones_like(p_x)
-    if spec.draft_probs is not None:
-        q_x = torch.where(spec.is_one_hot.unsqueeze(1), q_x, spec.draft_probs[flat, drafts].to(torch.float64))
-    u = uniform64_reference(sampling.seeds.unsqueeze(1), sampling.positions.unsqueeze(1) + j, Purpose.ACCEPT,
-                            torch.zeros_like(j))  # [batch, max_k]
-    accept_random = u * q_x < p_x
-    coupled = sampling.coupled_mask()
-    # coupled: while the draft equals y = argmax p / E; y of the first mismatch is the final token, kept
-    accept_coupled, coupled_final = _coupled_accept(target_probs, target_rows, drafts, valid, sampling, coupled)
-    accepted = torch.where(sampling.is_greedy.unsqueeze(1), accept_greedy,
-                           torch.where(coupled.unsqueeze(1), accept_coupled, accept_random)) & valid
-    num_accepted = accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [batch]
-    out[:, :max_k] = torch.where(j < num_accepted.unsqueeze(1), drafts, out[:, :max_k])
-
-    # step 2: one recovered-or-bonus token per sequence, from target row rows0 + num_accepted
-    final_rows = rows0 + num_accepted  # [batch]
-    p = target_probs[final_rows].to(torch.float64)  # [batch, vocab]
-    rejected = num_accepted < num_draft  # [batch]
-    if bool(rejected.any()):
-        at = (cu[:-1] + num_accepted).clamp_max(last_draft)  # [batch], the rejected draft's flat index
-        rejected_token = drafts.gather(1, num_accepted.clamp_max(max(max_k - 1, 0)).unsqueeze(1)).squeeze(1)
-        residual = p.scatter(1, rejected_token.unsqueeze(1), 0.0)  # one-hot q: p without the rejected token
-        if spec.draft_probs is not None:
-            residual = torch.where(spec.is_one_hot.unsqueeze(1), residual,
-                                   (p - spec.draft_probs[at].to(torch.float64)).clamp_min(0.0))
-        # NOTE: p - q can vanish in floating point when rejection was (numerically) impossible; p and q then
-        # agree, so sampling p is right.
-        usable = rejected & ~sampling.is_greedy & ~coupled & (residual.sum(dim=1) > 0)
-        p = torch.where(usable.unsqueeze(1), residual, p)
-    # exponential race: argmax p / E with E ~ Exp(1) samples from p / sum(p) without normalising; only the
-    # sampled sequences draw noise, at the position their final token decides
-    final = torch.where(coupled_final >= 0, coupled_final, target_argmax[final_rows])
-    sampled = (~sampling.is_greedy & (coupled_final < 0)).nonzero().squeeze(1)
-    if sampled.numel():
-        vocab = torch.arange(p.shape[1]).unsqueeze(0)
-        noise = exponential64_reference(sampling.seeds[sampled].unsqueeze(1),
-                                        (sampling.positions + num_accepted)[sampled].unsqueeze(1),
-                                        Purpose.TARGET_SAMPLE, vocab)  # [num_sampled, vocab]
-        final[sampled] = (p[sampled] / noise).argmax(dim=1)
-    out.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
-    return out
-
-
-def _coupled_accept(target_probs: torch.Tensor, target_rows: torch.Tensor, drafts: torch.Tensor, valid: torch.Tensor,
-                    sampling: SamplingMetadata, coupled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the coupled sequences: which drafts equal y_t = argmax p_t / E_t ([batch, max_k] bool), and y at the
-    first mismatch ([batch] int64, -1 where there was none). Position by position, only while a sequence still
-    matches: a round draws noise for as many rows as it emits tokens, as target-alone decoding does."""
-    batch, max_k = drafts.shape
-    accept = torch.zeros((batch, max_k), dtype=torch.bool)
-    final = torch.full((batch,), -1, dtype=torch.int64)
-    live = coupled.nonzero().squeeze(1)
-    vocab = torch.arange(target_probs.shape[1]).unsqueeze(0)
-    for j in range(max_k):
-        live = live[valid[live, j]]
-        if live.numel() == 0:
-            break
-        noise = exponential64_reference(sampling.seeds[live].unsqueeze(1), (sampling.positions[live] + j).unsqueeze(1),
-                                        Purpose.TARGET_SAMPLE, vocab)  # [num_live, vocab]
-        y = (target_probs[target_rows[live, j]].to(torch.float64) / noise).argmax(dim=1)
-        match = y == drafts[live, j]
-        accept[live[match], j] = True
-        final[live[~match]] = y[~match]
-        live = live[match]
-    return accept, final
+        return out, path
+    drafts_t, q = spec.draft_token_ids, spec.draft_probs
+    node_seq = layout.node_seq
+    p_x = target_probs[layout.parent_rows, drafts_t].to(torch.float64).tolist()
+    q_x = q[torch.arange(spec.num_draft_tokens), drafts_t].to(torch.float64).tolist() if q is not None else []
+    u = uniform64_reference(sampling.seeds[node_seq], sampling.positions[node_seq] + layout.row_depth[layout.parent_rows],
+                            Purpose.ACCEPT, layout.sibling_index).tolist()
+    cu, drafts = spec.cu_num_draft_tokens.tolist(), drafts_t.tolist()
+    offsets, kids = layout.child_offsets.tolist(), layout.child_ids.tolist()
+    greedy, coupled = sampling.is_greedy.tolist(), sampling.coupled_mask().tolist()
+    uses_q = [q is not None and not one_hot for one_hot in spec.is_one_hot.tolist()]
+    argmax = target_argmax.tolist()
+    vocab = torch.arange(target_probs.shape[1])
+    # the sampled finals, raced together at the end: (sequence, depth, row), and what their residual is:
+    # p less the tried children's tokens (one-hot), max(0, p - q of the one child), or a residual built here
+    races: list[tuple[int, int, int]] = []
+    zeroed: list[tuple[int, int]] = []  # (race, token)
+    minus_q: list[tuple[int, int]] = []  # (race, flat draft index)
+    built: list[tuple[int, torch.Tensor]] = []  # (race, residual)
+    at = [(cu[s] + s, 0) for s in range(batch)]  # each sequence's row and depth
+    live = list(range(batch))
+    while live:
+        racing = [s for s in live if coupled[s]]  # y = argmax p / E at each coupled row reached
+        ys: dict[int, int] = {}
+        if racing:
+            rows = torch.tensor([at[s][0] for s in racing])
+            noise = exponential64_reference(sampling.seeds[racing].unsqueeze(1),
+                                            (sampling.positions[racing] + layout.row_depth[rows]).unsqueeze(1),
+                                            Purpose.TARGET_SAMPLE, vocab.unsqueeze(0))
+            ys = dict(zip(racing, (target_probs[rows].to(torch.float64) / noise).argmax(dim=1).tolist(), strict=True))
+        still = []
+        for s in live:
+            row, depth = at[s]
+            children = kids[offsets[row]:offsets[row + 1]]
+            choice, final = -1, None
+            if greedy[s] or coupled[s]:
+                final = argmax[row] if greedy[s] else ys[s]
+                choice = next((c - cu[s] for c in children if drafts[c] == final), -1)
+            else:
+                z, residual, tried = 1.0, None, []
+                for i, c in enumerate(children):
+                    x = drafts[c]
+                    r_x = p_x[c] if i == 0 else (float(residual[x]) if uses_q[s] else 0.0 if x in tried else p_x[c])
+                    if u[c] * (q_x[c] if uses_q[s] else 1.0) * z < r_x:  # with probability min(1, r_i(x) / q_i(x))
+                        choice = c - cu[s]
+                        break
+                    tried.append(x)
+                    if not uses_q[s]:
+                        z -= r_x
+                    elif len(children) >= 2:  # r_{i+1} = max(0, r_i - z q_i)
+                        base = target_probs[row].to(torch.float64) if residual is None else residual
+                        residual = (base - z * q[c].to(torch.float64)).clamp_min(0.0)
+                        z = float(residual.sum())
+                if choice < 0:
+                    race = len(races)
+                    races.append((s, depth, row))
+                    if children and not uses_q[s]:
+                        zeroed.extend((race, x) for x in tried)
+                    elif len(children) == 1:
+                        minus_q.append((race, children[0]))
+                    elif children:
+                        built.append((race, residual))
+            if choice < 0:
+                if final is not None:
+                    out[s, depth] = final
+                continue
+            out[s, depth] = drafts[cu[s] + choice]
+            path[s, depth] = choice
+            at[s] = (cu[s] + s + choice + 1, depth + 1)
+            still.append(s)
+        live = still
+    if races:  # exponential race: argmax r / E with E ~ Exp(1) samples from r / sum(r) without normalising
+        seqs = torch.tensor([r[0] for r in races])
+        rows = torch.tensor([r[2] for r in races])
+        p = target_probs[rows].to(torch.float64)  # [num_races, vocab]
+        residual = p.clone()
+        if zeroed:
+            residual[torch.tensor([r for r, _ in zeroed]), torch.tensor([x for _, x in zeroed])] = 0.0
+        if minus_q:
+            idx = torch.tensor([r for r, _ in minus_q])
+            residual[idx] = (p[idx] - q[torch.tensor([c for _, c in minus_q])].to(torch.float64)).clamp_min(0.0)
+        for r, tensor in built:
+            residual[r] = tensor
+        # NOTE: the residual can vanish in floating point when rejection was (numerically) impossible; p and q
+        # then agree, so sampling p is right
+        residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
+        noise = exponential64_reference(sampling.seeds[seqs].unsqueeze(1),
+                                        (sampling.positions[seqs] + layout.row_depth[rows]).unsqueeze(1),
+                                        Purpose.TARGET_SAMPLE, vocab.unsqueeze(0))  # [num_races, vocab]
+        for (s, depth, _), final in zip(races, (residual / noise).argmax(dim=1).tolist(), strict=True):
+            out[s, depth] = final
+    return out, path

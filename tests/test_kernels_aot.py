@@ -28,11 +28,11 @@ def reports():
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_kernel_compiles_without_spills(reports, target):
     mine = [r for (_, t), r in reports.items() if t == target]
-    # 7 kernels at their serving shapes, int32 slots, fp16 twins of attention and KV writes, and the layer shapes
-    # beyond Llama's (kernels.aot.ATTENTION_VARIANTS) with MLA's KV write
+    # 7 kernels at their serving shapes, int32 slots, fp16 twins of attention and KV writes, attention with token
+    # trees in both, and the layer shapes beyond Llama's (kernels.aot.ATTENTION_VARIANTS) with MLA's KV write
     from kernels.aot import ATTENTION_VARIANTS
 
-    assert len(mine) == 9 + len(ATTENTION_VARIANTS) + 1
+    assert len(mine) == 11 + len(ATTENTION_VARIANTS) + 1
     for r in mine:
         assert r.ok, f"{r.kernel} does not compile for {target}: {r.error}"
         assert r.spills == 0 and r.scratch_bytes == 0, f"{r.kernel} spills on {target}: {r}"
@@ -43,7 +43,7 @@ def test_every_kernel_compiles_without_spills(reports, target):
 def test_attention_uses_mfma_on_cdna(reports, target):
     from kernels.aot import ATTENTION_VARIANTS
 
-    for name in ["bf16", "fp16", *(f"bf16,{label}" for label in ATTENTION_VARIANTS)]:
+    for name in ["bf16", "fp16", "bf16,tree", "fp16,tree", *(f"bf16,{label}" for label in ATTENTION_VARIANTS)]:
         r = reports[(f"paged_attention[{name}]", target)]
         assert r.mfma and r.mfma > 0, f"no v_mfma_* in {r.kernel} for {target}"
         assert r.occupancy and r.occupancy >= 2

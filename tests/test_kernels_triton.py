@@ -184,9 +184,10 @@ def test_rejection_sampler_triton_matches_reference_exactly(vocab):
     inputs = _random_inputs(gen, num_draft, vocab, greedy_mask=greedy, one_hot_mask=one_hot, coupled_mask=coupled)
     inputs["target_probs"] = inputs["target_probs"].float()
     inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=inputs["spec"].draft_probs.float())
-    ref = rejection_sample_reference(**inputs)
-    out = rejection_sample_triton(**inputs)
+    ref, ref_path = rejection_sample_reference(**inputs)
+    out, path = rejection_sample_triton(**inputs)
     assert torch.equal(out, ref), (out, ref)
+    assert torch.equal(path, ref_path)
     assert (out[torch.tensor(num_draft) == 0, 1:] == PLACEHOLDER_TOKEN_ID).all()
 
 
@@ -194,7 +195,7 @@ def test_rejection_sampler_triton_one_hot_only():
     gen = torch.Generator().manual_seed(9)
     inputs = _random_inputs(gen, [3, 2], 50, greedy_mask=[False, False], one_hot_mask=[True, True])
     inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=None)
-    assert torch.equal(rejection_sample_triton(**inputs), rejection_sample_reference(**inputs))
+    assert torch.equal(rejection_sample_triton(**inputs)[0], rejection_sample_reference(**inputs)[0])
 
 
 @pytest.mark.parametrize("vocab", [100, 8193])
@@ -263,3 +264,18 @@ def test_paged_runner_through_the_triton_path_matches_transformers(monkeypatch):
     with torch.no_grad():
         ref = torch.cat([model(s.unsqueeze(0)).logits[0] for s in seqs])
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_rejection_sampler_triton_matches_reference_on_trees(vocab):
+    """Token trees in every mode (rows with several q-drawn children included), bit for bit."""
+    from test_tree_sampler import _mixed
+
+    for seed in range(2):
+        inputs = _mixed(torch.Generator().manual_seed(seed + vocab), vocab)
+        inputs["target_probs"] = inputs["target_probs"].float()
+        inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=inputs["spec"].draft_probs.float())
+        out, path = rejection_sample_triton(**inputs)
+        ref, ref_path = rejection_sample_reference(**inputs)
+        assert torch.equal(out, ref), (out, ref)
+        assert torch.equal(path, ref_path)
