@@ -66,6 +66,15 @@ class KVCache:
         for cache in (*self.key_caches, *self.value_caches):
             cache[dst] = cache[src]
 
+    def copy_slots(self, moves: list[tuple[int, int]]) -> None:
+        """Copy single tokens' K and V (source slot, destination slot) in every layer; every source is read before
+        any destination is written."""
+        src = torch.tensor([m[0] for m in moves])
+        dst = torch.tensor([m[1] for m in moves])
+        for cache in (*self.key_caches, *self.value_caches):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat[dst.to(flat.device)] = flat[src.to(flat.device)]
+
     @property
     def num_bytes(self) -> int:
         return self.num_blocks * self.block_size * self.spec.bytes_per_token

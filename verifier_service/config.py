@@ -34,7 +34,9 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                         choices=("auto", *DTYPES))
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
     model_impl: str = option("auto", MODEL_IMPL_HELP, choices=MODEL_IMPLS)
-    max_draft_tokens: int = option(16, "largest draft block accepted")
+    max_draft_tokens: int = option(16, "largest draft block accepted (a token tree's depth)")
+    max_tree_nodes: int = option(64, "draft tokens one token-tree proposal may hold (at most 64, and below the "
+                                 "step's token budget); 0: chains only")
     block_size: int = option(16, "tokens per KV block")
     gpu_memory_utilization: float = option(0.9, "on a GPU, the fraction of its memory this verifier may use: the KV "
                                            "pool gets what weights and the largest step's activations leave")
@@ -114,6 +116,9 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if self.sequence_idle_timeout_s < 0:
             raise ValueError(f"sequence_idle_timeout_s must be >= 0, got {self.sequence_idle_timeout_s}")
+        if not 0 <= self.max_tree_nodes <= 64:
+            raise ValueError(f"max_tree_nodes must be in [0, 64] (a node's ancestors are a 64-bit mask), got "
+                             f"{self.max_tree_nodes}")
         if self.max_num_batched_tokens < self.max_draft_tokens + 1:
             raise ValueError("max_num_batched_tokens must hold at least one full verification block "
                              f"({self.max_draft_tokens + 1} tokens)")

@@ -43,18 +43,29 @@ from verifier_service.validation import Limits
 
 log = structlog.get_logger(__name__)
 
+
+def _tree_depth_limit(loaded: LoadedModel) -> int | None:
+    """A token tree's nodes see their ancestors whatever the sliding window (kernels.paged_attention): a model
+    with a window takes trees shallower than it. None: no window."""
+    window = getattr(getattr(loaded.model, "config", None), "sliding_window", None)
+    return window - 1 if isinstance(window, int) and window > 0 else None
+
+
 class VerifierEngine:
     def __init__(self, loaded: LoadedModel, model: PagedCausalLM, blocks: BlockManager, *,
                  max_draft_tokens: int, max_num_batched_tokens: int, dtype: str = "float32",
                  sequence_idle_timeout_s: float = 0.0, max_sequences_per_stream: int = 4096,
                  max_sequences: int = 16384, max_waiting_tokens: int = 1 << 20, max_q_support: int = 256,
+                 max_tree_nodes: int = 0,
                  static: StaticForward | None = None, goodput: bool = True,
                  speculation_trial: bool = True) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
         self.blocks = blocks
-        self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, max_q_support)
+        self.limits = Limits(loaded.vocab_size, loaded.max_model_len, max_draft_tokens, max_q_support,
+                             max_tree_nodes=min(max_tree_nodes, max_num_batched_tokens - 1),
+                             max_tree_depth=_tree_depth_limit(loaded))
         # --speculation auto's other half: None with --no-goodput (no choice is sent; drafts decide alone)
         self.goodput = DraftLengthController(max_draft_tokens) if goodput else None
         # the goodput choice on trial against plain decoding, on the output measured (speculation_trial.py)
@@ -128,7 +139,8 @@ class VerifierEngine:
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:
-                stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1)
+                stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1,
+                                          num_positions=item.proposal.num_positions)
         return stats
 
     def _choose_draft_lengths(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],

@@ -55,7 +55,8 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           sequence_idle_timeout_s=config.sequence_idle_timeout_s,
                           max_sequences_per_stream=config.max_sequences_per_stream,
                           max_sequences=config.max_sequences, max_waiting_tokens=config.max_waiting_tokens,
-                          max_q_support=config.max_q_support, goodput=config.goodput,
+                          max_q_support=config.max_q_support, max_tree_nodes=config.max_tree_nodes,
+                          goodput=config.goodput,
                           speculation_trial=config.speculation_trial)
 
 
@@ -83,10 +84,11 @@ def verifier_info(engine: VerifierEngine, config: VerifierConfig) -> verifier_pb
         max_draft_tokens=config.max_draft_tokens, block_size=config.block_size, max_model_len=loaded.max_model_len,
         protocol_version=wire.PROTOCOL_VERSION, device=info.device, device_name=info.name, platform=info.platform,
         dtype=engine.dtype,
-        features=[f for f in wire.VERIFIER_FEATURES if f != wire.FEATURE_GOODPUT or engine.goodput is not None],
+        features=[f for f in wire.VERIFIER_FEATURES if (f != wire.FEATURE_GOODPUT or engine.goodput is not None)
+                  and (f != wire.FEATURE_TREE or engine.limits.max_tree_nodes > 0)],
         model_fingerprint=loaded.model_fingerprint,
         quantization=weights_label(config.quantization, loaded.gguf_path is not None),
-        max_q_support=config.max_q_support)
+        max_q_support=config.max_q_support, max_tree_nodes=engine.limits.max_tree_nodes)
 
 
 def weights_label(quantization: str, from_gguf: bool) -> str:

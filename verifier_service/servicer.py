@@ -178,11 +178,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             # from the counts alone, before anything is converted: a refusal costs O(max_draft_tokens)
             check_proposal_size(len(p.draft_token_ids), len(p.assumed_token_ids),
                                 [max(len(d.token_ids), len(d.probs))
-                                 for d in p.draft_probs[:limits.max_draft_tokens + 1]], limits)
+                                 for d in p.draft_probs[:max(limits.max_draft_tokens, limits.max_tree_nodes) + 1]],
+                                limits, num_parents=len(p.draft_parents))
             cmd = ProposeCmd(key, p.start_position, tuple(p.draft_token_ids),
                              wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids),
                              p.max_draft_tokens if p.HasField("max_draft_tokens") else None,
-                             p.draft_seconds if p.HasField("draft_seconds") else None)
+                             p.draft_seconds if p.HasField("draft_seconds") else None,
+                             tuple(p.draft_parents) or None)
             check_proposal(cmd, limits)  # whether its sequence takes draft_probs is the engine's to check
             return cmd
         except ServiceError as err:

@@ -40,18 +40,51 @@ class ProposeCmd:
     # decides its draft length alone (a fixed k, an older draft)
     max_draft_tokens: int | None = None
     draft_seconds: float | None = None  # the draft's compute for the batch that drafted it (phases.py); None: unknown
+    # a token tree: each draft token's parent among them (-1: the last verified token); None: a chain
+    draft_parents: tuple[int, ...] | None = None
 
     @property
     def num_draft_tokens(self) -> int:
         return len(self.draft_token_ids)
 
-    def truncated(self, num_draft_tokens: int) -> ProposeCmd:
-        """The same proposal with only its first `num_draft_tokens` drafts."""
-        if num_draft_tokens >= self.num_draft_tokens:
+    @property
+    def depths(self) -> list[int]:
+        """Each draft token's depth: its position less start_position (a chain's: 0, 1, ...)."""
+        if self.draft_parents is None:
+            return list(range(self.num_draft_tokens))
+        depths: list[int] = []
+        for parent in self.draft_parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    @property
+    def num_positions(self) -> int:
+        """The positions its drafts decide (a chain's k, a tree's depth): the most tokens it can have accepted."""
+        return max(self.depths, default=-1) + 1
+
+    def ancestor_masks(self) -> list[int]:
+        """Per draft token, the bits of itself and its ancestors (tree attention, kernels.paged_attention)."""
+        parents = self.draft_parents if self.draft_parents is not None else range(-1, self.num_draft_tokens - 1)
+        masks: list[int] = []
+        for i, parent in enumerate(parents):
+            masks.append((1 << i) | (masks[parent] if parent >= 0 else 0))
+        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]  # as int64
+
+    def truncated(self, num_positions: int) -> ProposeCmd:
+        """The same proposal with only the drafts of its first `num_positions` positions (a chain's first ones; a
+        tree's nodes that shallow, which keeps every kept node's parent, renumbered)."""
+        if num_positions >= self.num_positions:
             return self
-        draft_probs = self.draft_probs[:num_draft_tokens] if self.draft_probs else self.draft_probs
-        return dataclasses.replace(self, draft_token_ids=self.draft_token_ids[:num_draft_tokens],
-                                   draft_probs=draft_probs)
+        if self.draft_parents is None:
+            draft_probs = self.draft_probs[:num_positions] if self.draft_probs else self.draft_probs
+            return dataclasses.replace(self, draft_token_ids=self.draft_token_ids[:num_positions],
+                                       draft_probs=draft_probs)
+        keep = [i for i, d in enumerate(self.depths) if d < num_positions]
+        index = {old: new for new, old in enumerate(keep)}
+        return dataclasses.replace(
+            self, draft_token_ids=tuple(self.draft_token_ids[i] for i in keep),
+            draft_probs=tuple(self.draft_probs[i] for i in keep) if self.draft_probs else self.draft_probs,
+            draft_parents=tuple(index.get(self.draft_parents[i], -1) for i in keep) if keep else None)
 
 
 @dataclass(frozen=True)
@@ -144,11 +177,12 @@ class StepStats:
     def step_time_s(self) -> float:
         return self.forward_s + self.sample_s
 
-    def record_verification(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def record_verification(self, num_draft_tokens: int, num_accepted: int, num_positions: int | None = None) -> None:
+        """num_positions: the positions the drafts decide (a tree's depth); default num_draft_tokens (a chain)."""
         self.num_verifications += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        count_positions(self.drafted_per_position, num_draft_tokens)
+        count_positions(self.drafted_per_position, num_draft_tokens if num_positions is None else num_positions)
         count_positions(self.accepted_per_position, num_accepted)
 
 

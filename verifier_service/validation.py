@@ -21,6 +21,8 @@ class Limits:
     max_model_len: int
     max_draft_tokens: int
     max_q_support: int = 256  # entries of one draft distribution (--max-q-support)
+    max_tree_nodes: int = 0  # draft tokens of one token-tree proposal (--max-tree-nodes); 0: chains only
+    max_tree_depth: int | None = None  # positions a tree may span, when below max_draft_tokens (a sliding window)
 
 
 def check_prompt_length(num_tokens: int, limits: Limits) -> None:
@@ -50,10 +52,20 @@ def check_open(cmd: OpenCmd, limits: Limits, blocks: BlockManager) -> None:
     validate_token_ids(list(cmd.prompt_token_ids), limits.vocab_size)
 
 
-def check_proposal_size(num_draft_tokens: int, num_assumed: int, q_sizes: list[int], limits: Limits) -> None:
+def check_proposal_size(num_draft_tokens: int, num_assumed: int, q_sizes: list[int], limits: Limits,
+                        num_parents: int = 0) -> None:
     """What a proposal costs to check and pack, from its counts alone: run on the wire message before it is
     converted, so that a proposal listing the whole vocabulary at every position costs nothing to refuse."""
-    if num_draft_tokens > limits.max_draft_tokens:
+    if num_parents:
+        if not limits.max_tree_nodes:
+            raise invalid_argument("proposal is a token tree (draft_parents set); this verifier takes chains only "
+                                   "(GetInfo.max_tree_nodes is 0): send draft tokens without parents")
+        if num_parents != num_draft_tokens:
+            raise invalid_argument(f"proposal has {num_draft_tokens} draft tokens but {num_parents} draft_parents")
+        if num_draft_tokens > limits.max_tree_nodes:
+            raise invalid_argument(f"token tree has {num_draft_tokens} nodes; this verifier accepts at most "
+                                   f"{limits.max_tree_nodes} (GetInfo.max_tree_nodes)")
+    elif num_draft_tokens > limits.max_draft_tokens:
         raise invalid_argument(f"proposal has {num_draft_tokens} draft tokens; this verifier accepts at most "
                                f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
     if num_assumed > limits.max_draft_tokens + 1:
@@ -82,7 +94,8 @@ def check_proposal(cmd: ProposeCmd, limits: Limits, sampling: SamplingParams | N
     by check_proposal_size, which it runs first."""
     k = cmd.num_draft_tokens
     check_proposal_size(k, len(cmd.assumed_token_ids),
-                        [max(len(q.token_ids), len(q.probs)) for q in cmd.draft_probs or ()], limits)
+                        [max(len(q.token_ids), len(q.probs)) for q in cmd.draft_probs or ()], limits,
+                        num_parents=len(cmd.draft_parents or ()))
     if sampling is not None:
         check_proposal_on(cmd, sampling)
     if cmd.draft_seconds is not None and not 0.0 <= cmd.draft_seconds < math.inf:
@@ -95,12 +108,27 @@ def check_proposal(cmd: ProposeCmd, limits: Limits, sampling: SamplingParams | N
         validate_token_ids(list(cmd.assumed_token_ids), limits.vocab_size, what="assumed")
     if k:
         validate_token_ids(list(cmd.draft_token_ids), limits.vocab_size, what="draft")
+    if cmd.draft_parents is not None:
+        _check_tree(cmd, limits)
     if cmd.draft_probs is None:
         return
     if len(cmd.draft_probs) != k:
         raise invalid_argument(f"proposal has {k} draft tokens but {len(cmd.draft_probs)} draft distributions")
     for j, (x, q) in enumerate(zip(cmd.draft_token_ids, cmd.draft_probs, strict=True)):
         _check_draft_probs(f"draft distribution {j}", x, q, limits.vocab_size)
+
+
+def _check_tree(cmd: ProposeCmd, limits: Limits) -> None:
+    """Parents come before their children, and the tree is no deeper than the verifier takes."""
+    for i, parent in enumerate(cmd.draft_parents):
+        if not -1 <= parent < i:
+            raise invalid_argument(f"draft_parents[{i}] is {parent}: a draft token's parent is -1 (the last verified "
+                                   "token) or an earlier draft token")
+    depth = cmd.num_positions
+    most = min(limits.max_draft_tokens, limits.max_tree_depth or limits.max_draft_tokens)
+    if depth > most:
+        raise invalid_argument(f"token tree is {depth} tokens deep; this verifier accepts at most {most} "
+                               "(GetInfo.max_draft_tokens)")
 
 
 def _check_draft_probs(where: str, x: int, q: SparseProbs, vocab_size: int) -> None:

@@ -39,19 +39,29 @@ class VerifyInputs:
     q_probs: torch.Tensor  # [num_q_entries] float64
 
 
+@dataclass(frozen=True)
+class Verified:
+    """One item's verdict: its accepted draft tokens then the recovered or bonus token, and the indices of the
+    accepted drafts among the proposal's (a chain's 0, 1, ...; a tree's path from its root)."""
+
+    token_ids: list[int]
+    path: list[int]
+
+
 def verify_batch(
-    logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]: per item its k_i draft rows then its bonus row
+    logits: torch.Tensor,  # [num_draft_tokens + batch, vocab_size]: per item its root row then a row per draft
     items: list[Verification],
     inputs: VerifyInputs | None = None,  # already on the device (see HostInputs); None: packed and copied here
-) -> list[list[int] | None]:
-    """For each item, its accepted draft tokens followed by the recovered or bonus token; None for an item
-    whose target logits are not all finite (its sequence fails alone)."""
+) -> list[Verified | None]:
+    """For each item, its verdict; None for an item whose target logits are not all finite (its sequence fails
+    alone)."""
     if inputs is None:
         inputs = pack_inputs(items, logits.device)
     target_probs = compute_target_probs(logits, inputs)  # [num_draft_tokens + batch, vocab_size]
     spec = densify_draft_probs(inputs, logits.shape[1], target_probs.dtype)
-    out = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling)  # [batch, max_spec_len + 1]
-    rows = out.tolist()
+    out, path = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling, return_path=True)
+    rows = torch.cat([out, path], dim=1).tolist()  # one copy back: [batch, max_path + 1 + max(max_path, 1)]
+    width = out.shape[1]
     if not bool(torch.isfinite(logits).all()):  # rare: find the items with a non-finite row
         finite_rows = torch.isfinite(logits).all(dim=1).tolist()  # [num_draft_tokens + batch]
         first = 0
@@ -59,7 +69,8 @@ def verify_batch(
             if not all(finite_rows[first:first + proposal.num_draft_tokens + 1]):
                 rows[i] = None
             first += proposal.num_draft_tokens + 1
-    return [None if row is None else [t for t in row if t != PLACEHOLDER_TOKEN_ID] for row in rows]
+    return [None if row is None else Verified([t for t in row[:width] if t != PLACEHOLDER_TOKEN_ID],
+                                              [n for n in row[width:] if n >= 0]) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -79,10 +90,10 @@ class HostInputs:
         """`flat`: this array's copy on the device."""
         num_ints = sum(self.int_sizes)
         (draft_ids, cu_t, one_hot, greedy, coupled, seeds, positions, rows_t, top_k_t, q_rows_t,
-         q_ids_t) = flat[:num_ints].split(self.int_sizes)
+         q_ids_t, parents) = flat[:num_ints].split(self.int_sizes)
         temperature_t, top_p_t, q_probs_t = flat[num_ints:].view(torch.float64).split(self.real_sizes)
         return VerifyInputs(
-            spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool()),
+            spec=SpecDecodeMetadata(draft_ids, cu_t, None, one_hot.bool(), parents if parents.numel() else None),
             sampling=SamplingMetadata(greedy.bool(), seeds, positions, coupled.bool()),
             sampled_rows=rows_t, temperature=temperature_t.float(), top_k=top_k_t, top_p=top_p_t.float(),
             q_rows=q_rows_t, q_token_ids=q_ids_t, q_probs=q_probs_t,
@@ -125,6 +136,10 @@ def pack_host(items: list[Verification]) -> HostInputs:
             total = math.fsum(q.probs)
             q_probs.extend(p / total for p in q.probs)
     ints += [sampled_rows, top_k, q_rows, q_token_ids]
+    # token trees: every item's parents (a chain's -1, 0, 1, ...) when any item is a tree; none when all are chains
+    any_tree = any(p.draft_parents is not None for _, p in items)
+    ints.append([parent for _, p in items for parent in (p.draft_parents or range(-1, p.num_draft_tokens - 1))]
+                if any_tree else [])
     reals += [temperature, top_p, q_probs]
     flat = np.concatenate([np.array([x for part in ints for x in part], dtype=np.int64),
                            np.array([x for part in reals for x in part], dtype=np.float64).view(np.int64)])
@@ -154,4 +169,5 @@ def densify_draft_probs(inputs: VerifyInputs, vocab_size: int, probs_dtype: torc
         return spec
     draft_probs = torch.zeros((spec.num_draft_tokens, vocab_size), dtype=probs_dtype, device=inputs.q_rows.device)
     draft_probs[inputs.q_rows, inputs.q_token_ids] = inputs.q_probs.to(probs_dtype)
-    return SpecDecodeMetadata(spec.draft_token_ids, spec.cu_num_draft_tokens, draft_probs, spec.is_one_hot)
+    return SpecDecodeMetadata(spec.draft_token_ids, spec.cu_num_draft_tokens, draft_probs, spec.is_one_hot,
+                              spec.draft_parents)

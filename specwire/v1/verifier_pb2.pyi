@@ -12,7 +12,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype", "features", "model_fingerprint", "quantization", "max_q_support")
+    __slots__ = ("model_id", "vocab_size", "tokenizer_fingerprint", "max_draft_tokens", "block_size", "max_model_len", "protocol_version", "device", "device_name", "platform", "dtype", "features", "model_fingerprint", "quantization", "max_q_support", "max_tree_nodes")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class VerifierInfo(_message.Message):
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     MAX_Q_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
@@ -43,7 +44,8 @@ class VerifierInfo(_message.Message):
     model_fingerprint: str
     quantization: str
     max_q_support: int
-    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., model_fingerprint: _Optional[str] = ..., quantization: _Optional[str] = ..., max_q_support: _Optional[int] = ...) -> None: ...
+    max_tree_nodes: int
+    def __init__(self, model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., protocol_version: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., platform: _Optional[str] = ..., dtype: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., model_fingerprint: _Optional[str] = ..., quantization: _Optional[str] = ..., max_q_support: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class DraftMessage(_message.Message):
     __slots__ = ("hello", "open", "propose", "close")
@@ -96,7 +98,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds")
+    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds", "draft_parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class Proposal(_message.Message):
     ASSUMED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -111,7 +114,8 @@ class Proposal(_message.Message):
     assumed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_draft_tokens: int
     draft_seconds: float
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CloseSequence(_message.Message):
     __slots__ = ("seq_id",)
