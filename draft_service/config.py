@@ -55,6 +55,11 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     adaptive_k: bool = option(False, "the same as --speculation adaptive (kept for older command lines)")
     draft_confidence_threshold: float = option(0.0, "end a draft block early when the draft's top probability "
                                                "falls below this")
+    tree_branches: int = option(1, "token trees: children per node of a round's draft tree, grown best first "
+                                "over the draft's path probability to a depth of --num-speculative-tokens "
+                                "(1: a chain of k, as without trees); needs a verifier with the tree feature")
+    tree_nodes: int = option(16, "token trees: draft tokens one tree holds at most (what the verifier verifies in a "
+                             "round; at most the verifier's max_tree_nodes)")
     wire_mode: str = option("sparse", "how sampled requests are verified (a request may choose its own): sparse "
                             "(rejection sampling; q sent on its top --q-max-support tokens), one-hot (rejection "
                             "sampling; ids only) or coupled (Gumbel-max coupling; ids only; a seeded output is the "
@@ -99,6 +104,13 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
         self.check_cpu_threads()
         if not 0 <= self.pipeline_width <= 8:
             raise ValueError(f"pipeline_width must be in [0, 8] (0: learned), got {self.pipeline_width}")
+        if self.tree_branches < 1:
+            raise ValueError(f"tree_branches must be >= 1 (1: chains), got {self.tree_branches}")
+        if not 1 <= self.tree_nodes <= 64:
+            raise ValueError(f"tree_nodes must be in [1, 64], got {self.tree_nodes}")
+        if self.tree_branches > 1 and self.proposer != "model":
+            raise ValueError("token trees (--tree-branches above 1) are grown by the draft model; prompt lookup "
+                             "(--proposer ngram) proposes chains")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.wire_mode not in WIRE_MODES:

@@ -20,7 +20,9 @@ from common.sampling import SparseProbs
 from common.static_forward import StaticForward
 from draft_service.draft_sampling import Sample, sample_drafts, support
 from draft_service.sequence import DraftSequence
+from draft_service.tree_drafting import TreeGrowth, TreeShape, tree_rows
 from draft_service.types import DraftBlock
+from kernels.paged_attention import TreeMask
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +39,19 @@ class DraftJob:
     # after it exactly as an unpipelined round drafts them once that token is verified (the block's own step
     # count for the confidence rule, the same positions for the random numbers)
     guess_first: bool = False
+    tree: TreeShape | None = None  # a token tree of this shape instead of a chain of k (draft_service.tree_drafting)
+
+
+@dataclass(frozen=True)
+class NodeFeed:
+    """A tree's last depth fed as one query: its nodes sit at cache indices growth.first + node, at the positions of
+    their depth, each seeing the context and its ancestors. Not added to the sequence's cached tokens."""
+
+    growth: TreeGrowth
+    token_ids: list[int]
+
+
+Feed = tuple[DraftSequence, "list[int] | NodeFeed"]
 
 
 @dataclass(frozen=True)
@@ -111,8 +126,13 @@ class DraftModel:
                 self.blocks.fork(seq.fork_from, seq)
             self.blocks.truncate(seq, seq.num_cached)
         lead = [int(job.guess_first) for job in jobs]  # steps before a job's block starts: its guess
-        num_steps = [job.k + lead[i] for i, job in enumerate(jobs)]
-        failed, short = self._reserve(jobs, num_steps)
+        # a tree's forwards: its root, then each depth but the last
+        num_steps = [(job.tree.depth if job.tree else job.k) + lead[i] for i, job in enumerate(jobs)]
+        # cache indices written past the context: a chain's drafts but the last, a tree's every node
+        spans = [n - 1 if job.tree is None else lead[i] + job.tree.nodes
+                 for i, (job, n) in enumerate(zip(jobs, num_steps, strict=True))]
+        failed, short = self._reserve(jobs, num_steps, spans)
+        growths: list[TreeGrowth | None] = [None] * len(jobs)
         pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
         alternatives: list[list[tuple[int, ...]]] = [[] for _ in jobs]
@@ -126,7 +146,19 @@ class DraftModel:
             active = [i for i, n in enumerate(num_steps) if step < n and not stopped[i]]
             if not active:
                 break
-            logits = self._forward([(jobs[i].seq, pending[i]) for i in active])
+            feeds: list[Feed] = [(jobs[i].seq, NodeFeed(growths[i], growths[i].feed_ids()) if growths[i] else pending[i])
+                                 for i in active]
+            logits, rows = self._forward_rows(feeds)
+            fed = active
+            # a tree's root and depths: their rows give the next depth
+            trees = [i for i in fed if jobs[i].tree is not None and step >= lead[i]]
+            if trees:
+                self._grow(jobs, growths, trees, logits, [rows[fed.index(i)] for i in trees], stopped)
+            active = [i for i in fed if i not in trees]
+            if not active:
+                continue
+            if trees:  # the others' rows: each feed's last
+                logits = logits[[rows[fed.index(i)].stop - 1 for i in active]]
             # a guess_first job's block starts one position later: its positions are those an unpipelined
             # round uses after the guess is verified
             samples = self._sample(logits, [jobs[i].seq for i in active],
@@ -146,10 +178,46 @@ class DraftModel:
                 alternatives[i].append(alternative)
                 if q is not None:
                     qs[i].append(q)
+        blocks = [self._keep_best_path(g) if g is not None else
+                  DraftBlock(tuple(d), None if job.seq.sampling.is_greedy else tuple(q), tuple(alt))
+                  for job, g, d, q, alt in zip(jobs, growths, drafted, qs, alternatives, strict=True)]
         return [failed[i] if i in failed else Prefilling(len(pending[i])) if i in prefilling else
-                Drafted(DraftBlock(tuple(d), None if job.seq.sampling.is_greedy else tuple(q), tuple(alt)), guess)
-                for i, (job, d, q, alt, guess) in enumerate(zip(jobs, drafted, qs, alternatives, guesses,
-                                                                strict=True))]
+                Drafted(block, guess) for i, (block, guess) in enumerate(zip(blocks, guesses, strict=True))]
+
+    def _grow(self, jobs: list[DraftJob], growths: list[TreeGrowth | None], trees: list[int], logits: torch.Tensor,
+              rows: list[range], stopped: list[bool]) -> None:
+        """The tree jobs' next depth, from their rows of this step (a root's one row, or a depth's rows)."""
+        for i in trees:
+            if growths[i] is None:  # its root row: the context (and a guess) is now cached
+                seq = jobs[i].seq
+                growths[i] = TreeGrowth(seq, jobs[i].tree, first=seq.num_cached)
+        parents = [[-1] if not growths[i].nodes else list(growths[i].level) for i in trees]
+        seqs = [jobs[i].seq for i, ps in zip(trees, parents, strict=True) for _ in ps]
+        # the position each row's children decide: the tree's first one past its parents' depth
+        positions = [growths[i].first + (0 if p < 0 else growths[i].nodes[p].depth + 1)
+                     for i, ps in zip(trees, parents, strict=True) for p in ps]
+        index = torch.tensor([r for span in rows for r in span], dtype=torch.int64, device=logits.device)
+        branches = max(jobs[i].tree.branches for i in trees)
+        choices = tree_rows(logits[index], seqs, positions, self.q_max_support, branches)
+        at = 0
+        for i, ps in zip(trees, parents, strict=True):
+            if not growths[i].grow(choices[at:at + len(ps)], ps):
+                stopped[i] = True
+            at += len(ps)
+
+    def _keep_best_path(self, growth: TreeGrowth) -> DraftBlock:
+        """The tree's block; its best path's fed nodes' K/V move to the positions they hold if accepted, and become
+        the sequence's cached drafts, as a chain's are (its next round rolls back to what was verified)."""
+        block = growth.block()
+        seq = growth.seq
+        kept = [n for n in block.path if n < growth.fed]
+        moves = [(self.blocks.slots(seq, growth.first + n, growth.first + n + 1)[0],
+                  self.blocks.slots(seq, growth.first + d, growth.first + d + 1)[0])
+                 for d, n in enumerate(kept) if n != d]
+        if moves:
+            self.runner.kv_cache.copy_slots(moves)
+        seq.cached_token_ids.extend(block.token_ids[n] for n in kept)
+        return block
 
     @torch.inference_mode()
     def warm(self, seqs: list[DraftSequence], max_tokens: int) -> list[bool]:
@@ -195,7 +263,8 @@ class DraftModel:
         # that has any, so warming ends)
         return [not s and seq.num_cached < seq.num_context - 1 for s, seq in zip(stop, seqs, strict=True)]
 
-    def _reserve(self, jobs: list[DraftJob], num_steps: list[int]) -> tuple[dict[int, ServiceError], set[int]]:
+    def _reserve(self, jobs: list[DraftJob], num_steps: list[int],
+                 spans: list[int]) -> tuple[dict[int, ServiceError], set[int]]:
         """Give each job, before its first step, the blocks of every position it may write (what it feeds now
         and its drafts but the last). Returns the jobs that fail (a pipelined branch the pool cannot hold now,
         any sequence whose context alone exceeds the whole pool) and the plain sequences the pool cannot hold
@@ -225,7 +294,7 @@ class DraftModel:
             if self.blocks.blocks_for(seq.num_context) > self.blocks.num_blocks:
                 failed[i] = _never_fits(seq.num_context, self.blocks.capacity_tokens)
                 continue
-            copies = self.blocks.reserve(seq, seq.num_cached, seq.num_context + num_steps[i] - 1)
+            copies = self.blocks.reserve(seq, seq.num_cached, seq.num_context + spans[i])
             if copies is None:
                 if seq.fork_from is None:
                     short.add(i)
@@ -282,14 +351,31 @@ class DraftModel:
                 waiting.add(i)
         return waiting
 
-    def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
+    def _forward(self, feeds: list[Feed]) -> torch.Tensor:  # [num_seqs, vocab]
+        """Each feed's last row's logits."""
+        logits, rows = self._forward_rows(feeds)
+        return logits if len(rows) == logits.shape[0] else logits[[r.stop - 1 for r in rows]]
+
+    def _forward_rows(self, feeds: list[Feed]) -> tuple[torch.Tensor, list[range]]:
+        """One forward over the feeds: a token list continues its sequence's cache (its last row's logits), a
+        NodeFeed feeds a tree's depth (a row per node). Returns the logits and each feed's rows of them."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
-        for seq, tokens in feeds:
-            start = seq.num_cached
-            end = start + len(tokens)
+        context_lens: list[int] = []
+        logit_rows: list[int] = []
+        rows: list[range] = []
+        tree_starts: list[int] = []
+        tree_masks: list[int] = []
+        for seq, feed in feeds:
+            if isinstance(feed, NodeFeed):
+                growth = feed.growth
+                level = growth.level
+                start, end = growth.first + level.start, growth.first + level.stop
+            else:
+                start = seq.num_cached
+                end = start + len(feed)
             # a pipelined branch shares its parent's last, partly written block: copy it before writing
             copies = self.blocks.copy_on_write(seq, start, end) if self.blocks.has(seq) else []
             if copies:
@@ -297,27 +383,43 @@ class DraftModel:
             if copies is None or not self.blocks.allocate(seq, end):
                 raise ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full "
                                     "(raise its --kv-cache-memory)")
-            input_ids.extend(tokens)
-            positions.extend(range(start, end))
             slots.extend(self.blocks.slots(seq, start, end))
-            query_start.append(query_start[-1] + len(tokens))
-            seq.cached_token_ids.extend(tokens)
+            query_start.append(query_start[-1] + end - start)
+            context_lens.append(end)
+            if isinstance(feed, NodeFeed):
+                input_ids.extend(feed.token_ids)
+                positions.extend(growth.first + growth.nodes[n].depth for n in level)
+                tree_starts.append(growth.first)
+                masks = growth.ancestor_masks()
+                tree_masks.extend(masks[n] for n in level)
+                rows.append(range(len(logit_rows), len(logit_rows) + len(level)))
+                logit_rows.extend(range(query_start[-2], query_start[-1]))
+            else:
+                input_ids.extend(feed)
+                positions.extend(range(start, end))
+                seq.cached_token_ids.extend(feed)
+                tree_starts.append(end)
+                tree_masks.extend([-1] * len(feed))
+                rows.append(range(len(logit_rows), len(logit_rows) + 1))
+                logit_rows.append(query_start[-1] - 1)
+        any_tree = any(isinstance(feed, NodeFeed) for _, feed in feeds)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),
             slot_mapping=torch.tensor(slots, dtype=torch.int64),
             query_start=query_start,
-            context_lens=[seq.num_cached for seq, _ in feeds],
+            context_lens=context_lens,
             block_tables=[self.blocks.table(seq) for seq, _ in feeds],
             # one token per sequence (a drafting step): every row wanted, so None, and the step may run static
-            logits_indices=None if len(input_ids) == len(feeds) else torch.tensor([e - 1 for e in query_start[1:]],
-                                                                                  dtype=torch.int64),
+            logits_indices=None if len(logit_rows) == len(input_ids) else torch.tensor(logit_rows, dtype=torch.int64),
+            tree=TreeMask(torch.tensor(tree_starts, dtype=torch.int32), torch.tensor(tree_masks, dtype=torch.int64),
+                          torch.tensor(positions, dtype=torch.int64)) if any_tree else None,
         )
         if self.static is not None and self.static.eligible(batch):
             if self._on_static_step:
                 self._on_static_step()
-            return self.static.run(batch)[0]
-        return self.runner.forward(batch)
+            return self.static.run(batch)[0], rows
+        return self.runner.forward(batch), rows
 
     def support(self, seq: DraftSequence) -> int:
         return support(seq, self.q_max_support)

@@ -9,6 +9,7 @@ from draft_service.batcher import DraftBatcher
 from draft_service.draft_model import DraftJob
 from draft_service.ngram import propose_ngram
 from draft_service.sequence import DraftSequence
+from draft_service.tree_drafting import TreeShape
 from draft_service.types import EMPTY_BLOCK, DraftBlock
 
 
@@ -49,20 +50,26 @@ class Drafter(Protocol):
 
 class ModelDrafter:
     """Drafts with the draft model; a block ends early when the draft's confidence in its next token falls below
-    `min_confidence` (0 drafts all k)."""
+    `min_confidence` (0 drafts all k). With `tree`, a round of k drafts a token tree of depth k instead of a chain
+    (draft_service.tree_drafting), scaled down when k is below its depth."""
 
-    def __init__(self, batcher: DraftBatcher, min_confidence: float = 0.0) -> None:
+    def __init__(self, batcher: DraftBatcher, min_confidence: float = 0.0, tree: TreeShape | None = None) -> None:
         self.batcher = batcher
         self.min_confidence = min_confidence
+        self.tree = tree
+
+    def _job(self, seq: DraftSequence, k: int, guess_first: bool = False) -> DraftJob:
+        tree = self.tree.scaled(k) if self.tree is not None and k > 1 else None
+        return DraftJob(seq, k, self.min_confidence, guess_first=guess_first, tree=tree)
 
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         if k == 0:
             return EMPTY_BLOCK
-        return (await self.batcher.draft(DraftJob(seq, k, self.min_confidence))).block
+        return (await self.batcher.draft(self._job(seq, k))).block
 
     async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
         # one batch job: the guess is sampled from the logits the block's drafting starts from anyway
-        drafted = await self.batcher.draft(DraftJob(seq, k, self.min_confidence, guess_first=True))
+        drafted = await self.batcher.draft(self._job(seq, k, guess_first=True))
         if drafted.guess is None:
             return None
         seq.assumed_token_ids.append(drafted.guess)

@@ -174,6 +174,7 @@ class Generator:
         prompt = await self._prompt_ids(req)
         identity = await self.link.ensure_connected(self._retry_s(req.deadline))
         check_prompt_length(len(prompt), identity)  # before the draft prefills it
+        self._check_trees(identity)
         k = self._num_speculative_tokens(req, identity)
         requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
         sampling = self._sampling(requested.with_seed(), identity)
@@ -228,6 +229,17 @@ class Generator:
                                f"implements it; {identity.model_id!r}'s verifier does not (upgrade it, or ask for "
                                "wire_mode sparse or one-hot)")
         return sampling
+
+    def _check_trees(self, identity: VerifierIdentity) -> None:
+        """Token trees need a verifier that verifies them, at least as large as this service grows them."""
+        if self.config.tree_branches <= 1:
+            return
+        if identity.max_tree_nodes < self.config.tree_nodes:
+            why = ("does not verify token trees" if not identity.max_tree_nodes else
+                   f"verifies trees of at most {identity.max_tree_nodes} nodes")
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"this draft service grows token trees of "
+                               f"{self.config.tree_nodes} nodes (--tree-nodes), but {identity.model_id!r}'s verifier "
+                               f"{why}: lower --tree-nodes, or run the draft with --tree-branches 1 (chains)")
 
     def check_num_prompt_ids(self, num_ids: int) -> None:
         """Refuse a token-id prompt by its length alone, before its ids are converted or checked (a 60 MB message

@@ -34,6 +34,8 @@ def proposal_message(seq_id: int, start_position: int, block: DraftBlock, *, sen
         msg.max_draft_tokens = max_draft_tokens
     if send_draft_probs and block.draft_probs is not None:
         msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
+    if block.parents is not None:
+        msg.draft_parents.extend(block.parents)
     msg.assumed_token_ids.extend(assumed_token_ids)
     return verifier_pb2.DraftMessage(propose=msg)
 

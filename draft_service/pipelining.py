@@ -154,12 +154,12 @@ class Pipeline:
         if not width or block.num_draft_tokens == 0 or k == 0:
             return []
         plans: list[tuple[int, int | None, DraftSequence]] = [
-            (block.num_draft_tokens, None, seq.branch(list(block.token_ids)))]
+            (len(block.path_token_ids), None, seq.branch(list(block.path_token_ids)))]
         alternatives = block.alternatives or ()
         ranks = max((len(a) for a in alternatives), default=0)
         guesses = [(j, alts[rank]) for rank in range(ranks) for j, alts in enumerate(alternatives) if rank < len(alts)]
         for j, alternative in guesses[:max(0, width - 1)]:
-            plans.append((j, alternative, seq.branch([*block.token_ids[:j], alternative])))
+            plans.append((j, alternative, seq.branch([*block.path_token_ids[:j], alternative])))
         try:
             # the full-acceptance branch drafts its guess of the bonus token, then the block after it as the
             # next unpipelined round would: a pipelined proposal is always the one that round would send
@@ -204,7 +204,7 @@ class Pipeline:
             return None
         match = None
         if not flight.resumed and not finished:
-            match = next((b for b in branches if verdict.token_ids == (*block.token_ids[:b.num_accepted], b.guess)),
+            match = next((b for b in branches if verdict.token_ids == (*block.path_token_ids[:b.num_accepted], b.guess)),
                          None)
         missed = [branch for branch in branches if branch is not match]
         await self.drafter.release(*(branch.seq for branch in missed))
@@ -215,6 +215,6 @@ class Pipeline:
             return None
         self.metrics.pipelined_proposals.labels(outcome="used").inc()
         await self.drafter.adopt(seq, match.seq)
-        seq.assumed_token_ids.extend(match.block.token_ids)
+        seq.assumed_token_ids.extend(match.block.path_token_ids)
         flight.proposed = match.sent
         return match.block

@@ -27,6 +27,7 @@ from draft_service.generation import Generator
 from draft_service.link_security import LinkSecurity
 from draft_service.metrics import DraftMetrics
 from draft_service.servicer import DraftServicer
+from draft_service.tree_drafting import TreeShape
 from draft_service.verifier_link import VerifierLink
 from specwire.v1 import draft_pb2, draft_pb2_grpc, wire
 
@@ -104,7 +105,9 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
         batcher = DraftBatcher(model, executor)
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
-        drafter = ModelDrafter(batcher, config.draft_confidence_threshold)
+        tree = TreeShape(config.num_speculative_tokens, config.tree_branches, config.tree_nodes) \
+            if config.tree_branches > 1 else None
+        drafter = ModelDrafter(batcher, config.draft_confidence_threshold, tree)
     security = LinkSecurity.from_files(tls=config.verifier_uses_tls, ca=config.verifier_tls_ca,
                                        cert=config.verifier_tls_cert, key=config.verifier_tls_key,
                                        server_name=config.verifier_tls_server_name,

@@ -18,10 +18,21 @@ class DraftBlock:
     # the model's time for the batch that drafted it (Proposal.draft_seconds); None: not drafted by a model batch.
     # Not part of what the block is: two equal drafts are equal however long they took.
     draft_seconds: float | None = field(default=None, compare=False)
+    # a token tree (draft_service.tree_drafting): each token's parent among them, -1 for the root; None: a chain
+    parents: tuple[int, ...] | None = None
+    # a tree's best path (indices of its tokens), what the draft's cache holds past the context; None: a chain
+    path: tuple[int, ...] | None = None
 
     @property
     def num_draft_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def path_token_ids(self) -> tuple[int, ...]:
+        """What acceptance of the whole block means to the draft: a chain's tokens, a tree's best path."""
+        if self.path is None:
+            return self.token_ids
+        return tuple(self.token_ids[i] for i in self.path)
 
 
 EMPTY_BLOCK = DraftBlock((), None)
@@ -76,6 +87,7 @@ class VerifierIdentity:
     # VerifierInfo.max_q_support: entries one draft distribution may list; 0 from an older verifier (unknown,
     # taken as unlimited)
     max_q_support: int = 0
+    max_tree_nodes: int = 0  # VerifierInfo.max_tree_nodes: 0 from a verifier that takes chains only
 
     def target_change(self, now: VerifierIdentity) -> str | None:
         """Why a sequence started on this verifier's target cannot continue on `now`'s, or None. Compared: the

@@ -192,7 +192,9 @@ class VerifierConnection:
         self.identity = VerifierIdentity(info.model_id, info.vocab_size, info.tokenizer_fingerprint,
                                          info.max_draft_tokens, info.max_model_len, tuple(info.features),
                                          model_fingerprint=info.model_fingerprint, dtype=info.dtype,
-                                         quantization=info.quantization, max_q_support=max(0, info.max_q_support))
+                                         quantization=info.quantization, max_q_support=max(0, info.max_q_support),
+                                         max_tree_nodes=max(0, info.max_tree_nodes) if wire.FEATURE_TREE in info.features
+                                         else 0)
 
     async def _teardown(self) -> None:
         for task in (self._reader, self._writer):
