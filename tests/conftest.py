@@ -60,7 +60,8 @@ def stat_stack(models_dir):
 # start on them at once and finish together, instead of one worker running the longest ones alone at the end.
 LONGEST_FILES = ("test_faults.py", "test_testing_kit.py", "test_e2e_triton.py", "test_load.py", "test_kernels_triton.py",
                  "test_kit_example.py", "test_security.py", "test_pipelined_drafting.py", "test_static_forward.py",
-                 "test_e2e.py", "test_coupled.py", "test_gateway.py", "test_quantization.py", "test_netns.py")
+                 "test_e2e.py", "test_tree_e2e.py", "test_coupled.py", "test_gateway.py", "test_quantization.py",
+                 "test_netns.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ and a verifier that does not come back (UNAVAILABLE after --verifier-retry-deadl
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 import threading
 import time
@@ -74,6 +75,25 @@ def test_verifier_killed_and_restarted_mid_generation_resumes_losslessly(fault_s
     assert running.metric("specwire_draft_resumed_sequences_total", draft=True) >= resumes_before + 3
     assert running.metric("specwire_draft_verifier_reconnects_total", draft=True) >= 1
     running.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+def test_token_trees_with_pipelining_resume_losslessly_after_a_verifier_restart(fault_stack):
+    """A draft growing trees (and drafting ahead on their best paths): the same three requests, the same verdict."""
+    running, target = fault_stack
+    service, _ = running.start_draft("tree-draft", ["--tree-branches", "2", "--tree-nodes", "8", "--pipeline", "true"])
+    try:
+        trees = dataclasses.replace(running, draft=service.address)
+        with Client(service.address) as client:
+            seeded_reference = client.generate(prompt_token_ids=PROMPT, **SEEDED).token_ids
+            coupled_reference = client.generate(prompt_token_ids=PROMPT, **COUPLED,
+                                                num_speculative_tokens=0).token_ids
+        greedy, seeded, coupled = asyncio.run(_interrupted(trees, 8, [GREEDY, SEEDED, COUPLED]))
+        assert greedy == greedy_continuation(target, PROMPT, N)
+        assert seeded == seeded_reference
+        assert coupled == coupled_reference
+        running.wait_for_metric("specwire_kv_blocks_used", 0)
+    finally:
+        running.stop_service(service)
 
 
 def test_a_request_made_while_the_verifier_is_down_waits_for_it(fault_stack):
