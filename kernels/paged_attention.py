@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -199,20 +199,33 @@ class TreeMask:
     starts: torch.Tensor  # [num_seqs] int32: the index of a sequence's first tree node; its context length: no tree
     masks: torch.Tensor  # [num_tokens] int64: per query row, bit j set = it sees tree node j; -1 outside trees
     positions: torch.Tensor  # [num_tokens] int64: per query row, its position
+    # the reference's keys per (row, window), computed once per forward (every layer asks again)
+    _keys: dict = field(default_factory=dict, compare=False, repr=False)
 
     def to(self, device: torch.device) -> TreeMask:
         return TreeMask(self.starts.to(device), self.masks.to(device), self.positions.to(device))
 
+    def keys(self, row: int, index: int, tree_start: int, window: int | None,
+             device: torch.device) -> tuple[int, int, torch.Tensor]:
+        """The keys query row `row` (at `index` in its sequence's cache) sees: the prefix before the tree, causally
+        and within the window by its position ([low, end)), then the tree nodes its mask selects (their indices)."""
+        found = self._keys.get((row, window))
+        if found is None:
+            mask, position = int(self.masks[row]), int(self.positions[row])
+            low = max(0, position - window + 1) if window is not None else 0
+            nodes = [tree_start + j for j in range(max(0, index + 1 - tree_start)) if (mask >> j) & 1]
+            found = self._keys[(row, window)] = (low, min(index + 1, tree_start),
+                                                 torch.tensor(nodes, dtype=torch.long, device=device))
+        return found
 
-def _tree_keys(tree: TreeMask, row: int, index: int, tree_start: int, window: int | None,
-               device: torch.device) -> torch.Tensor:
-    """The keys query row `row` (at `index` in its sequence's cache) sees: the prefix before the tree, causally
-    and within the window by its position, then the tree nodes its mask selects."""
-    mask, position = int(tree.masks[row]), int(tree.positions[row])
-    low = max(0, position - window + 1) if window is not None else 0
-    keys = list(range(low, min(index + 1, tree_start)))
-    keys += [tree_start + j for j in range(max(0, index + 1 - tree_start)) if (mask >> j) & 1]
-    return torch.tensor(keys, dtype=torch.long, device=device)
+
+def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row q [1, H, 1, D] over k, v [1, KVH, L, D]: the heads that share a KV head are that head's
+    queries, so K and V are not repeated per head. Every row of a block of at most ROW_INVARIANT_MAX_QUERIES, and
+    every tree node, is computed this way. Returns [1, H, 1, Dv]."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    o = F.scaled_dot_product_attention(q.reshape(1, kv_heads, heads // kv_heads, q.shape[3]), k, v, scale=scale)
+    return o.reshape(1, heads, 1, v.shape[3])
 
 
 def paged_attention_reference(query, key_cache, value_cache, block_tables, query_start, context_lens, scale,
@@ -235,14 +248,15 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, query
         v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim_v)[:ctx].transpose(0, 1).unsqueeze(0)
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         tree_start = int(tree.starts[i]) if tree is not None else ctx
-        if tree_start < ctx:  # a token tree: each row over the keys it sees, gathered
+        if tree_start < ctx:  # a token tree: each row over the keys it sees (the prefix, then its ancestors)
             for j in range(n):
-                keys = _tree_keys(tree, q0 + j, ctx - n + j, tree_start, sliding_window, query.device)
-                kj, vj = k[:, :, keys], v[:, :, keys]
+                low, end, nodes = tree.keys(q0 + j, ctx - n + j, tree_start, sliding_window, query.device)
+                kj = torch.cat([k[:, :, low:end], k.index_select(2, nodes)], dim=2)
+                vj = torch.cat([v[:, :, low:end], v.index_select(2, nodes)], dim=2)
                 if plain:
-                    o = F.scaled_dot_product_attention(q[:, :, j:j + 1], kj, vj, scale=scale, enable_gqa=gqa)
+                    o = _one_query(q[:, :, j:j + 1], kj, vj, scale)
                 else:
-                    everything = torch.ones((1, keys.numel()), dtype=torch.bool, device=query.device)
+                    everything = torch.ones((1, kj.shape[2]), dtype=torch.bool, device=query.device)
                     o = _attend(q[:, :, j:j + 1], kj, vj, scale, everything, softcap, sinks)
                 out[q0 + j] = o[0, :, 0]
             continue
@@ -251,8 +265,7 @@ def paged_attention_reference(query, key_cache, value_cache, block_tables, query
                 end = ctx - n + j + 1  # keys 0 .. this query's position
                 start = max(0, end - sliding_window) if sliding_window is not None else 0
                 if plain:
-                    o = F.scaled_dot_product_attention(q[:, :, j:j + 1], k[:, :, start:end], v[:, :, start:end],
-                                                       scale=scale, enable_gqa=gqa)
+                    o = _one_query(q[:, :, j:j + 1], k[:, :, start:end], v[:, :, start:end], scale)
                 else:
                     everything = torch.ones((1, end - start), dtype=torch.bool, device=query.device)
                     o = _attend(q[:, :, j:j + 1], k[:, :, start:end], v[:, :, start:end], scale, everything,
