@@ -30,17 +30,19 @@ class GenerationStats:
     proposal_bytes: int = 0  # serialized size of the proposals the draft service sent for this request
 
     def record_round(self, *, num_draft_tokens: int, num_accepted: int, num_emitted: int, draft_s: float,
-                     wait_s: float, verify_s: float) -> None:
+                     wait_s: float, verify_s: float, num_positions: int | None = None) -> None:
         """One draft -> verify round: what was drafted, what the verifier kept, what reached the client (fewer
-        tokens than the verdict's when a stop string ended the generation), and where the time went."""
+        tokens than the verdict's when a stop string ended the generation), and where the time went.
+        num_positions: the positions the drafts covered (a token tree's depth); default num_draft_tokens."""
         self.num_rounds += 1
         self.draft_time_s += draft_s
         self.verify_wait_s += wait_s
         self.verify_time_s += verify_s
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        self.num_rejected_rounds += num_accepted < num_draft_tokens
-        count_positions(self.drafted_per_position, num_draft_tokens)
+        positions = num_draft_tokens if num_positions is None else num_positions
+        self.num_rejected_rounds += num_accepted < positions
+        count_positions(self.drafted_per_position, positions)
         count_positions(self.accepted_per_position, num_accepted)
         self.num_generated_tokens += num_emitted
 

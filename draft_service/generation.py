@@ -192,7 +192,8 @@ class Generator:
     def _record_round(self, stats: GenerationStats, length: RoundLength, block: DraftBlock, verdict: VerdictEvent,
                       tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float) -> None:
         stats.record_round(num_draft_tokens=block.num_draft_tokens, num_accepted=verdict.num_accepted,
-                           num_emitted=len(tokens), draft_s=draft_s, wait_s=wait_s, verify_s=verdict.step_time_s)
+                           num_emitted=len(tokens), draft_s=draft_s, wait_s=wait_s, verify_s=verdict.step_time_s,
+                           num_positions=block.num_positions)
         self.metrics.observe_round(draft_s, wait_s, verdict.step_time_s)
         if stats.num_rounds == 1:
             stats.time_to_first_token_s = time.perf_counter() - t0

@@ -28,6 +28,16 @@ class DraftBlock:
         return len(self.token_ids)
 
     @property
+    def num_positions(self) -> int:
+        """The positions its tokens cover: a chain's length, a tree's depth."""
+        if self.parents is None:
+            return len(self.token_ids)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=-1) + 1
+
+    @property
     def path_token_ids(self) -> tuple[int, ...]:
         """What acceptance of the whole block means to the draft: a chain's tokens, a tree's best path."""
         if self.path is None:

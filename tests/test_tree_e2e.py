@@ -66,6 +66,7 @@ def test_greedy_trees_equal_target_only_beside_a_chain_draft(tree_stack):
         accepted = 0
         for i, r in enumerate(results[c * per_client:(c + 1) * per_client]):
             assert list(r.token_ids) == expected[i // 2], (name, i)
+            assert len(r.stats.drafted_per_position) <= (2, 4)[i % 2]  # a tree's positions: its depth, k
             accepted += r.stats.num_accepted_tokens
         assert accepted > 0, name
     running.wait_for_metric("specwire_kv_blocks_used", 0)
