@@ -69,11 +69,11 @@ class KVCache:
     def copy_slots(self, moves: list[tuple[int, int]]) -> None:
         """Copy single tokens' K and V (source slot, destination slot) in every layer; every source is read before
         any destination is written."""
-        src = torch.tensor([m[0] for m in moves])
-        dst = torch.tensor([m[1] for m in moves])
+        device = self.key_caches[0].device
+        src, dst = torch.tensor(moves, dtype=torch.int64).t().to(device)  # one copy to the device
         for cache in (*self.key_caches, *self.value_caches):
             flat = cache.view(-1, *cache.shape[2:])
-            flat[dst.to(flat.device)] = flat[src.to(flat.device)]
+            flat[dst] = flat[src]
 
     @property
     def num_bytes(self) -> int:

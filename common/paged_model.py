@@ -70,7 +70,7 @@ class ForwardBatch:
         if self.logits_indices is not None:
             parts.append(self.logits_indices)
         moved = torch.cat(parts).to(device).split([t.numel() for t in parts])
-        # the tree's masks stay on the host: attention_metadata() copies them with the tables
+        # the tree's masks stay on the host: the reference reads them there, attention_metadata() copies them
         return ForwardBatch(moved[0], moved[1], moved[2], self.query_start, self.context_lens, self.block_tables,
                             moved[3] if self.logits_indices is not None else None, self.attention, self.tree)
 

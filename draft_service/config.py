@@ -104,8 +104,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
         self.check_cpu_threads()
         if not 0 <= self.pipeline_width <= 8:
             raise ValueError(f"pipeline_width must be in [0, 8] (0: learned), got {self.pipeline_width}")
-        if self.tree_branches < 1:
-            raise ValueError(f"tree_branches must be >= 1 (1: chains), got {self.tree_branches}")
+        if not 1 <= self.tree_branches <= 16:
+            raise ValueError(f"tree_branches must be in [1, 16] (1: chains), got {self.tree_branches}")
         if not 1 <= self.tree_nodes <= 64:
             raise ValueError(f"tree_nodes must be in [1, 64], got {self.tree_nodes}")
         if self.tree_branches > 1 and self.proposer != "model":

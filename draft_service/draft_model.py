@@ -178,9 +178,12 @@ class DraftModel:
                 alternatives[i].append(alternative)
                 if q is not None:
                     qs[i].append(q)
-        blocks = [self._keep_best_path(g) if g is not None else
+        moves: list[tuple[int, int]] = []
+        blocks = [self._keep_best_path(g, moves) if g is not None else
                   DraftBlock(tuple(d), None if job.seq.sampling.is_greedy else tuple(q), tuple(alt))
                   for job, g, d, q, alt in zip(jobs, growths, drafted, qs, alternatives, strict=True)]
+        if moves:  # every tree's at once
+            self.runner.kv_cache.copy_slots(moves)
         return [failed[i] if i in failed else Prefilling(len(pending[i])) if i in prefilling else
                 Drafted(block, guess) for i, (block, guess) in enumerate(zip(blocks, guesses, strict=True))]
 
@@ -205,17 +208,16 @@ class DraftModel:
                 stopped[i] = True
             at += len(ps)
 
-    def _keep_best_path(self, growth: TreeGrowth) -> DraftBlock:
-        """The tree's block; its best path's fed nodes' K/V move to the positions they hold if accepted, and become
-        the sequence's cached drafts, as a chain's are (its next round rolls back to what was verified)."""
+    def _keep_best_path(self, growth: TreeGrowth, moves: list[tuple[int, int]]) -> DraftBlock:
+        """The tree's block; its best path's fed nodes' K/V are to move (added to `moves`: source and destination
+        slots) to the positions they hold if accepted, and become the sequence's cached drafts, as a chain's are
+        (its next round rolls back to what was verified)."""
         block = growth.block()
         seq = growth.seq
         kept = [n for n in block.path if n < growth.fed]
-        moves = [(self.blocks.slots(seq, growth.first + n, growth.first + n + 1)[0],
-                  self.blocks.slots(seq, growth.first + d, growth.first + d + 1)[0])
-                 for d, n in enumerate(kept) if n != d]
-        if moves:
-            self.runner.kv_cache.copy_slots(moves)
+        moves.extend((self.blocks.slots(seq, growth.first + n, growth.first + n + 1)[0],
+                      self.blocks.slots(seq, growth.first + d, growth.first + d + 1)[0])
+                     for d, n in enumerate(kept) if n != d)
         seq.cached_token_ids.extend(block.token_ids[n] for n in kept)
         return block
 
@@ -265,8 +267,8 @@ class DraftModel:
 
     def _reserve(self, jobs: list[DraftJob], num_steps: list[int],
                  spans: list[int]) -> tuple[dict[int, ServiceError], set[int]]:
-        """Give each job, before its first step, the blocks of every position it may write (what it feeds now
-        and its drafts but the last). Returns the jobs that fail (a pipelined branch the pool cannot hold now,
+        """Give each job, before its first step, the blocks of every position it may write (what it feeds now,
+        then `spans` more: a chain's drafts but the last, a tree's nodes). Returns the jobs that fail (a pipelined branch the pool cannot hold now,
         any sequence whose context alone exceeds the whole pool) and the plain sequences the pool cannot hold
         now, which draft nothing this round (k = 0); nothing of either is written. Plain sequences are served
         first, then pipelined branches by their rank within their sequence (every sequence's first branch

@@ -3,6 +3,7 @@ the DraftBatcher) or prompt lookup (n-gram, no model)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from draft_service.batcher import DraftBatcher
@@ -53,13 +54,17 @@ class ModelDrafter:
     `min_confidence` (0 drafts all k). With `tree`, a round of k drafts a token tree of depth k instead of a chain
     (draft_service.tree_drafting), scaled down when k is below its depth."""
 
-    def __init__(self, batcher: DraftBatcher, min_confidence: float = 0.0, tree: TreeShape | None = None) -> None:
+    def __init__(self, batcher: DraftBatcher, min_confidence: float = 0.0, tree: TreeShape | None = None,
+                 trees_allowed: Callable[[], bool] = lambda: True) -> None:
+        """trees_allowed: whether the verifier now connected verifies such trees (a resume may land on one that
+        does not); if not, rounds draft chains."""
         self.batcher = batcher
         self.min_confidence = min_confidence
         self.tree = tree
+        self.trees_allowed = trees_allowed
 
     def _job(self, seq: DraftSequence, k: int, guess_first: bool = False) -> DraftJob:
-        tree = self.tree.scaled(k) if self.tree is not None and k > 1 else None
+        tree = self.tree.scaled(k) if self.tree is not None and k > 1 and self.trees_allowed() else None
         return DraftJob(seq, k, self.min_confidence, guess_first=guess_first, tree=tree)
 
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:

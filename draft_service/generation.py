@@ -197,9 +197,10 @@ class Generator:
         self.metrics.observe_round(draft_s, wait_s, verdict.step_time_s)
         if stats.num_rounds == 1:
             stats.time_to_first_token_s = time.perf_counter() - t0
-        length.observe(block.num_draft_tokens, verdict.num_accepted, verdict.next_draft_tokens, draft_s, wait_s)
+        # a tree counts by its positions (its depth), as the length it was drafted for
+        length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, draft_s, wait_s)
         if length.own and block.num_draft_tokens:  # a round that drafted nothing says nothing of drafting
-            self._pooled_own.observe(block.num_draft_tokens, verdict.num_accepted, draft_s, wait_s)
+            self._pooled_own.observe(block.num_positions, verdict.num_accepted, draft_s, wait_s)
         if length.choice is not None:
             self._recent_choice = length.choice
 

@@ -32,13 +32,15 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling import SparseProbs
+from common.token_tree import ancestor_masks
 from draft_service.draft_sampling import support
 from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
 from kernels.sampling_probs import compute_probs
 
-# the noise of a later sibling's draw: its index plus this times its rank (the first child's is the chain's own)
+# the noise of a later sibling's draw: its index plus this times its rank (the first child's is the chain's own);
+# philox takes 32 bits of index, so vocabularies below 2^20 and ranks below 2^12 never share one
 SIBLING_STRIDE = 1 << 20
 
 
@@ -56,8 +58,10 @@ class TreeShape:
         return max(self.branches, -(-self.nodes // max(1, self.depth)))
 
     def scaled(self, k: int) -> TreeShape:
-        """The shape for a round of k drafts when the verifier chose k below the depth (--speculation auto): the
-        nodes shrink in proportion, so that the verified tokens stay about what the verifier priced."""
+        """The shape for a round of depth k (the round's draft length: --speculation auto's or adaptive's choice, or
+        a request's own). Below the configured depth the nodes shrink in proportion. NOTE: the verifier prices a
+        round of k as k + 1 tokens to compute; a tree of n nodes costs n + 1, which its controller sees only
+        through the step times it measures."""
         if k >= self.depth:
             return TreeShape(k, self.branches, self.nodes)
         return TreeShape(k, self.branches, max(k, self.nodes * k // max(1, self.depth)))
@@ -130,10 +134,7 @@ class TreeGrowth:
         return [self.nodes[i].token for i in self.level]
 
     def ancestor_masks(self) -> list[int]:
-        masks: list[int] = []
-        for i, node in enumerate(self.nodes):
-            masks.append((1 << i) | (masks[node.parent] if node.parent >= 0 else 0))
-        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+        return ancestor_masks(n.parent for n in self.nodes)
 
     def best_path(self) -> list[int]:
         """From the root, the likeliest child at each depth."""
@@ -158,6 +159,9 @@ def draw_without_replacement(row: RowChoices, m: int, seed: int, position: int) 
     """Up to m children of a sparse sequence's row, each drawn from q less the earlier ones, renormalised (float32,
     as it travels): (token, its probability under q, the q it was drawn from)."""
     ids = torch.tensor(row.token_ids, dtype=torch.int64)
+    if bool((ids >= SIBLING_STRIDE).any()):
+        raise ValueError(f"token trees draw siblings with noise keyed below {SIBLING_STRIDE}: a vocabulary that "
+                         "large needs another key")
     full = torch.tensor(row.probs, dtype=torch.float64)  # q as sent: float32 values, normalised
     q = full.clone()
     out = []

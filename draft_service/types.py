@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from common.errors import ErrorCode
 from common.sampling import FinishReason, SamplingParams, SparseProbs
+from common.token_tree import tree_depths
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,7 @@ class DraftBlock:
         """The positions its tokens cover: a chain's length, a tree's depth."""
         if self.parents is None:
             return len(self.token_ids)
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=-1) + 1
+        return max(tree_depths(self.parents), default=-1) + 1
 
     @property
     def path_token_ids(self) -> tuple[int, ...]:

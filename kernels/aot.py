@@ -101,7 +101,7 @@ def serving_specs(rocm: bool) -> list[tuple[KernelSpec, int]]:
     decide_sig = {"choice_ptr": "*i64", "final_ptr": "*i64", "target_probs_ptr": "*fp32", "target_argmax_ptr": "*i64",
                   "draft_token_ids_ptr": "*i64", "draft_probs_ptr": "*fp32", "cu_num_draft_ptr": "*i64",
                   "child_offsets_ptr": "*i64", "child_ids_ptr": "*i64", "row_depth_ptr": "*i64",
-                  "scratch_rows_ptr": "*i64", "scratch_ptr": "*fp64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
+                  "z_ptr": "*fp64", "is_greedy_ptr": "*i1", "is_one_hot_ptr": "*i1",
                   "is_coupled_ptr": "*i1", "seeds_ptr": "*i64", "positions_ptr": "*i64", "vocab_size": "i32"}
     specs.append((KernelSpec("decide_rows", decide_rows_kernel, decide_sig,
                              {"HAS_DRAFT_PROBS": True, "BLOCK_V": VOCAB_BLOCK}, False), vocab_warps(rocm)))

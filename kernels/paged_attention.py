@@ -99,7 +99,10 @@ def paged_attention_kernel(
         tree_start = tl.load(tree_starts_ptr + seq)
         row_mask = tl.load(tree_masks_ptr + rows, mask=m_mask, other=-1)
         q_true = tl.load(positions_ptr + rows, mask=m_mask, other=0).to(tl.int32)
-    elif sliding_window > 0:  # (a tree's rows sit past their positions: its keys are walked from the first)
+        if sliding_window > 0:  # from the tile's first position (a node's ancestors are all within the window)
+            lowest = tl.min(tl.where(m_mask, q_true, 2147483647), axis=0)
+            first = tl.maximum(0, (lowest - sliding_window + 1) // BLOCK_N * BLOCK_N)
+    elif sliding_window > 0:
         first = tl.maximum(0, (ctx - q_len + tile * BLOCK_M - sliding_window + 1) // BLOCK_N * BLOCK_N)
     # NOTE: BLOCK_N spans BLOCK_N // PAGE_SIZE whole pages. Each page is contiguous, so its K/V tile is a scalar
     # int64 base plus a loop-invariant int32 offset tile; a [BLOCK_N, BLOCK_D] tensor of 64-bit gather pointers

@@ -70,8 +70,7 @@ def decide_rows_kernel(
     child_offsets_ptr,  # [num_target_rows + 1] int64 (TreeLayout)
     child_ids_ptr,  # [num_draft_tokens] int64
     row_depth_ptr,  # [num_target_rows] int64
-    scratch_rows_ptr,  # [num_target_rows] int64: the row's residual buffer in scratch, -1 for none
-    scratch_ptr,  # [num_scratch_rows, vocab_size] float64: residuals of the rows with several q-drawn children
+    z_ptr,  # [num_draft_tokens] float64 out: the residual's mass each q-drawn child was tested against
     is_greedy_ptr,  # [batch] bool
     is_one_hot_ptr,  # [batch] bool
     is_coupled_ptr,  # [batch] bool
@@ -95,7 +94,6 @@ def decide_rows_kernel(
     c1 = tl.load(child_offsets_ptr + row + 1)
     seed = tl.load(seeds_ptr + seq)
     position = tl.load(positions_ptr + seq) + tl.load(row_depth_ptr + row)  # the position this row decides
-    scratch_row = tl.load(scratch_rows_ptr + row)
     offs = tl.arange(0, BLOCK_V)
     p_row = target_probs_ptr + row * vocab_size
     choice = tl.full([], -1, tl.int64)
@@ -120,6 +118,9 @@ def decide_rows_kernel(
                 if tl.load(draft_token_ids_ptr + node) == final:
                     choice = node - start
     else:
+        # NOTE: r_i is never stored: r_{j+1} = max(0, r_j - z_j q_j) is recomputed from p wherever it is read, with
+        # the masses z_j kept per child (its float64 values are those a stored residual would hold), so a row's
+        # memory does not grow with its children, whatever a draft sends
         z = tl.full([], 1.0, tl.float64)  # the mass of the unnormalised residual r_i (r_1 = p, taken as 1)
         for c in range(c0, c1):
             if choice < 0:
@@ -129,7 +130,10 @@ def decide_rows_kernel(
                 r_x = tl.load(p_row + x).to(tl.float64)
                 if i > 0:
                     if uses_q:
-                        r_x = tl.load(scratch_ptr + scratch_row * vocab_size + x)
+                        for c2 in range(c0, c):
+                            n2 = tl.load(child_ids_ptr + c2)
+                            q2 = tl.load(draft_probs_ptr + n2 * vocab_size + x).to(tl.float64)
+                            r_x = tl.maximum(r_x - tl.load(z_ptr + n2) * q2, 0.0)
                     else:  # r_i is p without the earlier children
                         for c2 in range(c0, c):
                             if tl.load(draft_token_ids_ptr + tl.load(child_ids_ptr + c2)) == x:
@@ -139,29 +143,27 @@ def decide_rows_kernel(
                 if uses_q:
                     q_x = tl.load(q_row + x).to(tl.float64)
                 u = uniform64(seed, position, ACCEPT, i)
+                tl.store(z_ptr + node, z)
+                tl.debug_barrier()  # read back below and by the later children
                 if u * q_x * z < r_x:  # with probability min(1, r_i(x) / q_i(x))
                     choice = node - start
                 elif uses_q:
-                    if scratch_row >= 0:  # r_{i+1} = max(0, r_i - z q_i), kept for the next child
+                    if c + 1 < c1:  # the next child is tested against r_{i+1} = max(0, r_i - z q_i): its mass
                         z_next = tl.full([], 0.0, tl.float64)
                         for v0 in range(0, vocab_size, BLOCK_V):
                             cols = v0 + offs
                             mask = cols < vocab_size
-                            if i == 0:
-                                r = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float64)
-                            else:
-                                r = tl.load(scratch_ptr + scratch_row * vocab_size + cols, mask=mask, other=0.0)
-                            q = tl.load(q_row + cols, mask=mask, other=0.0).to(tl.float64)
-                            r = tl.maximum(r - z * q, 0.0)
-                            tl.store(scratch_ptr + scratch_row * vocab_size + cols, r, mask=mask)
+                            r = tl.load(p_row + cols, mask=mask, other=0.0).to(tl.float64)
+                            for c2 in range(c0, c + 1):
+                                n2 = tl.load(child_ids_ptr + c2)
+                                q = tl.load(draft_probs_ptr + n2 * vocab_size + cols, mask=mask, other=0.0)
+                                r = tl.maximum(r - tl.load(z_ptr + n2) * q.to(tl.float64), 0.0)
                             z_next += tl.sum(r, axis=0)
-                        tl.debug_barrier()  # the next child reads this row's residual back
                         z = z_next
                 else:
                     z = z - r_x
         if choice < 0:  # every child rejected, or none: a sample of the residual (of p for a leaf)
             m = c1 - c0
-            first_q = draft_probs_ptr + tl.load(child_ids_ptr + c0, mask=m > 0, other=0) * vocab_size
             best_r = tl.full([], -1.0, tl.float64)
             best_p = tl.full([], -1.0, tl.float64)
             idx_r = tl.full([], 0, tl.int64)
@@ -174,11 +176,10 @@ def decide_rows_kernel(
                 residual = p
                 if m > 0:
                     if uses_q:
-                        if m == 1:
-                            q = tl.load(first_q + cols, mask=mask, other=0.0).to(tl.float64)
-                            residual = tl.maximum(p - q, 0.0)
-                        else:
-                            residual = tl.load(scratch_ptr + scratch_row * vocab_size + cols, mask=mask, other=0.0)
+                        for c in range(c0, c1):
+                            n2 = tl.load(child_ids_ptr + c)
+                            q = tl.load(draft_probs_ptr + n2 * vocab_size + cols, mask=mask, other=0.0)
+                            residual = tl.maximum(residual - tl.load(z_ptr + n2) * q.to(tl.float64), 0.0)
                     else:
                         for c in range(c0, c1):
                             x = tl.load(draft_token_ids_ptr + tl.load(child_ids_ptr + c))
@@ -253,18 +254,6 @@ def rejection_sample(
     return (out, path) if return_path else out
 
 
-def _scratch_rows(spec: SpecDecodeMetadata, layout: TreeLayout) -> torch.Tensor:
-    """[num_target_rows] int64: a residual buffer for each row whose several children were drawn from a q that
-    was sent (the rows rejection may take through more than one residual), -1 for the others."""
-    per_row = layout.child_offsets[1:] - layout.child_offsets[:-1]
-    num_rows = per_row.numel()
-    row_seq = torch.repeat_interleave(torch.arange(spec.batch_size, device=per_row.device),
-                                      spec.cu_num_draft_tokens[1:] - spec.cu_num_draft_tokens[:-1] + 1)
-    needs = (per_row >= 2) & ~spec.is_one_hot[row_seq] if spec.draft_probs is not None else \
-        torch.zeros(num_rows, dtype=torch.bool, device=per_row.device)
-    return torch.where(needs, needs.to(torch.int64).cumsum(0) - 1, -1)
-
-
 def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Tensor, spec: SpecDecodeMetadata,
                             sampling: SamplingMetadata, layout: TreeLayout | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,16 +273,13 @@ def rejection_sample_triton(target_probs: torch.Tensor, target_argmax: torch.Ten
     # an empty tensor gets a one-element stand-in: the kernels never read it, but the pointer must be valid
     drafts = spec.draft_token_ids if spec.num_draft_tokens else torch.zeros(1, dtype=torch.int64, device=device)
     child_ids = layout.child_ids if spec.num_draft_tokens else drafts
-    scratch_rows = _scratch_rows(spec, layout)
-    num_scratch = int(scratch_rows.max()) + 1 if num_rows else 0
-    scratch = torch.empty((max(num_scratch, 1), vocab if num_scratch else 1), dtype=torch.float64, device=device)
+    z = torch.empty(max(spec.num_draft_tokens, 1), dtype=torch.float64, device=device)
     choice = torch.empty(num_rows, dtype=torch.int64, device=device)
     final = torch.empty(num_rows, dtype=torch.int64, device=device)
-    max_nodes = int((spec.cu_num_draft_tokens[1:] - spec.cu_num_draft_tokens[:-1]).max())
     # step 1: what each row does if the descent reaches it
-    decide_rows_kernel[(batch, max_nodes + 1)](
+    decide_rows_kernel[(batch, layout.max_nodes + 1)](
         choice, final, target_probs, target_argmax, drafts, q, spec.cu_num_draft_tokens, layout.child_offsets,
-        child_ids, layout.row_depth, scratch_rows, scratch, sampling.is_greedy, spec.is_one_hot,
+        child_ids, layout.row_depth, z, sampling.is_greedy, spec.is_one_hot,
         sampling.coupled_mask(), sampling.seeds, sampling.positions, vocab, HAS_DRAFT_PROBS=has_q,
         BLOCK_V=VOCAB_BLOCK, num_warps=vocab_warps())
     # step 2: from each root, through the accepted children, to the final token

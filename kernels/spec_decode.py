@@ -35,12 +35,6 @@ class SpecDecodeMetadata:
     def num_draft_tokens(self) -> int:
         return self.draft_token_ids.numel()
 
-    @property
-    def max_spec_len(self) -> int:
-        if self.batch_size == 0:
-            return 0
-        return int((self.cu_num_draft_tokens[1:] - self.cu_num_draft_tokens[:-1]).max())
-
     def to(self, device: torch.device | str) -> SpecDecodeMetadata:
         return SpecDecodeMetadata(self.draft_token_ids.to(device), self.cu_num_draft_tokens.to(device),
                                   None if self.draft_probs is None else self.draft_probs.to(device),
@@ -48,8 +42,9 @@ class SpecDecodeMetadata:
                                   None if self.draft_parents is None else self.draft_parents.to(device))
 
     def tree_layout(self) -> TreeLayout:
-        """Where each target row's children sit, and how deep each row is (one device sync: the longest path)."""
-        return TreeLayout.build(self.cu_num_draft_tokens, self.draft_parents)
+        """Where each target row's children sit, and how deep each row is (for a chain one device sync, the
+        longest path and the most drafts; a tree's depths take one more per level)."""
+        return TreeLayout.build(self.cu_num_draft_tokens, self.draft_parents, self.num_draft_tokens)
 
 
 @dataclass(frozen=True)
@@ -67,14 +62,14 @@ class TreeLayout:
     sibling_index: torch.Tensor  # [num_draft_tokens] int64: its rank among its parent's children
     node_seq: torch.Tensor  # [num_draft_tokens] int64: the sequence it belongs to
     max_path: int  # the most draft tokens one round can accept (the deepest node's depth + 1; 0 without drafts)
+    max_nodes: int  # the most draft tokens of one sequence
 
     @classmethod
-    def build(cls, cu: torch.Tensor, parents: torch.Tensor | None) -> TreeLayout:
+    def build(cls, cu: torch.Tensor, parents: torch.Tensor | None, num_draft: int) -> TreeLayout:
         device = cu.device
         batch = cu.numel() - 1
-        num_draft = int(cu[-1])
         counts = cu[1:] - cu[:-1]
-        node_seq = torch.repeat_interleave(torch.arange(batch, device=device), counts)
+        node_seq = torch.repeat_interleave(torch.arange(batch, device=device), counts, output_size=num_draft)
         local = torch.arange(num_draft, device=device) - cu[node_seq]
         first_row = cu[:-1] + torch.arange(batch, device=device)  # [batch] each sequence's root row
         if parents is None:
@@ -98,8 +93,8 @@ class TreeLayout:
         sibling_index[order] = torch.arange(num_draft, device=device) - child_offsets[parent_rows[order]]
         row_depth = torch.zeros(num_rows, dtype=torch.int64, device=device)
         row_depth[first_row[node_seq] + local + 1] = depth + 1
-        max_path = int(depth.max()) + 1 if num_draft else 0
-        return cls(child_offsets, order, row_depth, parent_rows, sibling_index, node_seq, max_path)
+        max_path, max_nodes = torch.stack([depth.max() + 1, counts.max()]).tolist() if num_draft else (0, 0)
+        return cls(child_offsets, order, row_depth, parent_rows, sibling_index, node_seq, max_path, max_nodes)
 
 
 @dataclass(frozen=True)

@@ -9,36 +9,24 @@ import os
 import pytest
 import torch
 
+from common.token_tree import ancestor_masks, tree_depths
 from kernels.paged_attention import TreeMask, paged_attention_reference, paged_attention_tensors
 
 from test_kernels_triton import _attention_case
 
-# a verification of a 7-node tree after 30 verified tokens, a plain verification block, a prefill chunk
-PARENTS = [-1, -1, 0, 0, 1, 2, 5]
+# a verification of a 7-node tree after 30 verified tokens, a plain verification block, a prefill chunk; and of a
+# ternary tree of 64 nodes (the last one's mask has the sign bit)
+SHAPES = {"7 nodes": [-1, -1, 0, 0, 1, 2, 5], "64 nodes": [-1 if i < 3 else (i - 3) // 3 for i in range(64)]}
 
 
-def _depths(parents: list[int]) -> list[int]:
-    depth: list[int] = []
-    for p in parents:
-        depth.append(0 if p < 0 else depth[p] + 1)
-    return depth
-
-
-def _masks(parents: list[int]) -> list[int]:
-    masks: list[int] = []
-    for i, p in enumerate(parents):
-        masks.append((1 << i) | (masks[p] if p >= 0 else 0))
-    return masks
-
-
-def _case(gen, dtype):
-    n = len(PARENTS)
+def _case(gen, dtype, parents):
+    n = len(parents)
     prefix = 30
     q_lens, ctx_lens = [n + 1, 4, 9], [prefix + n, 21, 9]
     query, k_cache, v_cache, tables, qs = _attention_case(gen, 8, 2, 32, 16, q_lens, ctx_lens, dtype)
     # row 0 of the tree sequence is its last verified token (index 29); node i sits at index 30 + i
-    masks = [-1, *_masks(PARENTS), -1, -1, -1, -1, *[-1] * 9]
-    positions = [prefix - 1, *[prefix + d for d in _depths(PARENTS)], *range(17, 21), *range(9)]
+    masks = [-1, *ancestor_masks(parents), -1, -1, -1, -1, *[-1] * 9]
+    positions = [prefix - 1, *[prefix + d for d in tree_depths(parents)], *range(17, 21), *range(9)]
     tree = TreeMask(torch.tensor([prefix, 21, 9], dtype=torch.int32), torch.tensor(masks, dtype=torch.int64),
                     torch.tensor(positions, dtype=torch.int64))
     return query, k_cache, v_cache, tables, qs, ctx_lens, tree
@@ -68,9 +56,10 @@ def _dense(query, k_cache, v_cache, tables, qs, ctx_lens, tree, scale, window):
     return out
 
 
-@pytest.mark.parametrize("window", [None, 12])
-def test_reference_tree_attention_equals_dense_masked_attention(window):
-    query, k_cache, v_cache, tables, qs, ctx_lens, tree = _case(torch.Generator().manual_seed(3), torch.float32)
+@pytest.mark.parametrize("shape,window", [("7 nodes", None), ("7 nodes", 12), ("64 nodes", None)])
+def test_reference_tree_attention_equals_dense_masked_attention(shape, window):
+    query, k_cache, v_cache, tables, qs, ctx_lens, tree = _case(torch.Generator().manual_seed(3), torch.float32,
+                                                                SHAPES[shape])
     ref = paged_attention_reference(query, k_cache, v_cache, tables, qs, ctx_lens, 0.2, window, tree=tree)
     dense = _dense(query, k_cache, v_cache, tables, qs, ctx_lens, tree, 0.2, window)
     torch.testing.assert_close(ref, dense, atol=2e-5, rtol=2e-5)
@@ -80,9 +69,10 @@ def test_reference_tree_attention_equals_dense_masked_attention(window):
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("window", [None, 12])
-def test_triton_tree_attention_equals_dense_masked_attention(window):
-    query, k_cache, v_cache, tables, qs, ctx_lens, tree = _case(torch.Generator().manual_seed(4), torch.float32)
+@pytest.mark.parametrize("shape,window", [("7 nodes", None), ("7 nodes", 12), ("64 nodes", None)])
+def test_triton_tree_attention_equals_dense_masked_attention(shape, window):
+    query, k_cache, v_cache, tables, qs, ctx_lens, tree = _case(torch.Generator().manual_seed(4), torch.float32,
+                                                                SHAPES[shape])
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     out = paged_attention_tensors(query, k_cache, v_cache, table_t, torch.tensor(qs, dtype=torch.int32),

@@ -185,13 +185,38 @@ def test_malformed_trees_are_refused_with_a_readable_reason():
     assert "at most 6" in refused(tuple(range(3, 10)), (-1,) * 7)
     assert "draft_parents" in refused((4, 5, 6), (-1, 0))
     assert "chains only" in refused((4, 5), (-1, -1), Limits(100, 64, 3, 8))
+    wide = Limits(vocab_size=100, max_model_len=64, max_draft_tokens=3, max_q_support=8, max_tree_nodes=20)
+    assert "more than 16 children" in refused(tuple(range(3, 20)), (-1,) * 17, wide)
     check_proposal(ProposeCmd(key, 5, (4, 5, 6, 7, 8, 9), None, draft_parents=(-1, -1, 0, 0, 1, 4)), limits)
 
 
-def test_a_tree_past_the_context_is_cut_to_the_positions_left():
+def test_a_tree_past_the_context_keeps_its_first_nodes():
+    """Its nodes occupy cache slots past the verified tokens: no more of them than the context has room for."""
     cmd = ProposeCmd(SeqKey(1, 1), 5, (4, 5, 6, 7, 8, 9), None, draft_parents=(-1, -1, 0, 0, 1, 4))
-    cut = cmd.truncated(2)
-    assert cut.draft_token_ids == (4, 5, 6, 7, 8) and cut.draft_parents == (-1, -1, 0, 0, 1)
-    one = cmd.truncated(1)
-    assert one.draft_token_ids == (4, 5) and one.draft_parents == (-1, -1)
-    assert cmd.truncated(0).num_draft_tokens == 0
+    cut = cmd.truncated(4)
+    assert cut.draft_token_ids == (4, 5, 6, 7) and cut.draft_parents == (-1, -1, 0, 0)
+    assert cut.num_positions == 2
+    assert cmd.truncated(0).num_draft_tokens == 0 and cmd.truncated(0).draft_parents is None
+
+
+def test_a_tree_near_the_end_of_the_context_is_verified_within_it(pair):
+    target, _ = pair
+    engine = _engine(target, num_blocks=256)
+    prompt = [3 + (i * 7) % 150 for i in range(505)]  # the tiny config's context is 512: 7 tokens of room
+    key = SeqKey(1, 0)
+    engine.submit(OpenCmd(key, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=64).with_seed()))
+    truth = greedy_continuation(target, prompt, 7)
+    out: list[int] = []
+    rng = random.Random(1)
+    for _ in range(50):
+        if key not in engine.scheduler.sequences and out:
+            break
+        if key not in engine.scheduler.sequences or not engine.scheduler.sequences[key].proposals:
+            tokens, parents = tree_around(rng, truth[len(out):], 16, 3, depth=6, miss=0.0)
+            engine.submit(ProposeCmd(key, len(prompt) + len(out), tokens, None, draft_parents=parents))
+        for o in engine.step().outcomes:
+            assert not isinstance(o, ErrorOut), o
+            if isinstance(o, VerdictOut):
+                out.extend(o.token_ids)
+    assert out == truth  # up to the context's end, and not past it
+    assert engine.blocks.num_used_blocks == 0

@@ -166,12 +166,13 @@ class VerifierEngine:
             seq = item.seq
             if not isinstance(verdict, VerdictOut) or seq.key not in self.scheduler.sequences:
                 continue  # ended: a released sequence's acceptance is forgotten, and must not come back
-            control.observe_verification(seq.key, item.proposal.num_draft_tokens, verdict.num_accepted)
+            # a tree is judged by its positions (its depth): acceptance past them was never tried
+            control.observe_verification(seq.key, item.proposal.num_positions, verdict.num_accepted)
             if item.proposal.max_draft_tokens is None:
                 other_tokens += item.num_tokens
                 other_output += len(verdict.token_ids)
                 if item.proposal.draft_seconds is not None:
-                    other_longest = max(other_longest, item.proposal.num_draft_tokens)
+                    other_longest = max(other_longest, item.proposal.num_positions)
                 continue
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
@@ -207,7 +208,7 @@ class VerifierEngine:
                 continue
             seconds, k = by_stream.get(p.key.stream_id, (0.0, 0))
             by_stream[p.key.stream_id] = (max(seconds, min(p.draft_seconds, control.max_idle_s)),
-                                          max(k, p.num_draft_tokens))
+                                          max(k, p.num_positions))
         if by_stream:
             control.observe_drafting(max(s for s, _ in by_stream.values()),
                                      max(s / k for s, k in by_stream.values()),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from common.errors import ErrorCode
 from common.sampling import FinishReason, SamplingParams, SparseProbs, count_positions
+from common.token_tree import ancestor_masks, tree_depths
 
 if TYPE_CHECKING:
     from verifier_service.sequence import Sequence  # it holds ProposeCmds: imported here only for annotations
@@ -52,10 +53,7 @@ class ProposeCmd:
         """Each draft token's depth: its position less start_position (a chain's: 0, 1, ...)."""
         if self.draft_parents is None:
             return list(range(self.num_draft_tokens))
-        depths: list[int] = []
-        for parent in self.draft_parents:
-            depths.append(0 if parent < 0 else depths[parent] + 1)
-        return depths
+        return tree_depths(self.draft_parents)
 
     @property
     def num_positions(self) -> int:
@@ -64,27 +62,19 @@ class ProposeCmd:
 
     def ancestor_masks(self) -> list[int]:
         """Per draft token, the bits of itself and its ancestors (tree attention, kernels.paged_attention)."""
-        parents = self.draft_parents if self.draft_parents is not None else range(-1, self.num_draft_tokens - 1)
-        masks: list[int] = []
-        for i, parent in enumerate(parents):
-            masks.append((1 << i) | (masks[parent] if parent >= 0 else 0))
-        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]  # as int64
+        return ancestor_masks(self.draft_parents if self.draft_parents is not None
+                              else range(-1, self.num_draft_tokens - 1))
 
-    def truncated(self, num_positions: int) -> ProposeCmd:
-        """The same proposal with only the drafts of its first `num_positions` positions (a chain's first ones; a
-        tree's nodes that shallow, which keeps every kept node's parent, renumbered)."""
-        if num_positions >= self.num_positions:
+    def truncated(self, num_draft_tokens: int) -> ProposeCmd:
+        """The same proposal with only its first `num_draft_tokens` drafts: a chain's first positions, a tree's
+        first nodes (its parents come first, so the kept ones stay a tree; they occupy as many cache slots, and
+        span no more positions)."""
+        if num_draft_tokens >= self.num_draft_tokens:
             return self
-        if self.draft_parents is None:
-            draft_probs = self.draft_probs[:num_positions] if self.draft_probs else self.draft_probs
-            return dataclasses.replace(self, draft_token_ids=self.draft_token_ids[:num_positions],
-                                       draft_probs=draft_probs)
-        keep = [i for i, d in enumerate(self.depths) if d < num_positions]
-        index = {old: new for new, old in enumerate(keep)}
-        return dataclasses.replace(
-            self, draft_token_ids=tuple(self.draft_token_ids[i] for i in keep),
-            draft_probs=tuple(self.draft_probs[i] for i in keep) if self.draft_probs else self.draft_probs,
-            draft_parents=tuple(index.get(self.draft_parents[i], -1) for i in keep) if keep else None)
+        draft_probs = self.draft_probs[:num_draft_tokens] if self.draft_probs else self.draft_probs
+        parents = self.draft_parents[:num_draft_tokens] if self.draft_parents and num_draft_tokens else None
+        return dataclasses.replace(self, draft_token_ids=self.draft_token_ids[:num_draft_tokens],
+                                   draft_probs=draft_probs, draft_parents=parents)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,9 @@ from verifier_service.types import OpenCmd, ProposeCmd
 
 # A proposal's q must sum to 1 within this (float32 on the wire).
 Q_SUM_TOLERANCE = 1e-3
+# Children of one token-tree node: a row's rejections cost a pass over the vocabulary per earlier child each
+# (kernels.rejection_sampler), so a draft cannot make one row cost more than 16 * 17 / 2 of them.
+MAX_TREE_BRANCHES = 16
 
 
 @dataclass(frozen=True)
@@ -120,15 +123,22 @@ def check_proposal(cmd: ProposeCmd, limits: Limits, sampling: SamplingParams | N
 
 def _check_tree(cmd: ProposeCmd, limits: Limits) -> None:
     """Parents come before their children, and the tree is no deeper than the verifier takes."""
+    children: dict[int, int] = {}
     for i, parent in enumerate(cmd.draft_parents):
         if not -1 <= parent < i:
             raise invalid_argument(f"draft_parents[{i}] is {parent}: a draft token's parent is -1 (the last verified "
                                    "token) or an earlier draft token")
+        children[parent] = children.get(parent, 0) + 1
+        if children[parent] > MAX_TREE_BRANCHES:
+            raise invalid_argument(f"token tree node {parent} has more than {MAX_TREE_BRANCHES} children; this "
+                                   f"verifier takes at most {MAX_TREE_BRANCHES} per node")
     depth = cmd.num_positions
-    most = min(limits.max_draft_tokens, limits.max_tree_depth or limits.max_draft_tokens)
-    if depth > most:
-        raise invalid_argument(f"token tree is {depth} tokens deep; this verifier accepts at most {most} "
-                               "(GetInfo.max_draft_tokens)")
+    if depth > limits.max_draft_tokens:
+        raise invalid_argument(f"token tree is {depth} tokens deep; this verifier accepts at most "
+                               f"{limits.max_draft_tokens} (GetInfo.max_draft_tokens)")
+    if limits.max_tree_depth is not None and depth > limits.max_tree_depth:
+        raise invalid_argument(f"token tree is {depth} tokens deep; this target's sliding window takes trees of at "
+                               f"most {limits.max_tree_depth}")
 
 
 def _check_draft_probs(where: str, x: int, q: SparseProbs, vocab_size: int) -> None:
