@@ -34,7 +34,7 @@ from specwire import Client  # noqa: E402
 from specwire.launch import Stack  # noqa: E402
 
 # per N: the tree's depth (--num-speculative-tokens) and branches; nodes per depth = max(B, ceil(N / depth))
-TREES = {4: (3, 2), 8: (4, 2), 16: (6, 3)}
+TREES = {4: (4, 2), 8: (8, 2), 16: (16, 2)}
 
 
 def configs(sizes: list[int]) -> list[tuple[str, int, list[str]]]:

@@ -20,7 +20,7 @@ from common.sampling import SparseProbs
 from common.static_forward import StaticForward
 from draft_service.draft_sampling import Sample, sample_drafts, support
 from draft_service.sequence import DraftSequence
-from draft_service.tree_drafting import TreeGrowth, TreeShape, tree_rows
+from draft_service.tree_drafting import NodeFeed, TreeGrowth, TreeShape, tree_rows
 from draft_service.types import DraftBlock
 from kernels.paged_attention import TreeMask
 
@@ -42,16 +42,9 @@ class DraftJob:
     tree: TreeShape | None = None  # a token tree of this shape instead of a chain of k (draft_service.tree_drafting)
 
 
-@dataclass(frozen=True)
-class NodeFeed:
-    """A tree's last depth fed as one query: its nodes sit at cache indices growth.first + node, at the positions of
-    their depth, each seeing the context and its ancestors. Not added to the sequence's cached tokens."""
-
-    growth: TreeGrowth
-    token_ids: list[int]
-
-
-Feed = tuple[DraftSequence, "list[int] | NodeFeed"]
+# a token list continues the sequence's cache; a NodeFeed feeds tree nodes at their slots past growth.first (they
+# are not added to the sequence's cached tokens)
+Feed = tuple[DraftSequence, "list[int] | tuple[TreeGrowth, NodeFeed]"]
 
 
 @dataclass(frozen=True)
@@ -146,7 +139,7 @@ class DraftModel:
             active = [i for i, n in enumerate(num_steps) if step < n and not stopped[i]]
             if not active:
                 break
-            feeds: list[Feed] = [(jobs[i].seq, NodeFeed(growths[i], growths[i].feed_ids()) if growths[i] else pending[i])
+            feeds: list[Feed] = [(jobs[i].seq, (growths[i], growths[i].feed()) if growths[i] else pending[i])
                                  for i in active]
             logits, rows = self._forward_rows(feeds)
             fed = active
@@ -194,7 +187,7 @@ class DraftModel:
             if growths[i] is None:  # its root row: the context (and a guess) is now cached
                 seq = jobs[i].seq
                 growths[i] = TreeGrowth(seq, jobs[i].tree, first=seq.num_cached)
-        parents = [[-1] if not growths[i].nodes else list(growths[i].level) for i in trees]
+        parents = [growths[i].fed or [-1] for i in trees]
         seqs = [jobs[i].seq for i, ps in zip(trees, parents, strict=True) for _ in ps]
         # the position each row's children decide: the tree's first one past its parents' depth
         positions = [growths[i].first + (0 if p < 0 else growths[i].nodes[p].depth + 1)
@@ -204,7 +197,7 @@ class DraftModel:
         choices = tree_rows(logits[index], seqs, positions, self.q_max_support, branches)
         at = 0
         for i, ps in zip(trees, parents, strict=True):
-            if not growths[i].grow(choices[at:at + len(ps)], ps):
+            if not growths[i].grow(choices[at:at + len(ps)]):
                 stopped[i] = True
             at += len(ps)
 
@@ -212,13 +205,13 @@ class DraftModel:
         """The tree's block; its best path's fed nodes' K/V are to move (added to `moves`: source and destination
         slots) to the positions they hold if accepted, and become the sequence's cached drafts, as a chain's are
         (its next round rolls back to what was verified)."""
-        block = growth.block()
+        block, path = growth.block()
         seq = growth.seq
-        kept = [n for n in block.path if n < growth.fed]
-        moves.extend((self.blocks.slots(seq, growth.first + n, growth.first + n + 1)[0],
+        kept = [growth.nodes[n] for n in path if growth.nodes[n].slot >= 0]  # fed: a prefix of the path
+        moves.extend((self.blocks.slots(seq, growth.first + node.slot, growth.first + node.slot + 1)[0],
                       self.blocks.slots(seq, growth.first + d, growth.first + d + 1)[0])
-                     for d, n in enumerate(kept) if n != d)
-        seq.cached_token_ids.extend(block.token_ids[n] for n in kept)
+                     for d, node in enumerate(kept) if node.slot != d)
+        seq.cached_token_ids.extend(node.token for node in kept)
         return block
 
     @torch.inference_mode()
@@ -371,10 +364,9 @@ class DraftModel:
         tree_starts: list[int] = []
         tree_masks: list[int] = []
         for seq, feed in feeds:
-            if isinstance(feed, NodeFeed):
-                growth = feed.growth
-                level = growth.level
-                start, end = growth.first + level.start, growth.first + level.stop
+            if isinstance(feed, tuple):
+                growth, nodes = feed
+                start, end = growth.first + nodes.slots.start, growth.first + nodes.slots.stop
             else:
                 start = seq.num_cached
                 end = start + len(feed)
@@ -388,13 +380,12 @@ class DraftModel:
             slots.extend(self.blocks.slots(seq, start, end))
             query_start.append(query_start[-1] + end - start)
             context_lens.append(end)
-            if isinstance(feed, NodeFeed):
-                input_ids.extend(feed.token_ids)
-                positions.extend(growth.first + growth.nodes[n].depth for n in level)
+            if isinstance(feed, tuple):
+                input_ids.extend(nodes.token_ids)
+                positions.extend(growth.first + d for d in nodes.depths)
                 tree_starts.append(growth.first)
-                masks = growth.ancestor_masks()
-                tree_masks.extend(masks[n] for n in level)
-                rows.append(range(len(logit_rows), len(logit_rows) + len(level)))
+                tree_masks.extend(nodes.masks)
+                rows.append(range(len(logit_rows), len(logit_rows) + len(nodes.token_ids)))
                 logit_rows.extend(range(query_start[-2], query_start[-1]))
             else:
                 input_ids.extend(feed)
@@ -404,7 +395,7 @@ class DraftModel:
                 tree_masks.extend([-1] * len(feed))
                 rows.append(range(len(logit_rows), len(logit_rows) + 1))
                 logit_rows.append(query_start[-1] - 1)
-        any_tree = any(isinstance(feed, NodeFeed) for _, feed in feeds)
+        any_tree = any(isinstance(feed, tuple) for _, feed in feeds)
         batch = ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64),
             positions=torch.tensor(positions, dtype=torch.int64),

@@ -1,25 +1,25 @@
 """Token trees on the draft side: what a round drafts instead of a chain when --tree-branches is above 1.
 
-A tree grows one depth per drafting step, best first over the path probability (the product of the draft's
-probabilities from the root), as EAGLE-2 does, within three limits: `depth` positions (the round's k), at most
-`branches` children per node, at most `nodes` nodes. Each step feeds every node of the last depth in one query
-of the sequence, each seeing the context and its own ancestors (tree attention, kernels.paged_attention), and
-their rows give the next depth's candidates: the i-th best child of node f scores path(f) * (i-th largest
-probability of f's distribution). The best `per_depth` candidates (and no more than the nodes left) become the
-next depth's nodes. Nodes are numbered depth by depth, siblings in the order they were made.
+A tree grows one depth per drafting step within three limits: `depth` positions (the round's k), at most
+`branches` children per node, at most `nodes` nodes. Each step feeds the chosen nodes of the last depth in one
+query of the sequence, each seeing the context and its own ancestors (tree attention, kernels.paged_attention),
+at cache slots given in the order nodes are fed, and their rows give the next depth's candidates.
 
-How a node's children are made decides what the verifier may do with them (kernels.rejection_sampler):
-- greedy, one-hot: the most likely tokens under q. One-hot verification takes q = delta(x), lossless for any
+Greedy, one-hot and coupled trees grow as EAGLE-2's: the `per_depth` best candidates of each depth by path
+probability (the product of the draft's probabilities from the root) are fed, each proposes its `branches`
+likeliest children, and the tree is the `nodes` best candidates of all (a child never scores above its parent, so
+they form a tree): a confident draft spends its nodes deep, an unsure one wide. These children may be anything:
+- greedy, one-hot: the draft's likeliest tokens. One-hot verification takes q = delta(x), lossless for any
   children; greedy verification descends to the child that equals the target's argmax.
 - coupled: the best tokens of q / E with the verifier's own noise E at that position, the target's likeliest
-  samples; any children are lossless there too.
-- sparse (sampled, q sent): the children are draws without replacement. The i-th is argmax q_i / E_i over q's
-  support, q_i being q less the earlier children, renormalised and rounded to the float32 that travels, with
-  noise E_i of its own (the first child's is the chain's draft noise), and q_i is what is sent with it: each
-  child is then distributed as the q sent with it, given everything before it, which is what the verifier's
-  recursive rejection sampling assumes. How many children a node gets is decided before any of them is drawn
-  (from the scores above, which use the parent's distribution, not the children's tokens); what is drawn later
-  only shapes deeper levels.
+  samples.
+Sparse trees (sampled, q sent) are draws, and a draw may not be kept or dropped by its value: each depth's
+children are allotted before any is drawn (the i-th child of node f scores path(f) times the i-th largest
+probability of f's distribution; the best `per_depth` are drawn), and every drawn child is kept and fed. The i-th
+child is argmax q_i / E_i over q's support, q_i being q less the earlier children, renormalised and rounded to
+the float32 that travels, with noise E_i of its own (the first child's is the chain's draft noise), and q_i is
+what is sent with it: each child is then distributed as the q sent with it given everything before it, which is
+what the verifier's recursive rejection sampling assumes. What is drawn later shapes only deeper levels.
 
 After the last step the draft keeps its best path (the likeliest child at each depth) in its cache at the
 positions it would hold if accepted, as a chain's drafts are kept; pipelining assumes that path.
@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import torch
 
 from common.sampling import SparseProbs
-from common.token_tree import ancestor_masks
 from draft_service.draft_sampling import support
 from draft_service.sequence import DraftSequence
 from draft_service.types import DraftBlock
@@ -83,26 +82,60 @@ class Node:
     depth: int
     score: float  # path probability
     q: SparseProbs | None = None  # what it was drawn from (sparse)
+    slot: int = -1  # fed: its cache index less `first` (nodes get slots in the order they are fed); -1: never fed
+
+
+@dataclass(frozen=True)
+class NodeFeed:
+    """One step's nodes fed as one query: slots `slots` (cache indices first + slot), each at its depth's position,
+    each seeing the context and its ancestors (masks: bit j = slot j)."""
+
+    token_ids: list[int]
+    slots: range
+    depths: list[int]
+    masks: list[int]
 
 
 @dataclass
 class TreeGrowth:
-    """One sequence's tree while it is drafted."""
+    """One sequence's tree while it is drafted.
+
+    Greedy, one-hot and coupled trees grow as EAGLE-2's: each step feeds the `per_depth` best candidates of the
+    last depth, each proposes its `branches` likeliest children, and at the end the `nodes` best of every candidate
+    (by path probability) make the tree: a confident draft spends its nodes deep, an unsure one wide. Sparse trees
+    cannot choose among drawn children by their draws: each depth's children are allotted before they are drawn
+    (the best `per_depth` scores from their parents' distributions), every drawn child is kept and fed."""
 
     seq: DraftSequence
     shape: TreeShape
-    first: int  # the cache index of node 0: the context's length (its positions start there too)
+    first: int  # the cache index of slot 0: the context's length (its positions start there too)
     nodes: list[Node] = field(default_factory=list)
-    level: range = range(0)  # the nodes of the last depth (the next ones fed)
-    fed: int = 0  # nodes fed so far: every node below the last depth
+    frontier: list[int] = field(default_factory=list)  # the nodes fed next
+    fed: list[int] = field(default_factory=list)  # the nodes fed by the last step, in row order
 
-    def grow(self, rows: list[RowChoices], parents: list[int]) -> bool:
-        """Add the next depth from the rows of `parents` (-1: the root). Returns whether it has nodes to feed."""
-        left = self.shape.nodes - len(self.nodes)
+    @property
+    def rerank(self) -> bool:
+        return not self.seq.sampling.sends_draft_probs
+
+    def grow(self, rows: list[RowChoices]) -> bool:
+        """Add the children of the nodes the last step fed (the root first) from their rows. Returns whether there
+        are nodes to feed next."""
+        parents = self.fed or [-1]
         depth = 0 if parents == [-1] else self.nodes[parents[0]].depth + 1
-        if left <= 0 or depth >= self.shape.depth:
-            self.level = range(len(self.nodes), len(self.nodes))
+        self.frontier = []
+        if depth >= self.shape.depth:
             return False
+        start = len(self.nodes)
+        if self.rerank:
+            for parent, row in zip(parents, rows, strict=True):
+                base = 1.0 if parent < 0 else self.nodes[parent].score
+                for token, prob in zip(row.token_ids[:self.shape.branches], row.probs, strict=False):
+                    if prob > 0:
+                        self.nodes.append(Node(token, parent, depth, base * prob))
+            new = sorted(range(start, len(self.nodes)), key=lambda i: -self.nodes[i].score)
+            self.frontier = new[:self.shape.per_depth] if depth + 1 < self.shape.depth else []
+            return bool(self.frontier)
+        left = self.shape.nodes - len(self.nodes)
         candidates = []
         for parent, row in zip(parents, rows, strict=True):
             base = 1.0 if parent < 0 else self.nodes[parent].score
@@ -111,48 +144,63 @@ class TreeGrowth:
         counts: dict[int, int] = {}
         for _, parent, _ in sorted(candidates)[:min(self.shape.per_depth, left)]:
             counts[parent] = counts.get(parent, 0) + 1
-        start = len(self.nodes)
         sampling = self.seq.sampling
         for parent, row in zip(parents, rows, strict=True):
-            m = counts.get(parent, 0)
-            if not m:
-                continue
-            base = 1.0 if parent < 0 else self.nodes[parent].score
-            position = self.first + depth
-            if sampling.sends_draft_probs:
-                children = draw_without_replacement(row, m, sampling.seed, position)
-            else:
-                children = [(t, p, None) for t, p in zip(row.token_ids[:m], row.probs[:m], strict=False)]
-            for token, prob, q in children:
-                self.nodes.append(Node(token, parent, depth, base * prob, q))
-        self.level = range(start, len(self.nodes))
-        return len(self.level) > 0 and depth + 1 < self.shape.depth and len(self.nodes) < self.shape.nodes
+            if counts.get(parent, 0):
+                base = 1.0 if parent < 0 else self.nodes[parent].score
+                for token, prob, q in draw_without_replacement(row, counts[parent], sampling.seed, self.first + depth):
+                    self.nodes.append(Node(token, parent, depth, base * prob, q))
+        if depth + 1 < self.shape.depth and len(self.nodes) < self.shape.nodes:
+            self.frontier = list(range(start, len(self.nodes)))
+        return bool(self.frontier)
 
-    def feed_ids(self) -> list[int]:
-        """The tokens of the last depth, fed next."""
-        self.fed = self.level.stop
-        return [self.nodes[i].token for i in self.level]
+    def feed(self) -> NodeFeed:
+        """The frontier, given the next slots."""
+        first_slot = sum(1 for n in self.nodes if n.slot >= 0)
+        for k, i in enumerate(self.frontier):
+            self.nodes[i].slot = first_slot + k
+        self.fed = self.frontier
+        masks = []
+        for i in self.fed:
+            mask, node = 0, i
+            while node >= 0:
+                mask |= 1 << self.nodes[node].slot
+                node = self.nodes[node].parent
+            masks.append(mask - (1 << 64) if mask >= 1 << 63 else mask)
+        return NodeFeed([self.nodes[i].token for i in self.fed], range(first_slot, first_slot + len(self.fed)),
+                        [self.nodes[i].depth for i in self.fed], masks)
 
-    def ancestor_masks(self) -> list[int]:
-        return ancestor_masks(n.parent for n in self.nodes)
+    def chosen(self) -> list[int]:
+        """The nodes the tree keeps, depth by depth (a node's children in the order they were made or ranked)."""
+        if not self.rerank:
+            return list(range(len(self.nodes)))
+        best = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+        kept: set[int] = set()
+        for i in best:  # a child scores at most its parent, which therefore comes first
+            if len(kept) == self.shape.nodes:
+                break
+            if self.nodes[i].parent < 0 or self.nodes[i].parent in kept:
+                kept.add(i)
+        return sorted(kept, key=lambda i: (self.nodes[i].depth, i))
 
-    def best_path(self) -> list[int]:
-        """From the root, the likeliest child at each depth."""
+    def block(self) -> tuple[DraftBlock, list[int]]:
+        """The tree as proposed, and its best path (the likeliest child at each depth) as node indices."""
+        chosen = self.chosen()
+        index = {node: k for k, node in enumerate(chosen)}
         path: list[int] = []
         parent = -1
         while True:
-            children = [i for i, n in enumerate(self.nodes) if n.parent == parent]
+            children = [i for i in chosen if self.nodes[i].parent == parent]
             if not children:
-                return path
+                break
             parent = max(children, key=lambda i: self.nodes[i].score)
             path.append(parent)
-
-    def block(self) -> DraftBlock:
-        sampled = not self.seq.sampling.is_greedy
-        qs = tuple(n.q for n in self.nodes) if self.seq.sampling.sends_draft_probs else None
-        path = tuple(self.best_path())
-        return DraftBlock(tuple(n.token for n in self.nodes), qs if sampled else None,
-                          parents=tuple(n.parent for n in self.nodes), path=path)
+        sampling = self.seq.sampling
+        qs = tuple(self.nodes[i].q for i in chosen) if sampling.sends_draft_probs else None
+        block = DraftBlock(tuple(self.nodes[i].token for i in chosen), qs,
+                           parents=tuple(index.get(self.nodes[i].parent, -1) for i in chosen),
+                           path=tuple(index[i] for i in path))
+        return block, path
 
 
 def draw_without_replacement(row: RowChoices, m: int, seed: int, position: int) -> list[tuple[int, float, SparseProbs]]:

@@ -71,7 +71,7 @@ def test_non_finite_logits_fail_only_their_own_sequence():
     items = [(SamplingParams(temperature=0.0, seed=1), ProposeCmd(SeqKey(1, 1), 10, (3,), None)),
              (SamplingParams(temperature=0.8, seed=2), ProposeCmd(SeqKey(1, 2), 20, (4, 5), None))]
     out = verify_batch(logits, items)
-    assert out[0] is None and out[1] is not None and 1 <= len(out[1]) <= 3
+    assert out[0] is None and out[1] is not None and 1 <= len(out[1].token_ids) <= 3
     # the draft: a non-finite row ends that sequence's block (the verifier still decides every token)
     draft_logits = torch.randn(2, 30)
     draft_logits[0, 3] = float("inf")

@@ -9,6 +9,7 @@ import torch
 
 from common.sampling import SamplingParams, WireMode
 from draft_service.sequence import DraftSequence
+from common.token_tree import tree_depths
 from draft_service.tree_drafting import RowChoices, TreeGrowth, TreeShape, draw_without_replacement
 
 
@@ -26,39 +27,57 @@ def _rows(n: int, gen: torch.Generator) -> list[RowChoices]:
     return rows
 
 
+def _grow(growth: TreeGrowth, gen: torch.Generator):
+    more = growth.grow(_rows(1, gen))
+    while more:
+        feed = growth.feed()
+        assert list(feed.slots) == [growth.nodes[i].slot for i in growth.fed]  # fed in slot order, contiguous
+        more = growth.grow(_rows(len(growth.fed), gen))
+    return growth.block()
+
+
 def test_growth_keeps_the_shape_and_numbers_nodes_depth_by_depth():
     gen = torch.Generator().manual_seed(0)
-    for mode in (None, WireMode.ONE_HOT, WireMode.SPARSE):
-        for shape in (TreeShape(4, 2, 8), TreeShape(4, 3, 16), TreeShape(5, 2, 16), TreeShape(3, 4, 5)):
+    for mode in (None, WireMode.ONE_HOT, WireMode.COUPLED, WireMode.SPARSE):
+        for shape in (TreeShape(4, 2, 8), TreeShape(4, 3, 16), TreeShape(16, 2, 16), TreeShape(3, 4, 5)):
             growth = TreeGrowth(_seq(mode), shape, first=3)
-            more = growth.grow(_rows(1, gen), [-1])
-            while more:
-                growth.feed_ids()
-                more = growth.grow(_rows(len(growth.level), gen), list(growth.level))
-            nodes = growth.nodes
-            assert 0 < len(nodes) <= shape.nodes
-            assert max(n.depth for n in nodes) < shape.depth
-            for i, n in enumerate(nodes):
-                assert n.parent < i and (n.parent < 0 or nodes[n.parent].depth == n.depth - 1)
-                assert i == 0 or nodes[i - 1].depth <= n.depth  # depth by depth
-            children = [sum(1 for n in nodes if n.parent == p) for p in range(-1, len(nodes))]
+            block, path = _grow(growth, gen)
+            depths = tree_depths(block.parents)
+            assert 0 < block.num_draft_tokens <= shape.nodes
+            assert max(depths) < shape.depth
+            assert depths == sorted(depths)  # depth by depth
+            for i, parent in enumerate(block.parents):
+                assert parent < i and (parent < 0 or depths[parent] == depths[i] - 1)
+            children = [sum(1 for p in block.parents if p == q) for q in range(-1, block.num_draft_tokens)]
             assert max(children) <= shape.branches
-            block = growth.block()
-            assert block.parents == tuple(n.parent for n in nodes)
-            path = block.path
-            assert [nodes[i].parent for i in path] == [-1, *path[:-1]]
+            assert [block.parents[i] for i in block.path] == [-1, *block.path[:-1]]
+            assert [block.token_ids[i] for i in block.path] == [growth.nodes[n].token for n in path]
+            # a fed node's ancestors were fed before it: the path's fed nodes come first
+            fed = [growth.nodes[n].slot >= 0 for n in path]
+            assert fed == sorted(fed, reverse=True)
             assert (block.draft_probs is not None) == (mode is WireMode.SPARSE)
+
+
+def test_a_confident_greedy_draft_spends_its_nodes_deep():
+    """EAGLE-2's rerank: one likely token per position makes a deep chain-like tree; an unsure one branches."""
+    growth = TreeGrowth(_seq(None), TreeShape(16, 2, 16), first=0)
+    more = growth.grow([RowChoices([7, 8], [0.95, 0.02])])
+    while more:
+        growth.feed()
+        more = growth.grow([RowChoices([5, 6], [0.95, 0.02]) for _ in growth.fed])
+    block, _ = growth.block()
+    assert max(tree_depths(block.parents)) >= 12
+    assert len(block.path) >= 12
 
 
 def test_the_best_path_follows_the_likeliest_child():
     growth = TreeGrowth(_seq(None), TreeShape(3, 2, 6), first=0)
-    growth.grow([RowChoices([7, 8], [0.6, 0.3])], [-1])
-    growth.feed_ids()
-    growth.grow([RowChoices([1, 2], [0.5, 0.4]), RowChoices([3, 4], [0.9, 0.1])], [0, 1])
-    tokens = [n.token for n in growth.nodes]
-    assert tokens[:2] == [7, 8]
+    growth.grow([RowChoices([7, 8], [0.6, 0.3])])
+    growth.feed()
+    growth.grow([RowChoices([1, 2], [0.5, 0.4]), RowChoices([3, 4], [0.9, 0.1])])
+    block, _ = growth.block()
     # 0.6 * 0.5 = 0.30 under 7 against 0.3 * 0.9 = 0.27 under 8: the path is 7, 1
-    assert [tokens[i] for i in growth.best_path()] == [7, 1]
+    assert [block.token_ids[i] for i in block.path] == [7, 1]
 
 
 def test_sparse_children_are_distributed_as_the_q_sent_with_them():
