@@ -33,7 +33,8 @@ from delay_proxy import LinkShape, ProxyThread  # noqa: E402
 from specwire import Client  # noqa: E402
 from specwire.launch import Stack  # noqa: E402
 
-# per N: the tree's depth (--num-speculative-tokens) and branches; nodes per depth = max(B, ceil(N / depth))
+# per N: the tree's depth (--num-speculative-tokens) and branches. Greedy trees go as deep as their confidence
+# (EAGLE-2's rerank); sampled (sparse) ones draw max(B, ceil(N / depth)) nodes per depth
 TREES = {4: (4, 2), 8: (8, 2), 16: (16, 2)}
 
 
@@ -63,12 +64,12 @@ def run_prompts(address: str, prompts: list[str], tokens: int, temperature: floa
 
 
 def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[str, list[str]], tokens: int,
-                  log_dir: Path) -> list[dict]:
+                  log_dir: Path, temperatures: tuple[float, ...] = (0.0, 0.8)) -> list[dict]:
     rows = []
     for name, n, args in configs(sizes):
         d = stack.start("draft", ["draft", "--model", str(ROOT / ".models" / "draft"), "--dtype", "bfloat16",
                                   "--verifier", verifier, "--speculation", "fixed", *args], log_dir=log_dir)
-        for temperature in (0.0, 0.8):
+        for temperature in temperatures:
             for category, texts in prompts.items():
                 row = {"config": name, "N": n, "temperature": temperature, "category": category,
                        **run_prompts(d.address, texts, tokens, temperature)}
@@ -162,12 +163,14 @@ def main() -> int:
     parser.add_argument("--per-category", type=int, default=2)
     parser.add_argument("--rtts", default="0,20,50")
     parser.add_argument("--sections", default="sizes,rtt,step")
+    parser.add_argument("--temperatures", default="0,0.8")
+    parser.add_argument("--categories", default="code,prose,chat")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="specwire-trees-"))
     out.mkdir(parents=True, exist_ok=True)
     data = json.loads(resources.files("specwire").joinpath("bench_prompts.json").read_text())
-    prompts = {c: data[c][:args.per_category] for c in ("code", "prose", "chat")}
+    prompts = {c: data[c][:args.per_category] for c in args.categories.split(",")}
     sections = args.sections.split(",")
     results: dict = {}
     if "sizes" in sections or "rtt" in sections:
@@ -176,11 +179,12 @@ def main() -> int:
                                          "--max-draft-tokens", "16"], log_dir=out / "logs")
             if "sizes" in sections:
                 results["sizes"] = section_sizes(stack, v.address, [int(x) for x in args.sizes.split(",")], prompts,
-                                                 args.tokens, out / "logs")
+                                                 args.tokens, out / "logs",
+                                                 tuple(float(t) for t in args.temperatures.split(",")))
                 print(table_sizes(results["sizes"]), flush=True)
             if "rtt" in sections:
                 results["rtt"] = section_rtt(stack, v.address, [float(x) for x in args.rtts.split(",")],
-                                             prompts["code"], args.tokens, out / "logs")
+                                             data["code"][:args.per_category], args.tokens, out / "logs")
                 print(table_rtt(results["rtt"]), flush=True)
     if "step" in sections:
         results["step"] = section_step_cost()

@@ -121,7 +121,8 @@ class DraftModel:
         lead = [int(job.guess_first) for job in jobs]  # steps before a job's block starts: its guess
         # a tree's forwards: its root, then each depth but the last
         num_steps = [(job.tree.depth if job.tree else job.k) + lead[i] for i, job in enumerate(jobs)]
-        # cache indices written past the context: a chain's drafts but the last, a tree's every node
+        # cache indices written past the context: a chain's drafts but the last, a tree's fed nodes (at most its
+        # nodes: TreeGrowth.feed)
         spans = [n - 1 if job.tree is None else lead[i] + job.tree.nodes
                  for i, (job, n) in enumerate(zip(jobs, num_steps, strict=True))]
         failed, short = self._reserve(jobs, num_steps, spans)
@@ -361,6 +362,7 @@ class DraftModel:
         context_lens: list[int] = []
         logit_rows: list[int] = []
         rows: list[range] = []
+        cached: list[tuple[DraftSequence, list[int]]] = []  # added to the sequences' cached tokens once computed
         tree_starts: list[int] = []
         tree_masks: list[int] = []
         for seq, feed in feeds:
@@ -390,7 +392,7 @@ class DraftModel:
             else:
                 input_ids.extend(feed)
                 positions.extend(range(start, end))
-                seq.cached_token_ids.extend(feed)
+                cached.append((seq, feed))
                 tree_starts.append(end)
                 tree_masks.extend([-1] * len(feed))
                 rows.append(range(len(logit_rows), len(logit_rows) + 1))
@@ -411,8 +413,12 @@ class DraftModel:
         if self.static is not None and self.static.eligible(batch):
             if self._on_static_step:
                 self._on_static_step()
-            return self.static.run(batch)[0], rows
-        return self.runner.forward(batch), rows
+            logits = self.static.run(batch)[0]
+        else:
+            logits = self.runner.forward(batch)
+        for seq, tokens in cached:  # no cached token without its K/V, whatever failed before this
+            seq.cached_token_ids.extend(tokens)
+        return logits, rows
 
     def support(self, seq: DraftSequence) -> int:
         return support(seq, self.q_max_support)

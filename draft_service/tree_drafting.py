@@ -53,7 +53,8 @@ class TreeShape:
 
     @property
     def per_depth(self) -> int:
-        """Nodes kept per depth: the branches, or enough to spread the nodes over the depth."""
+        """Nodes fed (greedy, one-hot, coupled) or drawn (sparse) per depth: the branches, or enough to spread the
+        nodes over the depth."""
         return max(self.branches, -(-self.nodes // max(1, self.depth)))
 
     def scaled(self, k: int) -> TreeShape:
@@ -132,8 +133,17 @@ class TreeGrowth:
                 for token, prob in zip(row.token_ids[:self.shape.branches], row.probs, strict=False):
                     if prob > 0:
                         self.nodes.append(Node(token, parent, depth, base * prob))
-            new = sorted(range(start, len(self.nodes)), key=lambda i: -self.nodes[i].score)
-            self.frontier = new[:self.shape.per_depth] if depth + 1 < self.shape.depth else []
+            # only a candidate among the best `nodes` so far can end in the tree (later ones score below their
+            # parents), and so can its children: the others are not fed. Nor more nodes than the tree holds, so
+            # a tree writes at most `nodes` slots (each a bit of the ancestor masks)
+            if len(self.nodes) > self.shape.nodes:
+                cut = sorted(self._rank(i) for i in range(len(self.nodes)))[self.shape.nodes - 1]
+                new_ = [i for i in range(start, len(self.nodes)) if self._rank(i) <= cut]
+            else:
+                new_ = list(range(start, len(self.nodes)))
+            new_.sort(key=self._rank)
+            room = self.shape.nodes - sum(1 for n in self.nodes if n.slot >= 0)
+            self.frontier = new_[:min(self.shape.per_depth, room)] if depth + 1 < self.shape.depth else []
             return bool(self.frontier)
         left = self.shape.nodes - len(self.nodes)
         candidates = []
@@ -154,9 +164,14 @@ class TreeGrowth:
             self.frontier = list(range(start, len(self.nodes)))
         return bool(self.frontier)
 
+    def _rank(self, i: int) -> tuple[float, int, int]:
+        """Best first: the path probability, then the shallower (a parent before its child at equal scores)."""
+        return -self.nodes[i].score, self.nodes[i].depth, i
+
     def feed(self) -> NodeFeed:
-        """The frontier, given the next slots."""
+        """The frontier, given the next slots (never more than the tree's nodes: DraftModel reserves that many)."""
         first_slot = sum(1 for n in self.nodes if n.slot >= 0)
+        assert first_slot + len(self.frontier) <= self.shape.nodes, "a tree feeds at most its nodes" 
         for k, i in enumerate(self.frontier):
             self.nodes[i].slot = first_slot + k
         self.fed = self.frontier
@@ -174,7 +189,7 @@ class TreeGrowth:
         """The nodes the tree keeps, depth by depth (a node's children in the order they were made or ranked)."""
         if not self.rerank:
             return list(range(len(self.nodes)))
-        best = sorted(range(len(self.nodes)), key=lambda i: (-self.nodes[i].score, self.nodes[i].depth, i))
+        best = sorted(range(len(self.nodes)), key=self._rank)
         kept: set[int] = set()
         for i in best:  # a child scores at most its parent, which therefore comes first
             if len(kept) == self.shape.nodes:
@@ -198,7 +213,7 @@ class TreeGrowth:
         sampling = self.seq.sampling
         qs = tuple(self.nodes[i].q for i in chosen) if sampling.sends_draft_probs else None
         block = DraftBlock(tuple(self.nodes[i].token for i in chosen), qs,
-                           parents=tuple(index.get(self.nodes[i].parent, -1) for i in chosen),
+                           parents=tuple(index[p] if (p := self.nodes[i].parent) >= 0 else -1 for i in chosen),
                            path=tuple(index[i] for i in path))
         return block, path
 

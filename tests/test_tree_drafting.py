@@ -8,8 +8,8 @@ import math
 import torch
 
 from common.sampling import SamplingParams, WireMode
-from draft_service.sequence import DraftSequence
 from common.token_tree import tree_depths
+from draft_service.sequence import DraftSequence
 from draft_service.tree_drafting import RowChoices, TreeGrowth, TreeShape, draw_without_replacement
 
 
@@ -39,7 +39,8 @@ def _grow(growth: TreeGrowth, gen: torch.Generator):
 def test_growth_keeps_the_shape_and_numbers_nodes_depth_by_depth():
     gen = torch.Generator().manual_seed(0)
     for mode in (None, WireMode.ONE_HOT, WireMode.COUPLED, WireMode.SPARSE):
-        for shape in (TreeShape(4, 2, 8), TreeShape(4, 3, 16), TreeShape(16, 2, 16), TreeShape(3, 4, 5)):
+        for shape in (TreeShape(4, 2, 8), TreeShape(4, 3, 16), TreeShape(16, 2, 16), TreeShape(3, 4, 5),
+                      TreeShape(16, 16, 64)):
             growth = TreeGrowth(_seq(mode), shape, first=3)
             block, path = _grow(growth, gen)
             depths = tree_depths(block.parents)
@@ -55,6 +56,8 @@ def test_growth_keeps_the_shape_and_numbers_nodes_depth_by_depth():
             # a fed node's ancestors were fed before it: the path's fed nodes come first
             fed = [growth.nodes[n].slot >= 0 for n in path]
             assert fed == sorted(fed, reverse=True)
+            slots = sorted(n.slot for n in growth.nodes if n.slot >= 0)
+            assert slots == list(range(len(slots))) and len(slots) <= shape.nodes
             assert (block.draft_probs is not None) == (mode is WireMode.SPARSE)
 
 
