@@ -121,9 +121,8 @@ class DraftModel:
         lead = [int(job.guess_first) for job in jobs]  # steps before a job's block starts: its guess
         # a tree's forwards: its root, then each depth but the last
         num_steps = [(job.tree.depth if job.tree else job.k) + lead[i] for i, job in enumerate(jobs)]
-        # cache indices written past the context: a chain's drafts but the last, a tree's fed nodes (at most its
-        # nodes: TreeGrowth.feed)
-        spans = [n - 1 if job.tree is None else lead[i] + job.tree.nodes
+        # cache indices written past the context: a chain's drafts but the last, a tree's fed nodes (TreeGrowth.feed)
+        spans = [n - 1 if job.tree is None else lead[i] + job.tree.max_fed
                  for i, (job, n) in enumerate(zip(jobs, num_steps, strict=True))]
         failed, short = self._reserve(jobs, num_steps, spans)
         growths: list[TreeGrowth | None] = [None] * len(jobs)

@@ -57,6 +57,12 @@ class TreeShape:
         nodes over the depth."""
         return max(self.branches, -(-self.nodes // max(1, self.depth)))
 
+    @property
+    def max_fed(self) -> int:
+        """The most nodes one tree feeds, and so the cache slots it writes: every depth's but the last, and never
+        more than 64 (a slot is a bit of the ancestor masks)."""
+        return min(64, max(self.nodes, self.per_depth * (self.depth - 1)))
+
     def scaled(self, k: int) -> TreeShape:
         """The shape for a round of depth k (the round's draft length: --speculation auto's or adaptive's choice, or
         a request's own). Below the configured depth the nodes shrink in proportion. NOTE: the verifier prices a
@@ -134,15 +140,14 @@ class TreeGrowth:
                     if prob > 0:
                         self.nodes.append(Node(token, parent, depth, base * prob))
             # only a candidate among the best `nodes` so far can end in the tree (later ones score below their
-            # parents), and so can its children: the others are not fed. Nor more nodes than the tree holds, so
-            # a tree writes at most `nodes` slots (each a bit of the ancestor masks)
+            # parents), and so can its children: the others are not fed; nor more than max_fed in all
             if len(self.nodes) > self.shape.nodes:
                 cut = sorted(self._rank(i) for i in range(len(self.nodes)))[self.shape.nodes - 1]
                 new_ = [i for i in range(start, len(self.nodes)) if self._rank(i) <= cut]
             else:
                 new_ = list(range(start, len(self.nodes)))
             new_.sort(key=self._rank)
-            room = self.shape.nodes - sum(1 for n in self.nodes if n.slot >= 0)
+            room = self.shape.max_fed - sum(1 for n in self.nodes if n.slot >= 0)
             self.frontier = new_[:min(self.shape.per_depth, room)] if depth + 1 < self.shape.depth else []
             return bool(self.frontier)
         left = self.shape.nodes - len(self.nodes)
@@ -169,9 +174,9 @@ class TreeGrowth:
         return -self.nodes[i].score, self.nodes[i].depth, i
 
     def feed(self) -> NodeFeed:
-        """The frontier, given the next slots (never more than the tree's nodes: DraftModel reserves that many)."""
+        """The frontier, given the next slots (never more than max_fed: DraftModel reserves that many)."""
         first_slot = sum(1 for n in self.nodes if n.slot >= 0)
-        assert first_slot + len(self.frontier) <= self.shape.nodes, "a tree feeds at most its nodes" 
+        assert first_slot + len(self.frontier) <= self.shape.max_fed, "a tree feeds at most max_fed nodes" 
         for k, i in enumerate(self.frontier):
             self.nodes[i].slot = first_slot + k
         self.fed = self.frontier

@@ -228,13 +228,13 @@ def _draft_model(budget: int | None) -> tuple[DraftModel, list[int]]:
     runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 256, BLOCK), pack_weights=False)
     draft = DraftModel(runner, BlockManager(256, BLOCK), q_max_support=8, max_num_batched_tokens=budget)
     sizes: list[int] = []
-    forward = draft._forward
+    forward = draft._forward_rows  # every forward goes through it
 
     def recording(feeds):
         sizes.append(sum(len(tokens) for _, tokens in feeds))
         return forward(feeds)
 
-    draft._forward = recording
+    draft._forward_rows = recording
     return draft, sizes
 
 
