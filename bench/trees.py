@@ -20,7 +20,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from importlib import resources
 from pathlib import Path
 

@@ -176,7 +176,7 @@ class TreeGrowth:
     def feed(self) -> NodeFeed:
         """The frontier, given the next slots (never more than max_fed: DraftModel reserves that many)."""
         first_slot = sum(1 for n in self.nodes if n.slot >= 0)
-        assert first_slot + len(self.frontier) <= self.shape.max_fed, "a tree feeds at most max_fed nodes" 
+        assert first_slot + len(self.frontier) <= self.shape.max_fed, "a tree feeds at most max_fed nodes"
         for k, i in enumerate(self.frontier):
             self.nodes[i].slot = first_slot + k
         self.fed = self.frontier

@@ -8,11 +8,10 @@ import os
 
 import pytest
 import torch
+from test_kernels_triton import _attention_case
 
 from common.token_tree import ancestor_masks, tree_depths
 from kernels.paged_attention import TreeMask, paged_attention_reference, paged_attention_tensors
-
-from test_kernels_triton import _attention_case
 
 # a verification of a 7-node tree after 30 verified tokens, a plain verification block, a prefill chunk; and of a
 # ternary tree of 64 nodes (the last one's mask has the sign bit)
@@ -35,7 +34,7 @@ def _case(gen, dtype, parents):
 def _dense(query, k_cache, v_cache, tables, qs, ctx_lens, tree, scale, window):
     """Every row against every key of its sequence, with an explicit boolean mask."""
     out = torch.empty(query.shape[0], query.shape[1], v_cache.shape[3])
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
     group = query.shape[1] // kv_heads
     for s, table in enumerate(tables):
         ctx = ctx_lens[s]
@@ -76,7 +75,7 @@ def test_triton_tree_attention_equals_dense_masked_attention(shape, window):
     width = max(len(t) for t in tables)
     table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     out = paged_attention_tensors(query, k_cache, v_cache, table_t, torch.tensor(qs, dtype=torch.int32),
-                                  torch.tensor(ctx_lens, dtype=torch.int32), max(b - a for a, b in zip(qs, qs[1:])),
+                                  torch.tensor(ctx_lens, dtype=torch.int32), max(b - a for a, b in zip(qs, qs[1:], strict=False)),
                                   0.2, window, tree=tree)
     dense = _dense(query, k_cache, v_cache, tables, qs, ctx_lens, tree, 0.2, window)
     torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5)
