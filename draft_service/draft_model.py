@@ -346,10 +346,9 @@ class DraftModel:
                 waiting.add(i)
         return waiting
 
-    def _forward(self, feeds: list[Feed]) -> torch.Tensor:  # [num_seqs, vocab]
-        """Each feed's last row's logits."""
-        logits, rows = self._forward_rows(feeds)
-        return logits if len(rows) == logits.shape[0] else logits[[r.stop - 1 for r in rows]]
+    def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
+        """Token lists only: each feed's last row's logits (a row per feed)."""
+        return self._forward_rows(feeds)[0]
 
     def _forward_rows(self, feeds: list[Feed]) -> tuple[torch.Tensor, list[range]]:
         """One forward over the feeds: a token list continues its sequence's cache (its last row's logits), a

@@ -236,7 +236,7 @@ class Generator:
         """Token trees need a verifier that verifies them, at least as large as this service grows them."""
         if self.config.tree_branches <= 1:
             return
-        if identity.max_tree_nodes < self.config.tree_nodes:
+        if not identity.takes_trees(self.config.tree_nodes):
             why = ("does not verify token trees" if not identity.max_tree_nodes else
                    f"verifies trees of at most {identity.max_tree_nodes} nodes")
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, f"this draft service grows token trees of "

@@ -116,7 +116,7 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
                         tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc)
     if isinstance(drafter, ModelDrafter) and drafter.tree is not None:
         # a sequence resumed on a verifier that takes no trees as large goes on with chains
-        drafter.trees_allowed = lambda: link.identity is not None and link.identity.max_tree_nodes >= config.tree_nodes
+        drafter.trees_allowed = lambda: link.identity is not None and link.identity.takes_trees(config.tree_nodes)
     await connect_at_start(link, config.connect_timeout_s)
     if batcher is not None:
         batcher.start()

@@ -97,6 +97,10 @@ class VerifierIdentity:
     max_q_support: int = 0
     max_tree_nodes: int = 0  # VerifierInfo.max_tree_nodes: 0 from a verifier that takes chains only
 
+    def takes_trees(self, num_nodes: int) -> bool:
+        """Whether this verifier verifies token trees of `num_nodes` nodes."""
+        return self.max_tree_nodes >= num_nodes > 0
+
     def target_change(self, now: VerifierIdentity) -> str | None:
         """Why a sequence started on this verifier's target cannot continue on `now`'s, or None. Compared: the
         model fingerprint (the model id when either side has none: an older verifier), the dtype and the

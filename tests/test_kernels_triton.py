@@ -182,13 +182,19 @@ def test_rejection_sampler_triton_matches_reference_exactly(vocab):
     one_hot = [False, False, True, False, False, True, True, False][-len(num_draft):]
     coupled = [False, False, False, False, False, True, True, True][-len(num_draft):]
     inputs = _random_inputs(gen, num_draft, vocab, greedy_mask=greedy, one_hot_mask=one_hot, coupled_mask=coupled)
+    out = _triton_equals_reference(inputs)
+    assert (out[torch.tensor(num_draft) == 0, 1:] == PLACEHOLDER_TOKEN_ID).all()
+
+
+def _triton_equals_reference(inputs: dict) -> torch.Tensor:
+    """The kernels' tokens and paths against the reference's, in float32 as a service computes them."""
     inputs["target_probs"] = inputs["target_probs"].float()
     inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=inputs["spec"].draft_probs.float())
     ref, ref_path = rejection_sample_reference(**inputs)
     out, path = rejection_sample_triton(**inputs)
     assert torch.equal(out, ref), (out, ref)
     assert torch.equal(path, ref_path)
-    assert (out[torch.tensor(num_draft) == 0, 1:] == PLACEHOLDER_TOKEN_ID).all()
+    return out
 
 
 def test_rejection_sampler_triton_one_hot_only():
@@ -272,10 +278,4 @@ def test_rejection_sampler_triton_matches_reference_on_trees(vocab):
     from test_tree_sampler import _mixed
 
     for seed in range(2):
-        inputs = _mixed(torch.Generator().manual_seed(seed + vocab), vocab)
-        inputs["target_probs"] = inputs["target_probs"].float()
-        inputs["spec"] = dataclasses.replace(inputs["spec"], draft_probs=inputs["spec"].draft_probs.float())
-        out, path = rejection_sample_triton(**inputs)
-        ref, ref_path = rejection_sample_reference(**inputs)
-        assert torch.equal(out, ref), (out, ref)
-        assert torch.equal(path, ref_path)
+        _triton_equals_reference(_mixed(torch.Generator().manual_seed(seed + vocab), vocab))
