@@ -119,10 +119,12 @@ def build_grpc_server(host: str, port: int, *, add_servicers: Callable[[grpc.aio
 
 
 async def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], Awaitable[None]] | None = None,
-                             stop: asyncio.Event | None = None) -> None:
-    """Run until SIGINT or SIGTERM, then stop the server and call `on_stop` for the service's own parts. With
-    `stop`, run until it is set instead, and leave the process's signals alone: a service embedded in another
-    program (the test suite runs services on threads of its own process) is stopped by its host."""
+                             stop: asyncio.Event | None = None,
+                             drain: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Run until SIGINT or SIGTERM, then `drain` (while the server still serves), stop the server and call
+    `on_stop` for the service's own parts. With `stop`, run until it is set instead, and leave the process's
+    signals alone: a service embedded in another program (the test suite runs services on threads of its own
+    process) is stopped by its host."""
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -132,6 +134,10 @@ async def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], Await
         await stop.wait()
     finally:
         log.info("stopping")
-        await server.stop()
+        try:
+            if drain is not None:
+                await drain()
+        finally:
+            await server.stop()
         if on_stop is not None:
             await on_stop()

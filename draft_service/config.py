@@ -21,6 +21,7 @@ from common.config import (
     parse_bytes,
 )
 from common.sampling import WireMode
+from draft_service.placement import VerifierTargets
 
 WIRE_MODES = tuple(m.value for m in WireMode)
 PROPOSERS = ("model", "ngram")
@@ -30,7 +31,9 @@ SPECULATION_MODES = ("auto", "adaptive", "fixed")
 @dataclass(frozen=True)
 class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     model: str = option(None, "draft: HF model directory or .gguf file (with --proposer ngram: the tokenizer)")
-    verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT")
+    verifier: str = option("127.0.0.1:50051", "verifier HOST:PORT; several, comma-separated, or dns:///NAME:PORT (a name "
+                           "resolving to every verifier, followed as it changes): new sequences are placed by "
+                           "cached prefix and load, and move to another verifier when theirs goes")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(50052, "gRPC port")
     device: str = option("auto", DEVICE_CHOICES_HELP)
@@ -129,8 +132,7 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
             raise ValueError(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
         if self.q_max_support < 1:
             raise ValueError(f"q_max_support must be >= 1, got {self.q_max_support}")
-        if ":" not in self.verifier:
-            raise ValueError(f"verifier must be HOST:PORT, got {self.verifier!r}")
+        VerifierTargets.parse(self.verifier)  # raises ValueError naming the forms it takes
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")
 

@@ -294,6 +294,9 @@ class Generator:
                 event = await self.link.next_event(flight.seq_id)
             except LinkDown as err:
                 event = StreamLost(str(err))
+            if isinstance(event, ErrorEvent) and event.code is ErrorCode.UNAVAILABLE:
+                # its verifier did not take it (it drains) and freed it: opened again, elsewhere if it can be
+                event = StreamLost(f"the verifier did not take the sequence: {event.message}")
             if isinstance(event, StreamLost):
                 await self._resume(flight.seq_id, seq, num_prompt_tokens, deadline, event.reason)
                 flight.proposed, flight.stale, flight.resumed = False, 0, True
@@ -323,4 +326,4 @@ class Generator:
                                f"(--verifier-retry-deadline): {err.message}") from err
         self.metrics.resumes.inc()
         # the new stream's verifier may take a shorter q: the next drafts sample from q cut to its limit
-        seq.q_max_support = q_support_limit(seq.sampling, self.link.identity)
+        seq.q_max_support = q_support_limit(seq.sampling, self.link.identity_of(seq_id))

@@ -29,6 +29,14 @@ class DraftMetrics:
                                                             1, 2.5))
         self.reconnects = Counter("specwire_draft_verifier_reconnects", "Verify streams re-established after a "
                                   "break", registry=r)
+        self.placements = Counter("specwire_draft_placements", "Sequences placed on a verifier, by reason: load (the "
+                                  "least loaded), prefix (it caches the prompt's prefix), resume (back on its own "
+                                  "verifier after a reconnection), failover (moved off a verifier that went)",
+                                  ["reason"], registry=r)
+        self.failovers = Counter("specwire_draft_failovers", "Sequences moved to another verifier because theirs went "
+                                 "(killed, drained, unreachable)", registry=r)
+        self.verifier_sequences = Gauge("specwire_draft_verifier_sequences", "This draft's open sequences per "
+                                        "verifier", ["verifier"], registry=r)
         self.resumes = Counter("specwire_draft_resumed_sequences", "Sequences reopened on a new Verify stream",
                                registry=r)
         self.resume_failures = Counter("specwire_draft_resume_failures", "Sequences that could not be resumed "

@@ -40,11 +40,13 @@ VERIFIER_WATCH_S = 1.0
 
 
 async def track_verifier(link: VerifierLink, servicer: health.aio.HealthServicer) -> None:
-    """The health of SERVICE_NAME follows the Verify stream: SERVING while it is up, NOT_SERVING while it is down
-    (the process itself, health "", stays SERVING: requests wait --verifier-retry-deadline for the verifier). A
-    down stream is reconnected from here too, without waiting for a request."""
+    """The health of SERVICE_NAME follows the Verify streams: SERVING while one is up, NOT_SERVING while all are
+    down (the process itself, health "", stays SERVING: requests wait --verifier-retry-deadline for a verifier).
+    Down streams are reconnected from here too, without waiting for a request, and a dns:/// target is resolved
+    again."""
     status = None
     while True:
+        await link.refresh()
         link.reconnect_in_background()
         now = health_pb2.HealthCheckResponse.SERVING if link.connected else health_pb2.HealthCheckResponse.NOT_SERVING
         if now != status:
@@ -113,7 +115,8 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
                                        server_name=config.verifier_tls_server_name,
                                        token_file=config.verifier_token_file)
     link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
-                        tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc)
+                        tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc,
+                        metrics=metrics)
     if isinstance(drafter, ModelDrafter) and drafter.tree is not None:
         # a sequence resumed on a verifier that takes no trees as large goes on with chains
         drafter.trees_allowed = lambda: link.identity is not None and link.identity.takes_trees(config.tree_nodes)

@@ -28,7 +28,7 @@ ATTEMPT_TIMEOUT_S = 5.0  # one connection attempt: GetInfo, then the hello/welco
 BACKOFF_INITIAL_S = 0.05
 BACKOFF_MAX_S = 2.0
 # Errors no retry can fix: the attempt's error is reported at once to whoever waits with fail_fast.
-_PERMANENT = (ErrorCode.FAILED_PRECONDITION, ErrorCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED)
+PERMANENT_ERRORS = (ErrorCode.FAILED_PRECONDITION, ErrorCode.UNAUTHENTICATED, ErrorCode.PERMISSION_DENIED)
 
 
 class LinkDown(Exception):
@@ -73,12 +73,12 @@ class VerifierConnection:
         deadline = time.monotonic() + timeout_s
         while not self.connected:
             error = self._last_error
-            if fail_fast and error is not None and error.code in _PERMANENT:
+            if fail_fast and error is not None and error.code in PERMANENT_ERRORS:
                 raise error
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 detail = f": {error.message}" if error is not None else ""
-                code = error.code if error is not None and error.code in _PERMANENT else ErrorCode.UNAVAILABLE
+                code = error.code if error is not None and error.code in PERMANENT_ERRORS else ErrorCode.UNAVAILABLE
                 raise ServiceError(code, f"the verifier at {self.target} was not reachable within "
                                    f"{timeout_s:g}s{detail}")
             self.start_reconnecting()
@@ -106,6 +106,11 @@ class VerifierConnection:
             self._reconnect_task.cancel()
             await asyncio.gather(self._reconnect_task, return_exceptions=True)
         await self._teardown()
+
+    @property
+    def last_error(self) -> ServiceError | None:
+        """Why the last connection attempt failed (None once one succeeded)."""
+        return self._last_error
 
     @property
     def closed(self) -> bool:

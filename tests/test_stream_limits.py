@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 
 from common.errors import ErrorCode, ServiceError
 from common.sampling import SamplingParams, SparseProbs
-from draft_service.verifier_link import VerifierLink
+from draft_service.verifier_link import VerifierLink, _Placed
 from specwire.v1 import verifier_pb2
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.metrics import VerifierMetrics
@@ -83,16 +83,17 @@ def test_the_draft_does_not_end_a_sequence_for_an_error_that_names_none():
     async def scenario():
         link = VerifierLink("127.0.0.1:1", draft_model_id="d", vocab_size=8, tokenizer_fingerprint="f")
         link._inboxes[1] = inbox = asyncio.Queue()
+        link._placed[1] = _Placed("127.0.0.1:1", 0)
         with capture_logs() as logs:
-            link._dispatch(verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
+            link._dispatch("127.0.0.1:1", verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
                 seq_id=0, code=ErrorCode.ABORTED.value, message="sequence 1 is already open on this stream")))
         assert inbox.empty()
         assert [(e["event"], e["code"]) for e in logs] == [("verifier_stream_error", "ABORTED")]
         # a verdict or a drop under seq id 0 (a field left unset) is no sequence's either: ignored, not a failure
-        link._dispatch(verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(seq_id=0, token_ids=[3])))
-        link._dispatch(verifier_pb2.VerifierMessage(dropped=verifier_pb2.ProposalDropped(seq_id=0)))
+        link._dispatch("127.0.0.1:1", verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(seq_id=0, token_ids=[3])))
+        link._dispatch("127.0.0.1:1", verifier_pb2.VerifierMessage(dropped=verifier_pb2.ProposalDropped(seq_id=0)))
         assert inbox.empty()
-        link._dispatch(verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
+        link._dispatch("127.0.0.1:1", verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
             seq_id=1, code=ErrorCode.INVALID_ARGUMENT.value, message="bad")))
         assert (await inbox.get()).code is ErrorCode.INVALID_ARGUMENT  # a sequence's own error still reaches it
 

@@ -65,10 +65,11 @@ async def _serving(target, goodput: bool = True, **limits):
 class _Stream:
     """A Verify stream driven by hand: send() queues messages, next() reads a reply."""
 
-    def __init__(self, channel: grpc.aio.Channel, info: verifier_pb2.VerifierInfo) -> None:
+    def __init__(self, channel: grpc.aio.Channel, info: verifier_pb2.VerifierInfo, load_reports: bool = False) -> None:
         self._outbox: asyncio.Queue = asyncio.Queue()
         self.send(verifier_pb2.DraftMessage(hello=verifier_pb2.Hello(
-            draft_model_id="test", vocab_size=info.vocab_size, tokenizer_fingerprint=info.tokenizer_fingerprint)))
+            draft_model_id="test", vocab_size=info.vocab_size, tokenizer_fingerprint=info.tokenizer_fingerprint,
+            load_reports=load_reports)))
         self.call = verifier_pb2_grpc.VerifierStub(channel).Verify(self._requests(), timeout=60)
 
     async def _requests(self):
@@ -267,8 +268,9 @@ def test_the_link_asks_for_a_choice_only_where_the_verifier_lists_goodput(target
             link = VerifierLink(address, draft_model_id="d", vocab_size=loaded.vocab_size,
                                 tokenizer_fingerprint=loaded.tokenizer_fingerprint)
             sent = []
-            send = link._send
-            link._send = lambda message: (sent.append(message), send(message))[1]
+            connection = link._verifiers[address].connection
+            send = connection.send
+            connection.send = lambda message: (sent.append(message), send(message))[1]
             try:
                 await link.ensure_connected(10)
                 assert ("goodput" in link.identity.features) is goodput
@@ -282,5 +284,53 @@ def test_the_link_asks_for_a_choice_only_where_the_verifier_lists_goodput(target
                 assert (event.next_draft_tokens is not None) is goodput
             finally:
                 await link.close()
+
+    asyncio.run(main())
+
+
+def test_load_reports_and_a_drain_that_refuses_new_sequences_and_waits_for_the_running_ones(target):
+    """A stream whose hello asks for load reports gets one after the welcome and on every change; a drain says so
+    at once, refuses new opens with UNAVAILABLE, lets the running sequence finish, and returns when none is left
+    (or at its grace period, with the count left). A stream that did not ask gets no report."""
+    async def main() -> None:
+        async with _serving(target) as (address, async_engine, metrics):
+            async with grpc.aio.insecure_channel(address) as channel:
+                info = await verifier_pb2_grpc.VerifierStub(channel).GetInfo(verifier_pb2.GetInfoRequest())
+                assert "load" in info.features
+                plain, reported = _Stream(channel, info), _Stream(channel, info, load_reports=True)
+                assert (await plain.next()).WhichOneof("kind") == "welcome"
+                assert (await reported.next()).WhichOneof("kind") == "welcome"
+                first = (await reported.next()).load
+                assert (first.num_running, first.num_waiting, first.draining) == (0, 0, False)
+                assert first.num_free_blocks == 32 and first.kv_cache_usage == 0
+                reported.send(_open(1, max_tokens=40))
+                reported.send(verifier_pb2.DraftMessage(propose=verifier_pb2.Proposal(seq_id=1, start_position=3)))
+                verdicts, load = 0, first
+                while not verdicts or load.num_free_blocks == 32:  # the sequence holds blocks now
+                    reply = await reported.next()
+                    verdicts += reply.WhichOneof("kind") == "verdict"
+                    load = reply.load if reply.WhichOneof("kind") == "load" else load
+                assert verdicts == 1 and load.kv_cache_usage > 0 and load.num_running == 1
+                drain = asyncio.create_task(async_engine.drain(30))
+                while not (reply := await reported.next("load")).load.draining:
+                    pass
+                plain.send(_open(2))
+                error = (await plain.next("error")).error
+                assert error.seq_id == 2 and error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+                assert "draining" in error.message
+                assert not drain.done()  # sequence 1 still runs
+                position = 4
+                while True:  # it finishes (max_tokens) while the verifier drains
+                    reported.send(verifier_pb2.DraftMessage(propose=verifier_pb2.Proposal(
+                        seq_id=1, start_position=position)))
+                    verdict = (await reported.next("verdict")).verdict
+                    position += len(verdict.token_ids)
+                    if verdict.finish_reason:
+                        break
+                assert await asyncio.wait_for(drain, 10) == 0
+                assert metrics.draining._value.get() == 1
+                assert await async_engine.drain(0) == 0
+                plain.call.cancel()
+                reported.call.cancel()
 
     asyncio.run(main())

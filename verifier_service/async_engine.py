@@ -20,6 +20,7 @@ from verifier_service.stream_outbox import StreamLimits, StreamOutbox, pending_s
 from verifier_service.types import (
     CloseStreamCmd,
     Command,
+    LoadOut,
     Outcome,
     StepResult,
 )
@@ -43,6 +44,7 @@ class AsyncEngine:
         self._executor = executor or compute_thread("verifier-engine")
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self.draining = asyncio.Event()  # set once by drain(): no new sequence is admitted
         self._last_step_s = 0.0
         scheduler = getattr(engine, "scheduler", None)  # a test's stand-in engine may have none
         self.phases = None if phases == "off" else PhasePlanner(
@@ -60,6 +62,34 @@ class AsyncEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         self._executor.shutdown(wait=True)
+
+    def load(self) -> LoadOut:
+        """The load every stream's draft is told of (read on the event loop between steps: counts only)."""
+        blocks = self.engine.blocks
+        scheduler = getattr(self.engine, "scheduler", None)  # a test's stand-in engine may have none
+        return LoadOut(num_running=len(scheduler.running) if scheduler is not None else 0,
+                       num_waiting=len(scheduler.waiting) if scheduler is not None else 0,
+                       kv_cache_usage=round(blocks.num_used_blocks / max(1, blocks.num_blocks), 3),
+                       num_free_blocks=blocks.num_blocks - blocks.num_used_blocks, draining=self.draining.is_set())
+
+    def num_live_sequences(self) -> int:
+        scheduler = getattr(self.engine, "scheduler", None)
+        return len(scheduler.sequences) if scheduler is not None else 0
+
+    async def drain(self, grace_s: float) -> int:
+        """Admit no new sequence (the servicer refuses opens with UNAVAILABLE and every stream is told at once),
+        and wait until the live sequences have finished, or for grace_s. Returns how many are left: ending the
+        streams then hands them to the drafts, which resume them elsewhere."""
+        self.draining.set()
+        self.metrics.draining.set(1)
+        deadline = time.monotonic() + grace_s
+        live = self.num_live_sequences()
+        log.info("verifier_draining", live_sequences=live, grace_s=grace_s)
+        while live and time.monotonic() < deadline and not self._stopping:
+            await asyncio.sleep(0.05)
+            live = self.num_live_sequences()
+        log.info("verifier_drained", left_to_resume_elsewhere=live)
+        return live
 
     def open_stream(self) -> tuple[int, StreamOutbox]:
         """Raises ServiceError RESOURCE_EXHAUSTED at --max-streams. A failed stream frees its slot at once."""

@@ -71,6 +71,10 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                      "it the stream is ended with RESOURCE_EXHAUSTED")
     max_protocol_errors: int = option(64, "protocol errors in a row (malformed, unknown or duplicate messages, with "
                                       "no verdict between) after which a stream is ended with RESOURCE_EXHAUSTED")
+    drain_grace_s: float = option(10.0, "on SIGTERM (or SIGINT): admit no new sequence (an open gets UNAVAILABLE, and "
+                                  "a draft with other verifiers opens it there), go on verifying the running ones "
+                                  "for at most this many seconds, then end the streams so that what is left "
+                                  "resumes elsewhere", flag="--drain-grace")
     handshake_timeout_s: float = option(10.0, "end a Verify stream (DEADLINE_EXCEEDED) whose hello has not arrived "
                                         "within this many seconds", flag="--handshake-timeout")
     speculation_trial: bool = option(True, "with --goodput, put the goodput choice on trial against plain decoding "
@@ -114,6 +118,8 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.handshake_timeout_s > 0:
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.sequence_idle_timeout_s < 0:
             raise ValueError(f"sequence_idle_timeout_s must be >= 0, got {self.sequence_idle_timeout_s}")
         if not 0 <= self.max_tree_nodes <= 64:

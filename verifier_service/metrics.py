@@ -62,6 +62,8 @@ class VerifierMetrics:
         self.kv_blocks_used = Gauge("specwire_kv_blocks_used", "KV blocks held by sequences", registry=r)
         self.kv_blocks_total = Gauge("specwire_kv_blocks_total", "KV blocks in the pool", registry=r)
         self.streams = Gauge("specwire_verify_streams", "Open Verify streams", registry=r)
+        self.draining = Gauge("specwire_draining", "1 once the verifier drains (SIGTERM): it admits no new "
+                              "sequence", registry=r)
         # per Verify stream (one per draft process); a stream's series go away when it closes
         self.stream_sequences = Gauge("specwire_stream_sequences", "Open sequences per Verify stream", ["stream"],
                                       registry=r)

@@ -6,6 +6,7 @@ import asyncio
 
 import structlog
 import torch
+from grpc_health.v1 import health_pb2
 
 from common.block_manager import BlockManager
 from common.compute_thread import compute_thread
@@ -126,4 +127,9 @@ async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) ->
             if metrics_server is not None:
                 await asyncio.to_thread(metrics_server.close)
 
-    await serve_until_stopped(server, on_stop=stop_verifier, stop=stop)
+    async def drain() -> None:
+        # readiness goes first: a router or probe stops sending new work here while the running sequences finish
+        await server.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await async_engine.drain(config.drain_grace_s)
+
+    await serve_until_stopped(server, on_stop=stop_verifier, stop=stop, drain=drain)

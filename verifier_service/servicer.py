@@ -20,6 +20,7 @@ from verifier_service.types import (
     CloseCmd,
     DroppedOut,
     ErrorOut,
+    LoadOut,
     OpenCmd,
     Outcome,
     ProposeCmd,
@@ -30,6 +31,10 @@ from verifier_service.types import (
 from verifier_service.validation import check_prompt_length, check_proposal, check_proposal_size
 
 log = structlog.get_logger(__name__)
+
+LOAD_REPORT_INTERVAL_S = 0.2  # how often a stream's load report is refreshed (sent only when it changed)
+DRAINING_MESSAGE = ("the verifier is draining (shutting down): open the sequence on another verifier, or again once "
+                    "this one is back")
 
 
 def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
@@ -42,6 +47,10 @@ def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
     if isinstance(outcome, ErrorOut):
         return verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
             seq_id=outcome.key.seq_id, code=outcome.code.value, message=outcome.message))
+    if isinstance(outcome, LoadOut):
+        return verifier_pb2.VerifierMessage(load=verifier_pb2.VerifierLoad(
+            num_running=outcome.num_running, num_waiting=outcome.num_waiting, kv_cache_usage=outcome.kv_cache_usage,
+            num_free_blocks=outcome.num_free_blocks, draining=outcome.draining))
     assert isinstance(outcome, DroppedOut)
     return verifier_pb2.VerifierMessage(dropped=verifier_pb2.ProposalDropped(
         seq_id=outcome.key.seq_id, start_position=outcome.start_position, num_verified=outcome.num_verified))
@@ -75,6 +84,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         outbox.end_rpc = functools.partial(self._end_rpc, asyncio.current_task(), context)
         live: set[int] = set()  # sequences opened on this stream and not yet ended
         reader = asyncio.create_task(self._read(request_iterator, stream_id, outbox, live))
+        reporter = asyncio.create_task(self._report_load(outbox)) if first.hello.load_reports else None
         draining = False
         try:
             outbox.writing = True  # until the peer takes it: a failure meanwhile ends the RPC (_end_rpc)
@@ -95,8 +105,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 outbox.writing = False
         finally:
             reader.cancel()
+            if reporter is not None:
+                reporter.cancel()
             self._engine.close_stream(stream_id)
             log.info("verify_stream_closed", stream_id=stream_id)
+
+    async def _report_load(self, outbox: StreamOutbox) -> None:
+        """The verifier's load, after the welcome and then whenever it changes (checked every
+        LOAD_REPORT_INTERVAL_S, and at once when a drain starts): a draft with several verifiers places new
+        sequences by it, and stops placing any here once it says draining."""
+        last = None
+        draining = self._engine.draining
+        while True:
+            load = self._engine.load()
+            if load != last:
+                outbox.put(load)
+                last = load
+            if draining.is_set():
+                await asyncio.sleep(LOAD_REPORT_INTERVAL_S)
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(draining.wait(), LOAD_REPORT_INTERVAL_S)
 
     def _end_rpc(self, task: asyncio.Task, context: grpc.aio.ServicerContext, error: ServiceError) -> None:
         """A stream failed while its handler waits for the peer to take a reply, which a peer that does not read
@@ -129,6 +158,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 kind = msg.WhichOneof("kind")
                 if kind == "open":
                     cmd = self._open(msg.open, stream_id, outbox, limits)
+                    if isinstance(cmd, OpenCmd) and self._engine.draining.is_set():
+                        cmd = RefusedCmd(cmd.key, ErrorCode.UNAVAILABLE, DRAINING_MESSAGE, opening=True)
                     if isinstance(cmd, OpenCmd):
                         live.add(cmd.key.seq_id)
                     self._engine.submit(cmd)

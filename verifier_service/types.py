@@ -128,6 +128,18 @@ class DroppedOut:
     num_verified: int
 
 
+@dataclass(frozen=True)
+class LoadOut:
+    """The verifier's load as one stream's draft sees it (VerifierLoad on the wire): what a draft with several
+    verifiers places new sequences by, and whether this one is draining."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    draining: bool = False
+
+
 Outcome = VerdictOut | ErrorOut | DroppedOut
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specwire.v1 import common_pb2 as specwire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecwire/v1/verifier.proto\x12\x0bspecwire.v1\x1a\x18specwire/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xea\x02\n\x0cVerifierInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x18\n\x10protocol_version\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\t \x01(\t\x12\x10\n\x08platform\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t\x12\x19\n\x11model_fingerprint\x18\r \x01(\t\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x15\n\rmax_q_support\x18\x0f \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x10 \x01(\x05\"\xbd\x01\n\x0c\x44raftMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.specwire.v1.HelloH\x00\x12)\n\x04open\x18\x02 \x01(\x0b\x32\x19.specwire.v1.OpenSequenceH\x00\x12(\n\x07propose\x18\x03 \x01(\x0b\x32\x15.specwire.v1.ProposalH\x00\x12+\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1a.specwire.v1.CloseSequenceH\x00\x42\x06\n\x04kind\"l\n\x05Hello\x12\x16\n\x0e\x64raft_model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\t\"\xe3\x01\n\x0cOpenSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specwire.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12\x17\n\ntimeout_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x63oupled\x18\x06 \x01(\x08\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_timeout_msB\r\n\x0b_cache_salt\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x95\x02\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12\x34\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x1f.specwire.v1.SparseDistribution\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x10max_draft_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rdraft_seconds\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\x42\x13\n\x11_max_draft_tokensB\x10\n\x0e_draft_seconds\"\x1f\n\rCloseSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\xc9\x01\n\x0fVerifierMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.specwire.v1.WelcomeH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.specwire.v1.VerdictH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.specwire.v1.SequenceErrorH\x00\x12/\n\x07\x64ropped\x18\x04 \x01(\x0b\x32\x1c.specwire.v1.ProposalDroppedH\x00\x42\x06\n\x04kind\"2\n\x07Welcome\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.specwire.v1.VerifierInfo\"\xeb\x01\n\x07Verdict\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specwire.v1.FinishReason\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x13\n\x0bstep_time_s\x18\x07 \x01(\x01\x12\x1e\n\x11next_draft_tokens\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_next_draft_tokens\"O\n\x0fProposalDropped\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x14\n\x0cnum_verified\x18\x03 \x01(\r\">\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t2\x94\x01\n\x08Verifier\x12\x41\n\x07GetInfo\x12\x1b.specwire.v1.GetInfoRequest\x1a\x19.specwire.v1.VerifierInfo\x12\x45\n\x06Verify\x12\x19.specwire.v1.DraftMessage\x1a\x1c.specwire.v1.VerifierMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecwire/v1/verifier.proto\x12\x0bspecwire.v1\x1a\x18specwire/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\xea\x02\n\x0cVerifierInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x18\n\x10max_draft_tokens\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x15\n\rmax_model_len\x18\x06 \x01(\x05\x12\x18\n\x10protocol_version\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\t \x01(\t\x12\x10\n\x08platform\x18\n \x01(\t\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x0c \x03(\t\x12\x19\n\x11model_fingerprint\x18\r \x01(\t\x12\x14\n\x0cquantization\x18\x0e \x01(\t\x12\x15\n\rmax_q_support\x18\x0f \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x10 \x01(\x05\"\xbd\x01\n\x0c\x44raftMessage\x12#\n\x05hello\x18\x01 \x01(\x0b\x32\x12.specwire.v1.HelloH\x00\x12)\n\x04open\x18\x02 \x01(\x0b\x32\x19.specwire.v1.OpenSequenceH\x00\x12(\n\x07propose\x18\x03 \x01(\x0b\x32\x15.specwire.v1.ProposalH\x00\x12+\n\x05\x63lose\x18\x04 \x01(\x0b\x32\x1a.specwire.v1.CloseSequenceH\x00\x42\x06\n\x04kind\"\x82\x01\n\x05Hello\x12\x16\n\x0e\x64raft_model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x18\n\x10protocol_version\x18\x04 \x01(\t\x12\x14\n\x0cload_reports\x18\x05 \x01(\x08\"\xe3\x01\n\x0cOpenSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specwire.v1.SamplingParams\x12\x19\n\x11num_output_tokens\x18\x04 \x01(\r\x12\x17\n\ntimeout_ms\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x0f\n\x07\x63oupled\x18\x06 \x01(\x08\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x01\x88\x01\x01\x42\r\n\x0b_timeout_msB\r\n\x0b_cache_salt\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x95\x02\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12\x34\n\x0b\x64raft_probs\x18\x04 \x03(\x0b\x32\x1f.specwire.v1.SparseDistribution\x12\x19\n\x11\x61ssumed_token_ids\x18\x05 \x03(\x05\x12\x1d\n\x10max_draft_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1a\n\rdraft_seconds\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\x42\x13\n\x11_max_draft_tokensB\x10\n\x0e_draft_seconds\"\x1f\n\rCloseSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\"\xf4\x01\n\x0fVerifierMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.specwire.v1.WelcomeH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.specwire.v1.VerdictH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.specwire.v1.SequenceErrorH\x00\x12/\n\x07\x64ropped\x18\x04 \x01(\x0b\x32\x1c.specwire.v1.ProposalDroppedH\x00\x12)\n\x04load\x18\x05 \x01(\x0b\x32\x19.specwire.v1.VerifierLoadH\x00\x42\x06\n\x04kind\"{\n\x0cVerifierLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x02\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\r\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\"2\n\x07Welcome\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.specwire.v1.VerifierInfo\"\xeb\x01\n\x07Verdict\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.specwire.v1.FinishReason\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x13\n\x0bstep_time_s\x18\x07 \x01(\x01\x12\x1e\n\x11next_draft_tokens\x18\x08 \x01(\rH\x00\x88\x01\x01\x42\x14\n\x12_next_draft_tokens\"O\n\x0fProposalDropped\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0estart_position\x18\x02 \x01(\r\x12\x14\n\x0cnum_verified\x18\x03 \x01(\r\">\n\rSequenceError\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t2\x94\x01\n\x08Verifier\x12\x41\n\x07GetInfo\x12\x1b.specwire.v1.GetInfoRequest\x1a\x19.specwire.v1.VerifierInfo\x12\x45\n\x06Verify\x12\x19.specwire.v1.DraftMessage\x1a\x1c.specwire.v1.VerifierMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,26 +38,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFIERINFO']._serialized_end=450
   _globals['_DRAFTMESSAGE']._serialized_start=453
   _globals['_DRAFTMESSAGE']._serialized_end=642
-  _globals['_HELLO']._serialized_start=644
-  _globals['_HELLO']._serialized_end=752
-  _globals['_OPENSEQUENCE']._serialized_start=755
-  _globals['_OPENSEQUENCE']._serialized_end=982
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=984
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=1038
-  _globals['_PROPOSAL']._serialized_start=1041
-  _globals['_PROPOSAL']._serialized_end=1318
-  _globals['_CLOSESEQUENCE']._serialized_start=1320
-  _globals['_CLOSESEQUENCE']._serialized_end=1351
-  _globals['_VERIFIERMESSAGE']._serialized_start=1354
-  _globals['_VERIFIERMESSAGE']._serialized_end=1555
-  _globals['_WELCOME']._serialized_start=1557
-  _globals['_WELCOME']._serialized_end=1607
-  _globals['_VERDICT']._serialized_start=1610
-  _globals['_VERDICT']._serialized_end=1845
-  _globals['_PROPOSALDROPPED']._serialized_start=1847
-  _globals['_PROPOSALDROPPED']._serialized_end=1926
-  _globals['_SEQUENCEERROR']._serialized_start=1928
-  _globals['_SEQUENCEERROR']._serialized_end=1990
-  _globals['_VERIFIER']._serialized_start=1993
-  _globals['_VERIFIER']._serialized_end=2141
+  _globals['_HELLO']._serialized_start=645
+  _globals['_HELLO']._serialized_end=775
+  _globals['_OPENSEQUENCE']._serialized_start=778
+  _globals['_OPENSEQUENCE']._serialized_end=1005
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=1007
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=1061
+  _globals['_PROPOSAL']._serialized_start=1064
+  _globals['_PROPOSAL']._serialized_end=1341
+  _globals['_CLOSESEQUENCE']._serialized_start=1343
+  _globals['_CLOSESEQUENCE']._serialized_end=1374
+  _globals['_VERIFIERMESSAGE']._serialized_start=1377
+  _globals['_VERIFIERMESSAGE']._serialized_end=1621
+  _globals['_VERIFIERLOAD']._serialized_start=1623
+  _globals['_VERIFIERLOAD']._serialized_end=1746
+  _globals['_WELCOME']._serialized_start=1748
+  _globals['_WELCOME']._serialized_end=1798
+  _globals['_VERDICT']._serialized_start=1801
+  _globals['_VERDICT']._serialized_end=2036
+  _globals['_PROPOSALDROPPED']._serialized_start=2038
+  _globals['_PROPOSALDROPPED']._serialized_end=2117
+  _globals['_SEQUENCEERROR']._serialized_start=2119
+  _globals['_SEQUENCEERROR']._serialized_end=2181
+  _globals['_VERIFIER']._serialized_start=2184
+  _globals['_VERIFIER']._serialized_end=2332
 # @@protoc_insertion_point(module_scope)

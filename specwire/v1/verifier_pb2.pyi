@@ -60,16 +60,18 @@ class DraftMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., open: _Optional[_Union[OpenSequence, _Mapping]] = ..., propose: _Optional[_Union[Proposal, _Mapping]] = ..., close: _Optional[_Union[CloseSequence, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("draft_model_id", "vocab_size", "tokenizer_fingerprint", "protocol_version")
+    __slots__ = ("draft_model_id", "vocab_size", "tokenizer_fingerprint", "protocol_version", "load_reports")
     DRAFT_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_REPORTS_FIELD_NUMBER: _ClassVar[int]
     draft_model_id: str
     vocab_size: int
     tokenizer_fingerprint: str
     protocol_version: str
-    def __init__(self, draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., protocol_version: _Optional[str] = ...) -> None: ...
+    load_reports: bool
+    def __init__(self, draft_model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., protocol_version: _Optional[str] = ..., load_reports: _Optional[bool] = ...) -> None: ...
 
 class OpenSequence(_message.Message):
     __slots__ = ("seq_id", "prompt_token_ids", "sampling", "num_output_tokens", "timeout_ms", "coupled", "cache_salt")
@@ -124,16 +126,32 @@ class CloseSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
 
 class VerifierMessage(_message.Message):
-    __slots__ = ("welcome", "verdict", "error", "dropped")
+    __slots__ = ("welcome", "verdict", "error", "dropped", "load")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     verdict: Verdict
     error: SequenceError
     dropped: ProposalDropped
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[SequenceError, _Mapping]] = ..., dropped: _Optional[_Union[ProposalDropped, _Mapping]] = ...) -> None: ...
+    load: VerifierLoad
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., error: _Optional[_Union[SequenceError, _Mapping]] = ..., dropped: _Optional[_Union[ProposalDropped, _Mapping]] = ..., load: _Optional[_Union[VerifierLoad, _Mapping]] = ...) -> None: ...
+
+class VerifierLoad(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "kv_cache_usage", "num_free_blocks", "draining")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    draining: bool
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("info",)

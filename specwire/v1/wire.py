@@ -20,7 +20,8 @@ FEATURE_COUPLED = "coupled"  # OpenSequence.coupled
 FEATURE_CACHE_SALT = "cache_salt"  # OpenSequence.cache_salt
 FEATURE_GOODPUT = "goodput"  # Proposal.max_draft_tokens -> Verdict.next_draft_tokens
 FEATURE_TREE = "tree"  # Proposal.draft_parents (VerifierInfo.max_tree_nodes)
-VERIFIER_FEATURES = (FEATURE_COUPLED, FEATURE_CACHE_SALT, FEATURE_GOODPUT, FEATURE_TREE)
+FEATURE_LOAD = "load"  # VerifierMessage.load: load reports and drain notices
+VERIFIER_FEATURES = (FEATURE_COUPLED, FEATURE_CACHE_SALT, FEATURE_GOODPUT, FEATURE_TREE, FEATURE_LOAD)
 # vLLM's limit is none; ours bounds what one open message makes the verifier hash and log.
 MAX_CACHE_SALT_CHARS = 256
 
