@@ -19,6 +19,17 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of this dtype on this CPU: float32 wherever it runs, bfloat16 only where the
+    CPU has the instructions its bf16 path needs (AVX512-BW/VL/DQ or AVX-NE-CONVERT); an AVX2-only CPU keeps
+    bfloat16 weights as they are (torch's own matmul)."""
+    if not onednn_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b for one or more concatenated nn.Linear layers, with W reordered for oneDNN."""
 

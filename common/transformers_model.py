@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 import torch
 
-from common.cpu_linear import PackedLinear, onednn_available
+from common.cpu_linear import PackedLinear, onednn_packs
 from common.kv_cache import KVCache, KVCacheSpec, LayerShape
 from kernels import platform
 from kernels.kv_cache_write import write_kv
@@ -263,8 +263,7 @@ class TransformersPagedLM:
         self.kv_cache = kv_cache
         head = model.get_output_embeddings()  # packed already when another runner shares this model
         self._vocab_size = head.out_features if isinstance(head, _PackedLinearModule) else head.weight.shape[0]
-        self.packed = (pack_weights and model.device.type == "cpu" and model.dtype in (torch.float32, torch.bfloat16)
-                       and onednn_available())
+        self.packed = pack_weights and model.device.type == "cpu" and onednn_packs(model.dtype)
         if self.packed:
             log.info("transformers_packed_linears", count=pack_linears(model))
         self.lm_head = model.get_output_embeddings()

@@ -126,7 +126,10 @@ def test_a_token_computes_the_same_alone_or_inside_a_verification_block(quantiza
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_linear_rows_do_not_depend_on_the_row_count(dtype):
     """oneDNN's single-row path rounds differently from its batched one at a decoder's shapes (1536 -> 8960)."""
-    from common.cpu_linear import PackedLinear
+    from common.cpu_linear import PackedLinear, onednn_packs
+
+    if not onednn_packs(dtype):  # the runners keep such weights unpacked here (onednn_packs), so never meet it
+        pytest.skip(f"oneDNN packs no {dtype} weights on this CPU")
 
     torch.manual_seed(0)
     layer = PackedLinear(torch.nn.Linear(1536, 8960).to(dtype))
