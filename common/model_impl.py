@@ -7,6 +7,7 @@ from __future__ import annotations
 from common.kv_cache import KVCache, KVCacheSpec
 from common.model_loading import LoadedModel
 from common.paged_model import PagedCausalLM, kv_cache_spec
+from common.tensor_parallel import TensorParallel
 from common.transformers_model import TransformersPagedLM, kv_cache_spec_by_probe
 
 PagedModel = PagedCausalLM | TransformersPagedLM
@@ -21,11 +22,11 @@ def paged_kv_spec(loaded: LoadedModel) -> KVCacheSpec:
 
 
 def build_paged_model(loaded: LoadedModel, kv: KVCache, *, quantization: str = "none",
-                      release_unpacked: bool = True) -> PagedModel:
+                      release_unpacked: bool = True, tp: TensorParallel | None = None) -> PagedModel:
     if loaded.model_impl == "transformers":
         if quantization != "none":
             raise ValueError(f"--quantization {quantization} is a path of the native implementation; "
                              f"{loaded.model.config.model_type!r} runs on the transformers backend")
         return TransformersPagedLM(loaded.model, kv)
     return PagedCausalLM(loaded.model, kv, release_unpacked=release_unpacked, quantization=quantization,
-                         gguf_path=loaded.gguf_path)
+                         gguf_path=loaded.gguf_path, tp=tp)

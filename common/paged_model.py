@@ -19,9 +19,10 @@ import structlog
 import torch
 
 from common.config import QUANTIZATIONS
-from common.cpu_linear import Int4Linear, Int8Linear, PackedLinear, onednn_available
+from common.cpu_linear import Int4Linear, Int8Linear, PackedLinear, onednn_packs
 from common.gguf_weights import GGUFFile, map_int4
 from common.kv_cache import KVCache, KVCacheSpec
+from common.tensor_parallel import TensorParallel
 from kernels import platform
 from kernels.kv_cache_write import write_kv
 from kernels.paged_attention import (
@@ -97,16 +98,19 @@ class PagedCausalLM:
 
     def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
                  release_unpacked: bool = False, quantization: str = "none",
-                 gguf_path: str | Path | None = None) -> None:
+                 gguf_path: str | Path | None = None, tp: TensorParallel | None = None) -> None:
         """quantization "int8" or "int4": every linear layer (lm_head included) weight-only quantized, on CPU
         (common.cpu_linear.Int8Linear / Int4Linear); "none": the model's own weights (oneDNN-packed on CPU).
         gguf_path: the GGUF file the model was converted from; with int4, its Q4 blocks are used as they are
-        (common.gguf_weights) instead of requantizing their float values."""
+        (common.gguf_weights) instead of requantizing their float values. tp: this rank's place in a
+        tensor-parallel group; the model was cut to its share (common.tensor_parallel.shard_model) and kv_cache
+        holds its share of the KV heads."""
         self.model = model
         self.kv_cache = kv_cache
+        self.tp = tp
         spec = kv_cache.spec
         config = model.config
-        self.num_heads = config.num_attention_heads
+        self.num_heads = config.num_attention_heads // (tp.world_size if tp is not None else 1)
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.layers = model.model.layers
@@ -132,8 +136,7 @@ class PagedCausalLM:
                              f"model is {model.dtype} on {model.device.type}")
         self.quantization = quantization
         self.packed = quantization != "none" or (pack_weights and model.device.type == "cpu"
-                                                 and model.dtype in (torch.float32, torch.bfloat16)
-                                                 and onednn_available())
+                                                 and onednn_packs(model.dtype))
         if self.packed:
             linear = {"int8": Int8Linear, "int4": Int4Linear}.get(quantization, PackedLinear)
             if quantization == "int4" and gguf_path is not None:
@@ -218,14 +221,18 @@ class PagedCausalLM:
                 o = paged_attention(q, key_cache, value_cache, batch.block_tables, batch.query_start,
                                     batch.context_lens, self.scale, self.sliding_windows[i], tree=batch.tree)
             o = o.reshape(num_tokens, q_size)
-            hidden = hidden + (self.o_proj[i](o) if self.packed else attn.o_proj(o))
+            hidden = hidden + self._summed(self.o_proj[i](o) if self.packed else attn.o_proj(o))
             h = layer.post_attention_layernorm(hidden)
             if self.packed:
                 gate, up = self.gate_up[i](h).chunk(2, dim=1)
-                hidden = hidden + self.down[i](layer.mlp.act_fn(gate) * up)
+                hidden = hidden + self._summed(self.down[i](layer.mlp.act_fn(gate) * up))
             else:
-                hidden = hidden + layer.mlp(h)
+                hidden = hidden + self._summed(layer.mlp(h))
         return hidden
+
+    def _summed(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-split projection's output: this rank's part summed over the tensor-parallel group."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
 
 def _release_linear_weights(model: Any) -> None:

@@ -34,6 +34,10 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                         choices=("auto", *DTYPES))
     quantization: str = option("none", QUANTIZATION_HELP, choices=QUANTIZATIONS)
     model_impl: str = option("auto", MODEL_IMPL_HELP, choices=MODEL_IMPLS)
+    tensor_parallel_size: int = option(1, "ranks the target is split over (Megatron-style: attention heads and the "
+                                       "MLP by columns and rows, the KV pool by heads), one process each on this "
+                                       "host: GPU r for rank r with --device cuda (NCCL, or RCCL on ROCm), gloo on "
+                                       "CPU; native model types, unquantized")
     max_draft_tokens: int = option(16, "largest draft block accepted (a token tree's depth)")
     max_tree_nodes: int = option(64, "draft tokens one token-tree proposal may hold (at most 64, and below the "
                                  "step's token budget); 0: chains only")
@@ -118,6 +122,8 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.handshake_timeout_s > 0:
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.sequence_idle_timeout_s < 0:

@@ -15,11 +15,14 @@ from common.device import describe_device, kv_budget_from_utilization, resolve_d
 from common.grpc_server import build_grpc_server, serve_until_stopped
 from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
-from common.model_impl import build_paged_model, paged_kv_spec
+from common.model_impl import PagedModel, build_paged_model, paged_kv_spec
 from common.model_loading import LoadedModel, load_model
-from common.paged_model import profile_peak_memory
-from common.static_forward import build_static_forward
+from common.paged_model import NATIVE_MODEL_TYPES, PagedCausalLM, profile_peak_memory
+from common.static_forward import StaticForward, build_static_forward
+from common.tensor_parallel import TensorParallel, shard_model, sharded_spec
+from specwire.launch import free_port
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
+from verifier_service import tensor_parallel
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import CPU_KV_CACHE_MEMORY, VerifierConfig
 from verifier_service.engine import VerifierEngine
@@ -35,22 +38,17 @@ SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 def build_engine(config: VerifierConfig) -> VerifierEngine:
     device = resolve_device(config.device)
     dtype = resolve_dtype_name(config.dtype, device)
-    loaded = load_model(config.model, parse_dtype(dtype), device, config.model_impl)
-    spec = paged_kv_spec(loaded)
-    num_blocks = config.num_blocks or _num_blocks(config, loaded, spec, device)
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget holds no block of {config.block_size} tokens ({spec.bytes_per_token} bytes "
-                         "per token): raise --kv-cache-memory or --gpu-memory-utilization")
-    kv = KVCache(spec, num_blocks, config.block_size, device)
-    info = describe_device(device)
-    log.info("kv_cache", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
-             num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
-             bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size)
-    model = build_paged_model(loaded, kv, quantization=config.quantization)
-    static = build_static_forward(model, max_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens),
-                                  max_model_len=loaded.max_model_len, block_size=config.block_size,
-                                  graphs=config.cuda_graphs)
-    return VerifierEngine(loaded, model, BlockManager(num_blocks, config.block_size), static=static,
+    tp = workers = None
+    if config.tensor_parallel_size > 1:  # this process is rank 0; the others start now and join it
+        tensor_parallel.check_devices(device, config.tensor_parallel_size)
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        workers = tensor_parallel.start_workers(config, device, init_method)
+        device = tensor_parallel.rank_device(device, 0)
+        tp = tensor_parallel.init_rank(0, config.tensor_parallel_size, init_method, device)
+    loaded, model, static = build_model_runner(config, device, dtype, tp)
+    if tp is not None:
+        model = tensor_parallel.LeaderModel(model, tp, workers)
+    return VerifierEngine(loaded, model, BlockManager(model.kv_cache.num_blocks, config.block_size), static=static,
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
                           sequence_idle_timeout_s=config.sequence_idle_timeout_s,
@@ -61,7 +59,49 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           speculation_trial=config.speculation_trial)
 
 
-def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device) -> int:
+def build_model_runner(config: VerifierConfig, device: torch.device, dtype: str,
+                       tp: TensorParallel | None = None) -> tuple[LoadedModel, PagedModel, StaticForward | None]:
+    """The target, its KV pool and its runner (and static buffers); with `tp`, this rank's share of each (every
+    rank runs this, in step: the sizing forward on a GPU has the group's all-reduces)."""
+    loaded = load_model(config.model, parse_dtype(dtype), device if tp is None else "cpu", config.model_impl)
+    spec = paged_kv_spec(loaded)
+    if tp is not None:
+        check_tensor_parallel(loaded, config)
+        shard_model(loaded.model, tp)  # on the host: no device ever holds the whole model
+        loaded.model.to(device)
+        spec = sharded_spec(spec, tp.world_size)
+    num_blocks = config.num_blocks or _num_blocks(config, loaded, spec, device, tp)
+    if tp is not None:
+        num_blocks = tensor_parallel.min_over_ranks(num_blocks)
+    if num_blocks < 1:
+        raise ValueError(f"the KV budget holds no block of {config.block_size} tokens ({spec.bytes_per_token} bytes "
+                         "per token): raise --kv-cache-memory or --gpu-memory-utilization")
+    kv = KVCache(spec, num_blocks, config.block_size, device)
+    info = describe_device(device)
+    log.info("kv_cache", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
+             num_blocks=num_blocks, block_size=config.block_size, bytes=kv.num_bytes,
+             bytes_per_token=spec.bytes_per_token, capacity_tokens=num_blocks * config.block_size,
+             tensor_parallel_rank=tp.rank if tp is not None else None)
+    model = build_paged_model(loaded, kv, quantization=config.quantization, tp=tp)
+    static = None if tp is not None else build_static_forward(
+        model, max_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens),
+        max_model_len=loaded.max_model_len, block_size=config.block_size, graphs=config.cuda_graphs)
+    return loaded, model, static
+
+
+def check_tensor_parallel(loaded: LoadedModel, config: VerifierConfig) -> None:
+    """What --tensor-parallel-size runs on: the native forward, unquantized."""
+    if loaded.model_impl != "native":
+        raise ValueError(f"--tensor-parallel-size needs the native implementation (model types "
+                         f"{', '.join(NATIVE_MODEL_TYPES)}); {loaded.model.config.model_type!r} runs on the "
+                         "transformers backend, whose modules specwire does not shard")
+    if config.quantization != "none":
+        raise ValueError(f"--tensor-parallel-size shards float weights; --quantization {config.quantization} is a "
+                         "single-process CPU path")
+
+
+def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, device: torch.device,
+                tp: TensorParallel | None = None) -> int:
     if config.kv_cache_memory is not None:
         return num_blocks_for_budget(spec, config.block_size, config.kv_cache_memory)
     if device.type != "cuda":
@@ -69,6 +109,8 @@ def _num_blocks(config: VerifierConfig, loaded: LoadedModel, spec: KVCacheSpec, 
     runner_for = None
     if loaded.model_impl == "transformers":
         runner_for = lambda kv: build_paged_model(loaded, kv)  # noqa: E731
+    elif tp is not None:
+        runner_for = lambda kv: PagedCausalLM(loaded.model, kv, pack_weights=False, tp=tp)  # noqa: E731
     peak = profile_peak_memory(loaded.model, spec, config.block_size, config.max_num_batched_tokens, device,
                                runner_for)
     budget = kv_budget_from_utilization(device, config.gpu_memory_utilization, peak)
@@ -123,6 +165,9 @@ async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) ->
     async def stop_verifier() -> None:
         try:
             await async_engine.stop()
+            close = getattr(engine.runner.model, "close", None)  # tensor parallel: stop the other ranks
+            if close is not None:
+                await asyncio.to_thread(close)
         finally:
             if metrics_server is not None:
                 await asyncio.to_thread(metrics_server.close)
