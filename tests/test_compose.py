@@ -29,7 +29,9 @@ def test_compose_file_is_valid_and_wires_the_services():
     out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config",
                           "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=True)
     services = json.loads(out.stdout)["services"]
-    assert set(services) == {"verifier", "draft-a", "draft-b", "prometheus"}
+    assert set(services) == {"verifier", "verifier-b", "draft-a", "draft-b", "gateway", "prometheus"}
+    assert services["verifier-b"]["environment"] == services["verifier"]["environment"]
+    assert services["gateway"]["depends_on"]["draft-a"]["condition"] == "service_healthy"
     verifier = services["verifier"]["environment"]
     assert {verifier["SPECWIRE_TLS_CLIENT_CA"], verifier["SPECWIRE_AUTH_TOKEN_FILE"]} == {
         "/certs/ca.pem", "/certs/verifier.tokens"}  # mutual TLS and tokens
@@ -37,11 +39,12 @@ def test_compose_file_is_valid_and_wires_the_services():
     assert "/certs/client.pem" in services["verifier"]["healthcheck"]["test"]
     for name in ("draft-a", "draft-b"):
         env = services[name]["environment"]
-        assert env["SPECWIRE_VERIFIER"] == "verifier:50051"
+        assert env["SPECWIRE_VERIFIER"] == "verifier:50051,verifier-b:50051"
         assert env["SPECWIRE_VERIFIER_TOKEN_FILE"] == verifier["SPECWIRE_AUTH_TOKEN_FILE"]
         assert env["SPECWIRE_VERIFIER_TLS_CERT"] == "/certs/client.pem"
         assert env["SPECWIRE_AUTH_TOKEN_FILE"] == "/certs/draft.tokens"
         assert services[name]["depends_on"]["verifier"]["condition"] == "service_healthy"
+        assert services[name]["depends_on"]["verifier-b"]["condition"] == "service_healthy"
         assert {v["target"] for v in services[name]["volumes"]} == {"/models", "/certs"}
     assert {p["published"] for n in ("draft-a", "draft-b") for p in services[n]["ports"]} == {"50052", "50053"}
 

@@ -137,6 +137,7 @@ def test_what_the_containers_are_told_is_what_specwire_takes(rendered, monkeypat
     assert len(workloads) == 3
     for workload in workloads:
         pod = workload["spec"]["template"]["spec"]
+        assert pod["enableServiceLinks"] is False  # else Services named specwire-* set SPECWIRE_* variables
         (container,) = pod["containers"]
         args = container["args"]
         parser = _subcommand(args[0])
