@@ -108,8 +108,10 @@ class VerifierState:
         self.load, self.draining, self.placed_since_report = load, draining, 0
 
     def reset(self) -> None:
-        """A new stream to it: what an earlier one reported is stale (a restarted verifier caches nothing)."""
-        self.load, self.draining, self.placed_since_report = None, False, 0
+        """A new stream to it: what an earlier one reported is stale (a restarted verifier caches nothing). A
+        draining flag stays until the new stream's first report (sent right after its welcome) clears it: a
+        verifier reconnected to while it drains takes no sequence meanwhile."""
+        self.load, self.placed_since_report = None, 0
         self.prefixes.clear()
 
     @property

@@ -40,19 +40,21 @@ VERIFIER_WATCH_S = 1.0
 
 
 async def track_verifier(link: VerifierLink, servicer: health.aio.HealthServicer) -> None:
-    """The health of SERVICE_NAME follows the Verify streams: SERVING while one is up, NOT_SERVING while all are
-    down (the process itself, health "", stays SERVING: requests wait --verifier-retry-deadline for a verifier).
+    """The health of SERVICE_NAME follows the Verify streams: SERVING while a verifier takes new sequences (up, not
+    draining), NOT_SERVING otherwise (the process itself, health "", stays SERVING: requests wait
+    --verifier-retry-deadline for a verifier).
     Down streams are reconnected from here too, without waiting for a request, and a dns:/// target is resolved
     again."""
     status = None
     while True:
         await link.refresh()
         link.reconnect_in_background()
-        now = health_pb2.HealthCheckResponse.SERVING if link.connected else health_pb2.HealthCheckResponse.NOT_SERVING
+        serving = link.can_place
+        now = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         if now != status:
             await servicer.set(SERVICE_NAME, now)
             if status is not None:
-                log.info("verifier_health", connected=link.connected)
+                log.info("verifier_health", connected=link.connected, can_place=serving)
             status = now
         await asyncio.sleep(VERIFIER_WATCH_S)
 

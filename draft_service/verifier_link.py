@@ -12,6 +12,7 @@ on the same verifier if it is back, else on another one, and proposes again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import time
@@ -33,6 +34,7 @@ __all__ = ["LinkDown", "VerifierLink"]
 log = structlog.get_logger(__name__)
 
 RESOLVE_INTERVAL_S = 5.0  # how often a dns:/// target is resolved again
+MIN_RESOLVE_INTERVAL_S = 1.0  # at most this often when a request waits for a verifier the name does not give yet
 WAIT_POLL_S = 0.05  # while no verifier can take a sequence: how often to look again
 
 
@@ -72,6 +74,7 @@ class VerifierLink:
         for address in self._targets.addresses:
             self._add(address)
         self._resolved_at = -float("inf")
+        self._resolving = asyncio.Lock()  # one lookup at a time, whatever number of requests wait
         self._closed = False
         self._inboxes: dict[int, asyncio.Queue[LinkEvent]] = {}
         self._placed: dict[int, _Placed] = {}  # seq id -> where it is open
@@ -100,15 +103,19 @@ class VerifierLink:
         on it. A failed lookup keeps what was known."""
         if not self._targets.resolves or self._closed:
             return
-        now = time.monotonic()
-        if not force and now - self._resolved_at < RESOLVE_INTERVAL_S:
-            return
-        self._resolved_at = now
-        try:
-            addresses = set(await self._targets.resolve())
-        except OSError as err:
-            log.warning("verifier_resolve_failed", target=self._target, error=str(err))
-            return
+        async with self._resolving:
+            now = time.monotonic()
+            if now - self._resolved_at < (MIN_RESOLVE_INTERVAL_S if force else RESOLVE_INTERVAL_S):
+                return
+            self._resolved_at = now
+            try:
+                addresses = set(await self._targets.resolve())
+            except OSError as err:
+                log.warning("verifier_resolve_failed", target=self._target, error=str(err))
+                return
+            await self._follow(addresses)
+
+    async def _follow(self, addresses: set[str]) -> None:
         for address in sorted(addresses - self._verifiers.keys()):
             log.info("verifier_added", target=self._target, address=address)
             self._add(address)
@@ -119,7 +126,13 @@ class VerifierLink:
                 del self._verifiers[address]
                 await verifier.connection.close()
                 if self._metrics is not None:
-                    self._metrics.verifier_sequences.remove(address)
+                    with contextlib.suppress(KeyError):  # never placed on: no series
+                        self._metrics.verifier_sequences.remove(address)
+
+    @property
+    def can_place(self) -> bool:
+        """Whether some verifier takes new sequences now (up, not draining, still resolved)."""
+        return bool(self._placeable())
 
     @property
     def connected(self) -> bool:

@@ -9,7 +9,8 @@ from common.config import option
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    server: str = option("127.0.0.1:50052", "the draft service's HOST:PORT")
+    server: str = option("127.0.0.1:50052", "the draft service's HOST:PORT, or dns:///NAME:PORT for several (calls go "
+                         "round robin over the addresses the name resolves to)")
     host: str = option("127.0.0.1", "address to bind")
     port: int = option(8000, "HTTP port")
     model_name: str | None = option(None, "the model id clients name (default: the --tokenizer directory's name, "

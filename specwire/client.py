@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -174,6 +175,8 @@ class _ClientBase:
         self._target = target
         conn = _connection(token, root_certificates, private_key, certificate_chain, channel_credentials,
                            tls_server_name)
+        if target.startswith("dns:"):  # a name for several draft services (a headless Service): calls spread
+            conn = dataclasses.replace(conn, options=[*conn.options, ("grpc.lb_policy_name", "round_robin")])
         self._tls = conn.credentials is not None
         self._metadata = conn.metadata
         channels = grpc.aio if self._aio else grpc

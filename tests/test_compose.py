@@ -44,7 +44,7 @@ def test_compose_file_is_valid_and_wires_the_services():
         assert env["SPECWIRE_VERIFIER_TLS_CERT"] == "/certs/client.pem"
         assert env["SPECWIRE_AUTH_TOKEN_FILE"] == "/certs/draft.tokens"
         assert services[name]["depends_on"]["verifier"]["condition"] == "service_healthy"
-        assert services[name]["depends_on"]["verifier-b"]["condition"] == "service_healthy"
+        assert services[name]["depends_on"]["verifier-b"]["condition"] == "service_started"
         assert {v["target"] for v in services[name]["volumes"]} == {"/models", "/certs"}
     assert {p["published"] for n in ("draft-a", "draft-b") for p in services[n]["ports"]} == {"50052", "50053"}
 
@@ -97,7 +97,8 @@ def test_compose_flags_exist_on_the_services():
     out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "config", "--format", "json"],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     services = json.loads(out.stdout)["services"]
-    for name, cls in (("verifier", VerifierConfig), ("draft-a", DraftConfig), ("draft-b", DraftConfig)):
+    for name, cls in (("verifier", VerifierConfig), ("verifier-b", VerifierConfig), ("draft-a", DraftConfig),
+                      ("draft-b", DraftConfig)):
         unknown = {k for k in services[name]["environment"] if k.startswith("SPECWIRE_")} - env_names(cls)
         assert not unknown, f"{name}: {unknown}"
 
@@ -124,7 +125,7 @@ def test_metrics_ports_are_published_on_loopback_only():
             if parts[-1] in wanted:
                 assert len(parts) == 3 and parts[0] == "127.0.0.1", f"{name} publishes {mapping} on every interface"
                 checked += 1
-    assert checked == 2  # the verifier's metrics and Prometheus (the drafts' metrics are not published)
+    assert checked == 3  # the two verifiers' metrics and Prometheus (the drafts' metrics are not published)
 
     out = subprocess.run([_compose(), "-f", str(ROOT / "compose.yaml"), "--profile", "monitoring", "config",
                           "--format", "json"], capture_output=True, text=True, cwd=ROOT, check=True)

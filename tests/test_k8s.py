@@ -2,7 +2,7 @@
 against the Kubernetes API schemas offline (kubernetes-validate, strict: an unknown field fails), and what the
 containers are told is what specwire takes: their arguments parse with the CLI, every SPECWIRE_* variable is a
 flag of that command, every file they name is mounted. No cluster runs here: scheduling, probes, the HPA's
-custom metric and the policies' effect are not exercised (docs/kubernetes.md says so)."""
+custom metric and the policies' effect are not exercised (docs/deployment.md says so)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ def rendered(tmp_path_factory) -> dict[str, list[dict]]:
         pytest.fail("kubectl (with its built-in kustomize) is needed to render deploy/k8s: apt-get install kubectl")
     tree = tmp_path_factory.mktemp("k8s") / "k8s"
     shutil.copytree(ROOT / "deploy" / "k8s", tree, ignore=shutil.ignore_patterns("secrets"))
+    # the command docs/deployment.md gives
     subprocess.run([sys.executable, str(ROOT / "scripts" / "make_dev_certs.py"), str(tree / "base" / "secrets"),
-                    "--host", "specwire-verifier.specwire.svc.cluster.local"], check=True, capture_output=True)
-    out = {}
+                    "--host", "specwire-verifier.specwire.svc.cluster.local",
+                    "--host", "specwire-draft.specwire.svc.cluster.local"], check=True, capture_output=True)
+    out = {"secrets": tree / "base" / "secrets"}
     for overlay in ("nvidia", "amd"):
         text = subprocess.run([kubectl, "kustomize", str(tree / "overlays" / overlay)], check=True,
                               capture_output=True, text=True).stdout
@@ -117,6 +119,30 @@ def test_probes_speak_mutual_tls_and_only_drafts_reach_verifiers(rendered):
     metrics_services = [d for d in docs if d["kind"] == "Service"
                         and any(p["name"] == "metrics" for p in d["spec"]["ports"])]
     assert {s["metadata"]["name"] for s in metrics_services} == {"specwire-verifier", "specwire-draft"}
+
+
+def test_every_name_a_tls_client_checks_is_in_the_documented_certificate(rendered):
+    """The server certificate made as the docs say names every host a client checks it against: the probes'
+    --server-name, and the DNS names the drafts and the gateway dial."""
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((rendered["secrets"] / "server.pem").read_bytes())
+    names = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName))
+    checked = set()
+    for workload in (d for d in rendered["nvidia"] if d["kind"] in ("StatefulSet", "Deployment")):
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e["value"] for e in container.get("env", [])}
+        words = [*container["args"], *env.values(),
+                 *(x for p in ("startupProbe", "readinessProbe", "livenessProbe")
+                   for x in container.get(p, {}).get("exec", {}).get("command", []))]
+        for i, word in enumerate(words):
+            if word == "--server-name":
+                checked.add(words[i + 1])
+            elif word.startswith("dns:///"):
+                checked.add(word[len("dns:///"):].rsplit(":", 1)[0])
+    assert checked == {"specwire-verifier.specwire.svc.cluster.local", "specwire-draft.specwire.svc.cluster.local"}
+    assert checked <= names
 
 
 def _subcommand(command: str) -> argparse.ArgumentParser:

@@ -172,6 +172,7 @@ def test_a_sequence_moves_when_its_verifier_goes_and_a_draining_verifier_takes_n
             # the verifier it left is back: a late verdict from it for the sequence is not the sequence's
             await _until(lambda: link._verifiers[address2].connection.connected)
             two.verdict(seq, [7])
+            await asyncio.sleep(0.3)  # it would arrive first
             one.verdict(seq, [8])
             event = await asyncio.wait_for(link.next_event(seq), 5)
             assert isinstance(event, VerdictEvent) and event.token_ids == (8,)
@@ -219,6 +220,55 @@ def test_a_sequence_stays_on_its_verifier_when_that_one_comes_back():
             await _until(lambda: home.opened() == [seq, seq])
             assert metrics.placements.labels(reason="resume")._value.get() == 1
             assert metrics.failovers._value.get() == 0
+        finally:
+            await link.close()
+            await server1.stop(0)
+            await server2.stop(0)
+
+    asyncio.run(run())
+
+
+class _Resolving:
+    """A dns:/// target whose answer the test sets."""
+
+    resolves = True
+    dns_host = "verifiers.test"
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses_now = addresses
+
+    async def resolve(self) -> tuple[str, ...]:
+        return tuple(self.addresses_now)
+
+
+def test_a_dns_target_is_followed_as_verifiers_come_and_go(monkeypatch):
+    import draft_service.verifier_link as verifier_link
+
+    monkeypatch.setattr(verifier_link, "MIN_RESOLVE_INTERVAL_S", 0.0)
+
+    async def run() -> None:
+        one, two = LoadReportingVerifier("one"), LoadReportingVerifier("two")
+        (server1, address1), (server2, address2) = await _serve(one), await _serve(two)
+        link = VerifierLink("dns:///verifiers.test:1", draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp")
+        link._targets = resolving = _Resolving([address1])
+        try:
+            await link.ensure_connected(5)  # resolves first: only one is known
+            assert set(link._verifiers) == {address1}
+            seq = await link.open([1, 2, 3], SAMPLING, retry_s=5)
+            await _until(lambda: one.opened() == [seq])
+
+            resolving.addresses_now = [address1, address2]  # a verifier comes
+            await link.refresh(force=True)
+            link.reconnect_in_background()
+            await _until(lambda: link._verifiers[address2].connection.connected)
+            resolving.addresses_now = [address2]  # the first one goes from the name
+            await link.refresh(force=True)
+            assert link._verifiers[address1].state.gone  # kept while a sequence of this draft is on it
+            others = [await link.open([4, 5], SAMPLING, retry_s=5) for _ in range(2)]
+            await _until(lambda: two.opened() == others)
+            link.release(seq, cancel=True)
+            await link.refresh(force=True)
+            assert set(link._verifiers) == {address2}  # closed once nothing of this draft is left on it
         finally:
             await link.close()
             await server1.stop(0)

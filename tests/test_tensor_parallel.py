@@ -98,3 +98,28 @@ def test_a_tensor_parallel_verifier_serves_target_greedy_output(pair, tmp_path):
         assert "tensor_parallel_rank_ready" in log
     finally:
         running.stack.stop()
+
+
+def test_a_rank_that_dies_ends_the_verifier_instead_of_leaving_it_hung(pair, tmp_path):
+    """Rank 0 would wait in the next collective for ever: it exits instead, so its drafts fail over and its
+    supervisor restarts it."""
+    import os
+    import signal
+    import subprocess
+
+    from specwire.launch import Stack
+
+    target, _ = pair
+    stack = Stack()
+    try:
+        verifier = stack.start("verifier", ["verifier", "--model", str(target), "--dtype", "float64",
+                                            "--tensor-parallel-size", "2", "--num-threads", "2"],
+                               log_dir=tmp_path, timeout_s=120)
+        children = subprocess.run(["pgrep", "-P", str(verifier.proc.pid)], capture_output=True,
+                                  text=True).stdout.split()
+        (rank1,) = [c for c in children if "resource_tracker" not in open(f"/proc/{c}/cmdline").read()]
+        os.kill(int(rank1), signal.SIGKILL)
+        assert verifier.proc.wait(30) == 70
+        assert "tensor_parallel_failed" in verifier.log_text()
+    finally:
+        stack.stop()

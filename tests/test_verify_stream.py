@@ -315,7 +315,7 @@ def test_load_reports_and_a_drain_that_refuses_new_sequences_and_waits_for_the_r
                 while not (reply := await reported.next("load")).load.draining:
                     pass
                 plain.send(_open(2))
-                error = (await plain.next("error")).error
+                error = (await plain.next()).error  # the next message: this stream never asked for reports
                 assert error.seq_id == 2 and error.code == grpc.StatusCode.UNAVAILABLE.value[0]
                 assert "draining" in error.message
                 assert not drain.done()  # sequence 1 still runs

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
+import threading
 
 import structlog
 import torch
@@ -20,7 +22,6 @@ from common.model_loading import LoadedModel, load_model
 from common.paged_model import NATIVE_MODEL_TYPES, PagedCausalLM, profile_peak_memory
 from common.static_forward import StaticForward, build_static_forward
 from common.tensor_parallel import TensorParallel, shard_model, sharded_spec
-from specwire.launch import free_port
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
 from verifier_service import tensor_parallel
 from verifier_service.async_engine import AsyncEngine
@@ -39,15 +40,17 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     device = resolve_device(config.device)
     dtype = resolve_dtype_name(config.dtype, device)
     tp = workers = None
+    stopping = threading.Event()
     if config.tensor_parallel_size > 1:  # this process is rank 0; the others start now and join it
         tensor_parallel.check_devices(device, config.tensor_parallel_size)
-        init_method = f"tcp://127.0.0.1:{free_port()}"
-        workers = tensor_parallel.start_workers(config, device, init_method)
+        rendezvous = tempfile.mkdtemp(prefix="specwire-tp-")
+        init_method = f"file://{rendezvous}/rendezvous"
+        workers = tensor_parallel.start_workers(config, init_method, stopping)
         device = tensor_parallel.rank_device(device, 0)
         tp = tensor_parallel.init_rank(0, config.tensor_parallel_size, init_method, device)
     loaded, model, static = build_model_runner(config, device, dtype, tp)
     if tp is not None:
-        model = tensor_parallel.LeaderModel(model, tp, workers)
+        model = tensor_parallel.LeaderModel(model, tp, workers, device, stopping)
     return VerifierEngine(loaded, model, BlockManager(model.kv_cache.num_blocks, config.block_size), static=static,
                           max_draft_tokens=config.max_draft_tokens,
                           max_num_batched_tokens=config.max_num_batched_tokens, dtype=dtype,
@@ -63,12 +66,18 @@ def build_model_runner(config: VerifierConfig, device: torch.device, dtype: str,
                        tp: TensorParallel | None = None) -> tuple[LoadedModel, PagedModel, StaticForward | None]:
     """The target, its KV pool and its runner (and static buffers); with `tp`, this rank's share of each (every
     rank runs this, in step: the sizing forward on a GPU has the group's all-reduces)."""
-    loaded = load_model(config.model, parse_dtype(dtype), device if tp is None else "cpu", config.model_impl)
+    def load_and_cut() -> LoadedModel:
+        loaded = load_model(config.model, parse_dtype(dtype), device if tp is None else "cpu", config.model_impl)
+        if tp is not None:
+            check_tensor_parallel(loaded, config)
+            shard_model(loaded.model, tp)  # on the host: no device ever holds the whole model
+            loaded.model.to(device)
+        return loaded
+
+    # with tensor parallelism the ranks load in turn: the host holds one whole copy at a time, then the shards
+    loaded = load_and_cut() if tp is None else tensor_parallel.in_turn(tp, load_and_cut)
     spec = paged_kv_spec(loaded)
     if tp is not None:
-        check_tensor_parallel(loaded, config)
-        shard_model(loaded.model, tp)  # on the host: no device ever holds the whole model
-        loaded.model.to(device)
         spec = sharded_spec(spec, tp.world_size)
     num_blocks = config.num_blocks or _num_blocks(config, loaded, spec, device, tp)
     if tp is not None:

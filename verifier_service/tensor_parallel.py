@@ -10,6 +10,7 @@ the forward's all-reduces (common.tensor_parallel). They compute the same logits
 from __future__ import annotations
 
 import datetime
+import logging
 import multiprocessing
 import os
 import threading
@@ -41,13 +42,38 @@ def check_devices(device: torch.device, world_size: int) -> None:
 
 
 def init_rank(rank: int, world_size: int, init_method: str, device: torch.device) -> TensorParallel:
+    """Join the group. The rendezvous is a file (no listening socket), and the ranks talk over loopback unless
+    GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME say otherwise: every rank is on this host."""
     import torch.distributed as dist
 
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     return TensorParallel(rank, world_size)
+
+
+def in_turn(tp: TensorParallel, work):
+    """`work()` on one rank at a time, rank 0 first: loading and cutting the model holds a whole copy in host
+    memory until it is cut, so the host needs one copy at a time, not one per rank."""
+    import torch.distributed as dist
+
+    result = None
+    for turn in range(tp.world_size):
+        if turn == tp.rank:
+            result = work()
+        dist.barrier()
+    return result
+
+
+def fatal(what: str) -> None:
+    """The ranks can no longer be kept in step (a failed forward or copy on one of them, a rank gone): end the
+    process, so that its drafts resume its sequences elsewhere and its supervisor restarts it."""
+    log.critical("tensor_parallel_failed", what=what)
+    logging.shutdown()
+    os._exit(70)
 
 
 def min_over_ranks(value: int) -> int:
@@ -61,6 +87,14 @@ def min_over_ranks(value: int) -> int:
     return int(t.item())
 
 
+def _in_step(work, what: str):
+    """Rank 0's part of a step: a failure leaves the other ranks waiting in a collective it never reaches."""
+    try:
+        return work()
+    except Exception as err:  # noqa: BLE001 - any failure breaks the lockstep
+        fatal(f"{what} failed on rank 0: {err!r}")
+
+
 class _LeaderKVCache:
     """Rank 0's KV pool: a copy inside it is done on every rank's share."""
 
@@ -70,12 +104,12 @@ class _LeaderKVCache:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
-            self._tp.broadcast(("copy_blocks", copies))
-        self._kv.copy_blocks(copies)
+            _in_step(lambda: self._tp.broadcast(("copy_blocks", copies)), "broadcast of a block copy")
+        _in_step(lambda: self._kv.copy_blocks(copies), "a block copy")
 
     def copy_slots(self, moves: list[tuple[int, int]]) -> None:
-        self._tp.broadcast(("copy_slots", moves))
-        self._kv.copy_slots(moves)
+        _in_step(lambda: self._tp.broadcast(("copy_slots", moves)), "broadcast of a slot copy")
+        _in_step(lambda: self._kv.copy_slots(moves), "a slot copy")
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._kv, name)
@@ -84,36 +118,46 @@ class _LeaderKVCache:
 class LeaderModel:
     """Rank 0's model runner: the engine's forward and KV copies, done by every rank."""
 
-    def __init__(self, model: PagedCausalLM, tp: TensorParallel, workers: list[multiprocessing.Process]) -> None:
+    def __init__(self, model: PagedCausalLM, tp: TensorParallel, workers: list[multiprocessing.Process],
+                 device: torch.device, stopping: threading.Event) -> None:
         self.model = model
         self.tp = tp
         self.kv_cache = _LeaderKVCache(model.kv_cache, tp)
         self._workers = workers
-        self._closed = False
+        self._device = device
+        self._stopping = stopping
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        self.tp.broadcast(("forward", batch))
-        return self.model.forward(batch)
+        _in_step(lambda: self.tp.broadcast(("forward", batch)), "broadcast of a forward")
+        return _in_step(lambda: self.model.forward(batch), "a forward")
 
     def close(self) -> None:
-        """Stop the other ranks (call it on the thread that ran the steps, once none runs)."""
-        if self._closed:
+        """Stop the other ranks (once no step runs)."""
+        if self._stopping.is_set():
             return
-        self._closed = True
+        self._stopping.set()
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # the broadcast's device, on whatever thread calls this
         try:
             self.tp.broadcast(("stop",))
         finally:
+            deadline = time.monotonic() + 10.0
             for worker in self._workers:
-                worker.join(10)
+                worker.join(max(0.0, deadline - time.monotonic()))
                 if worker.is_alive():
                     worker.kill()
+
+    @property
+    def closed(self) -> bool:
+        return self._stopping.is_set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
 
 
-def start_workers(config: Any, device: torch.device, init_method: str) -> list[multiprocessing.Process]:
-    """Ranks 1..N-1, each in a process of its own (spawned: a fresh interpreter, no fork of a threaded one)."""
+def start_workers(config: Any, init_method: str, stopping: threading.Event) -> list[multiprocessing.Process]:
+    """Ranks 1..N-1, each in a process of its own (spawned: a fresh interpreter, no fork of a threaded one). A
+    rank that ends before `stopping` is set (it failed to load, or crashed) ends this process too."""
     context = multiprocessing.get_context("spawn")
     workers = []
     for rank in range(1, config.tensor_parallel_size):
@@ -121,6 +165,15 @@ def start_workers(config: Any, device: torch.device, init_method: str) -> list[m
                                  name=f"specwire-tp-rank{rank}", daemon=True)
         worker.start()
         workers.append(worker)
+
+    def watch() -> None:
+        while not stopping.is_set():
+            for worker in workers:
+                if not worker.is_alive() and not stopping.is_set():
+                    fatal(f"tensor-parallel rank process {worker.name} ended (exit code {worker.exitcode})")
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="tp-rank-watch", daemon=True).start()
     return workers
 
 
@@ -160,14 +213,17 @@ def follow(model: PagedCausalLM, tp: TensorParallel) -> None:
             log.error("tensor_parallel_rank0_gone", rank=tp.rank, error=str(err).splitlines()[0][:200])
             return
         op = command[0]
-        if op == "forward":
-            model.forward(command[1])
-        elif op == "copy_blocks":
-            model.kv_cache.copy_blocks(command[1])
-        elif op == "copy_slots":
-            model.kv_cache.copy_slots(command[1])
-        elif op == "stop":
+        if op == "stop":
             break
-        else:
-            raise RuntimeError(f"unknown tensor-parallel command {op!r}")
+        try:
+            if op == "forward":
+                model.forward(command[1])
+            elif op == "copy_blocks":
+                model.kv_cache.copy_blocks(command[1])
+            elif op == "copy_slots":
+                model.kv_cache.copy_slots(command[1])
+            else:
+                raise RuntimeError(f"unknown tensor-parallel command {op!r}")
+        except Exception as err:  # noqa: BLE001 - rank 0 waits in a collective this rank will not reach
+            fatal(f"{op} failed on rank {tp.rank}: {err!r}")
     dist.destroy_process_group()
