@@ -276,9 +276,13 @@ def kill_verifier_mid_generation(engine: Engine, stack: Stack, address: str, cer
 def gateway_completion(port: int, certs: Path) -> str:
     from common.security import read_token
 
-    body = json.dumps({"model": "specwire", "prompt": "the", "max_tokens": 8, "temperature": 0}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {read_token(str(certs / 'draft.tokens'))}"})
+    auth = {"Authorization": f"Bearer {read_token(str(certs / 'draft.tokens'))}"}
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers=auth),
+                                timeout=30) as reply:
+        model = json.load(reply)["data"][0]["id"]  # the tokenizer directory's name
+    body = json.dumps({"model": model, "prompt": "the", "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.load(reply)["choices"][0]["text"]
 
