@@ -34,9 +34,11 @@ class GrpcServer:
         for name in ("", *self.service_names):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """Health NOT_SERVING, no new call taken (clients are sent GOAWAY and go elsewhere), calls in flight get
+        `grace_s` to finish, then are cancelled."""
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace=SHUTDOWN_GRACE_S)
+        await self.server.stop(grace=grace_s)
 
 
 class _Undecodable:
@@ -120,9 +122,10 @@ def build_grpc_server(host: str, port: int, *, add_servicers: Callable[[grpc.aio
 
 async def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], Awaitable[None]] | None = None,
                              stop: asyncio.Event | None = None,
-                             drain: Callable[[], Awaitable[None]] | None = None) -> None:
+                             drain: Callable[[], Awaitable[None]] | None = None,
+                             grace_s: float = SHUTDOWN_GRACE_S) -> None:
     """Run until SIGINT or SIGTERM, then `drain` (while the server still serves), stop the server and call
-    `on_stop` for the service's own parts. With `stop`, run until it is set instead, and leave the process's
+    `on_stop` for the service's own parts (calls in flight get `grace_s` to finish). With `stop`, run until it is set instead, and leave the process's
     signals alone: a service embedded in another program (the test suite runs services on threads of its own
     process) is stopped by its host."""
     if stop is None:
@@ -138,6 +141,6 @@ async def serve_until_stopped(server: GrpcServer, *, on_stop: Callable[[], Await
             if drain is not None:
                 await drain()
         finally:
-            await server.stop()
+            await server.stop(grace_s)
         if on_stop is not None:
             await on_stop()

@@ -77,6 +77,9 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                                    "above it); bounds how long one prompt's tokenization takes", parse=parse_bytes,
                                    show=format_bytes)
     connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
+    drain_grace_s: float = option(10.0, "on SIGTERM (or SIGINT): take no new request (clients are told to go to "
+                                  "another draft service) and let the generations in progress finish for at most "
+                                  "this many seconds, then cancel them", flag="--drain-grace")
     verifier_retry_deadline_s: float = option(30.0, "when the verifier connection breaks, how long a sequence "
                                               "waits for it to come back and resume before it ends with "
                                               "UNAVAILABLE", flag="--verifier-retry-deadline")
@@ -132,6 +135,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
             raise ValueError(f"max_prompt_bytes must be >= 1, got {self.max_prompt_bytes}")
         if self.q_max_support < 1:
             raise ValueError(f"q_max_support must be >= 1, got {self.q_max_support}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         VerifierTargets.parse(self.verifier)  # raises ValueError naming the forms it takes
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")

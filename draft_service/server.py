@@ -151,4 +151,4 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
             if metrics_server is not None:
                 await asyncio.to_thread(metrics_server.close)
 
-    await serve_until_stopped(server, on_stop=stop_draft, stop=stop)
+    await serve_until_stopped(server, on_stop=stop_draft, stop=stop, grace_s=config.drain_grace_s)

@@ -233,3 +233,45 @@ def test_a_resume_onto_a_verifier_restarted_with_another_model_fails_naming_both
         serve(target)
         running.verifier_args[:] = original_args
     running.wait_for_metric("specwire_kv_blocks_used", 0)
+
+
+def test_a_sigtermed_draft_finishes_its_generations_and_takes_no_new_one(fault_stack):
+    """A draft drains (--drain-grace): the generation in progress streams to its end, a request after the
+    SIGTERM is refused, and the process exits 0. Through 5 ms of one-way delay, with k = 0, the generation takes
+    longer than the 2 s every call had before."""
+    import signal
+    import sys
+
+    sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/kernels.py stays hidden
+    from delay_proxy import LinkShape, ProxyThread
+
+    running, target = fault_stack
+    with ProxyThread(running.verifier, LinkShape(delay_s=0.005)) as proxy:
+        service, _ = running.start_draft("draining-draft", ["--drain-grace", "60"], verifier=proxy.address)
+        try:
+            started = threading.Event()
+            result: dict = {}
+
+            def stream() -> None:
+                tokens = []
+                with Client(service.address, timeout=120) as client:
+                    for chunk in client.stream(prompt_token_ids=PROMPT, max_tokens=N, temperature=0.0,
+                                               ignore_eos=True, num_speculative_tokens=0):
+                        tokens.extend(chunk.token_ids)
+                        if len(tokens) >= 8:
+                            started.set()
+                result["tokens"] = tokens
+
+            thread = threading.Thread(target=stream)
+            thread.start()
+            assert started.wait(60)
+            service.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with Client(service.address, timeout=10, connect_timeout=2) as client, \
+                    pytest.raises((UnavailableError, ConnectionError, OSError)):
+                client.generate(prompt_token_ids=PROMPT, max_tokens=4)
+            thread.join(120)
+            assert result.get("tokens") == greedy_continuation(target, PROMPT, N)
+            assert service.proc.wait(30) == 0
+        finally:
+            running.stop_service(service)

@@ -55,6 +55,12 @@ class TwoVerifiers:
     def draft_metric(self, name: str, **labels) -> float:
         return scrape_metric(f"http://127.0.0.1:{self.draft_metrics}/metrics", name, labels or None) or 0.0
 
+    def busiest(self) -> tuple[int, float]:
+        """The verifier holding the most of the draft's sequences, and how many."""
+        on = [self.draft_metric("specwire_draft_verifier_sequences", verifier=self.address(i)) for i in range(2)]
+        i = max(range(2), key=lambda j: on[j])
+        return i, on[i]
+
     def wait_for_no_blocks(self, i: int) -> None:
         """A stream's teardown frees its blocks a moment after the last reply."""
         for _ in range(200):
@@ -153,9 +159,8 @@ def test_a_killed_verifier_hands_its_sequences_to_the_other_losslessly(two):
     victim = {}
 
     def kill() -> None:
-        on = [two.draft_metric("specwire_draft_verifier_sequences", verifier=two.address(i)) for i in range(2)]
-        victim["i"] = i = max(range(2), key=lambda j: on[j])
-        victim["sequences"] = on[i]
+        i, sequences = two.busiest()
+        victim.update(i=i, sequences=sequences)
         two.verifiers[i].proc.send_signal(signal.SIGKILL)
         two.verifiers[i].proc.wait()
 
@@ -175,8 +180,8 @@ def test_a_sigterm_drains_the_verifier_and_what_it_did_not_finish_finishes_elsew
     drained = {}
 
     def drain() -> None:
-        on = [two.draft_metric("specwire_draft_verifier_sequences", verifier=two.address(i)) for i in range(2)]
-        drained["i"] = i = max(range(2), key=lambda j: on[j])
+        i, _ = two.busiest()
+        drained["i"] = i
         two.verifiers[i].proc.send_signal(signal.SIGTERM)
         drained["rc"] = two.verifiers[i].proc.wait(30)
 

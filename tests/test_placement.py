@@ -6,10 +6,11 @@ that left it are dropped, and a dns:/// name is resolved to its addresses."""
 from __future__ import annotations
 
 import asyncio
-import time
+import contextlib
 
 import grpc
 import pytest
+from scripted_verifiers import serve_scripted, until
 
 from common.errors import ErrorCode, ServiceError
 from common.sampling import SamplingParams
@@ -128,49 +129,49 @@ class LoadReportingVerifier(verifier_pb2_grpc.VerifierServicer):
             seq_id=seq_id, start_position=3, token_ids=tokens)))
 
 
-async def _serve(servicer) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
-
-
-async def _until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
+@contextlib.asynccontextmanager
+async def _two_verifiers(dns: bool = False):
+    """Two load-reporting verifiers and a link to both, connected (with `dns`: a dns:/// target that resolves to
+    the first only, _Resolving, and not connected yet): (one, two, address1, address2, link, metrics)."""
+    one, two = LoadReportingVerifier("one"), LoadReportingVerifier("two")
+    (server1, address1), (server2, address2) = await serve_scripted(one), await serve_scripted(two)
+    metrics = DraftMetrics()
+    target = "dns:///verifiers.test:1" if dns else f"{address1},{address2}"
+    link = VerifierLink(target, draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp", metrics=metrics)
+    try:
+        if dns:
+            link._targets = _Resolving([address1])
+        else:
+            await link.ensure_connected(5)
+            await until(lambda: all(v.connection.connected for v in link._verifiers.values()))
+        yield one, two, address1, address2, link, metrics
+    finally:
+        await link.close()
+        await server1.stop(0)
+        await server2.stop(0)
 
 
 def test_a_sequence_moves_when_its_verifier_goes_and_a_draining_verifier_takes_none():
     async def run() -> None:
-        one, two = LoadReportingVerifier("one"), LoadReportingVerifier("two")
-        (server1, address1), (server2, address2) = await _serve(one), await _serve(two)
-        metrics = DraftMetrics()
-        link = VerifierLink(f"{address1},{address2}", draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp",
-                            metrics=metrics)
-        try:
-            await link.ensure_connected(5)
-            await _until(lambda: all(v.connection.connected for v in link._verifiers.values()))
+        async with _two_verifiers() as (one, two, address1, address2, link, metrics):
             one.report(running=9)  # the busier one
             two.report(running=1)
-            await _until(lambda: all(v.state.load is not None for v in link._verifiers.values()))
+            await until(lambda: all(v.state.load is not None for v in link._verifiers.values()))
             seq = await link.open([1, 2, 3], SAMPLING, retry_s=5)
-            await _until(lambda: two.opened() == [seq])
+            await until(lambda: two.opened() == [seq])
             assert link.sequences_per_verifier() == {address1: 0, address2: 1}
 
             # its verifier goes: the sequence learns it, and its reopen goes to the other one at once
             two.hang_up.set()
             assert isinstance(await asyncio.wait_for(link.next_event(seq), 5), StreamLost)
             await link.reopen(seq, [1, 2, 3, 4], SAMPLING, num_output_tokens=1, retry_s=5)
-            await _until(lambda: one.opened() == [seq])
+            await until(lambda: one.opened() == [seq])
             reopened = next(m.open for m in one.received if m.WhichOneof("kind") == "open")
             assert list(reopened.prompt_token_ids) == [1, 2, 3, 4] and reopened.num_output_tokens == 1
             assert metrics.failovers._value.get() == 1
             assert metrics.placements.labels(reason="failover")._value.get() == 1
             # the verifier it left is back: a late verdict from it for the sequence is not the sequence's
-            await _until(lambda: link._verifiers[address2].connection.connected)
+            await until(lambda: link._verifiers[address2].connection.connected)
             two.verdict(seq, [7])
             await asyncio.sleep(0.3)  # it would arrive first
             one.verdict(seq, [8])
@@ -180,50 +181,35 @@ def test_a_sequence_moves_when_its_verifier_goes_and_a_draining_verifier_takes_n
             # one drains: new sequences go to the other, whatever the loads say
             one.report(running=0, draining=True)
             two.report(running=50)
-            await _until(lambda: link._verifiers[address1].state.draining)
-            await _until(lambda: (link._verifiers[address2].state.load or VerifierLoad()).num_running == 50)
+            await until(lambda: link._verifiers[address1].state.draining)
+            await until(lambda: (link._verifiers[address2].state.load or VerifierLoad()).num_running == 50)
             others = [await link.open([5, 6], SAMPLING, retry_s=5) for _ in range(3)]
-            await _until(lambda: two.opened() == [seq, *others] or set(others) <= set(two.opened()))
+            await until(lambda: two.opened() == [seq, *others] or set(others) <= set(two.opened()))
             assert not set(others) & set(one.opened())
             # every verifier draining or gone: an open waits, then fails with UNAVAILABLE
             two.report(draining=True)
-            await _until(lambda: link._verifiers[address2].state.draining)
+            await until(lambda: link._verifiers[address2].state.draining)
             with pytest.raises(ServiceError) as err:
                 await link.open([5, 6], SAMPLING, retry_s=0.3)
             assert err.value.code is ErrorCode.UNAVAILABLE and "no verifier" in err.value.message
-        finally:
-            await link.close()
-            await server1.stop(0)
-            await server2.stop(0)
 
     asyncio.run(run())
 
 
 def test_a_sequence_stays_on_its_verifier_when_that_one_comes_back():
     async def run() -> None:
-        one, two = LoadReportingVerifier("one"), LoadReportingVerifier("two")
-        (server1, address1), (server2, address2) = await _serve(one), await _serve(two)
-        metrics = DraftMetrics()
-        link = VerifierLink(f"{address1},{address2}", draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp",
-                            metrics=metrics)
-        try:
-            await link.ensure_connected(5)
-            await _until(lambda: all(v.connection.connected for v in link._verifiers.values()))
+        async with _two_verifiers() as (one, two, address1, address2, link, metrics):
             seq = await link.open([1, 2, 3], SAMPLING, retry_s=5)
-            await _until(lambda: seq in one.opened() + two.opened())
+            await until(lambda: seq in one.opened() + two.opened())
             home = one if seq in one.opened() else two
             home_address = address1 if home is one else address2
             home.hang_up.set()
             assert isinstance(await asyncio.wait_for(link.next_event(seq), 5), StreamLost)
-            await _until(lambda: link._verifiers[home_address].connection.connected)
+            await until(lambda: link._verifiers[home_address].connection.connected)
             await link.reopen(seq, [1, 2, 3, 4], SAMPLING, num_output_tokens=1, retry_s=5)
-            await _until(lambda: home.opened() == [seq, seq])
+            await until(lambda: home.opened() == [seq, seq])
             assert metrics.placements.labels(reason="resume")._value.get() == 1
             assert metrics.failovers._value.get() == 0
-        finally:
-            await link.close()
-            await server1.stop(0)
-            await server2.stop(0)
 
     asyncio.run(run())
 
@@ -247,31 +233,24 @@ def test_a_dns_target_is_followed_as_verifiers_come_and_go(monkeypatch):
     monkeypatch.setattr(verifier_link, "MIN_RESOLVE_INTERVAL_S", 0.0)
 
     async def run() -> None:
-        one, two = LoadReportingVerifier("one"), LoadReportingVerifier("two")
-        (server1, address1), (server2, address2) = await _serve(one), await _serve(two)
-        link = VerifierLink("dns:///verifiers.test:1", draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp")
-        link._targets = resolving = _Resolving([address1])
-        try:
+        async with _two_verifiers(dns=True) as (one, two, address1, address2, link, _):
+            resolving = link._targets
             await link.ensure_connected(5)  # resolves first: only one is known
             assert set(link._verifiers) == {address1}
             seq = await link.open([1, 2, 3], SAMPLING, retry_s=5)
-            await _until(lambda: one.opened() == [seq])
+            await until(lambda: one.opened() == [seq])
 
             resolving.addresses_now = [address1, address2]  # a verifier comes
             await link.refresh(force=True)
             link.reconnect_in_background()
-            await _until(lambda: link._verifiers[address2].connection.connected)
+            await until(lambda: link._verifiers[address2].connection.connected)
             resolving.addresses_now = [address2]  # the first one goes from the name
             await link.refresh(force=True)
             assert link._verifiers[address1].state.gone  # kept while a sequence of this draft is on it
             others = [await link.open([4, 5], SAMPLING, retry_s=5) for _ in range(2)]
-            await _until(lambda: two.opened() == others)
+            await until(lambda: two.opened() == others)
             link.release(seq, cancel=True)
             await link.refresh(force=True)
             assert set(link._verifiers) == {address2}  # closed once nothing of this draft is left on it
-        finally:
-            await link.close()
-            await server1.stop(0)
-            await server2.stop(0)
 
     asyncio.run(run())

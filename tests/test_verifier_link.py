@@ -9,6 +9,7 @@ import time
 
 import grpc
 import pytest
+from scripted_verifiers import serve_scripted, until
 
 from common.sampling import SamplingParams
 from draft_service.types import DraftBlock, StreamLost
@@ -41,44 +42,29 @@ class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted hang-up")
 
 
-async def _serve(servicer: ScriptedVerifier) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
-
-
-async def _until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
 def test_deadline_and_resume_travel_in_the_open_message_and_stale_streams_refuse_proposals():
     async def run() -> None:
         verifier = ScriptedVerifier()
-        server, address = await _serve(verifier)
+        server, address = await serve_scripted(verifier)
         link = VerifierLink(address, draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp")
         try:
             sampling = SamplingParams(temperature=0.0, max_tokens=10, seed=1)
             seq_id = await link.open([1, 2, 3], sampling, retry_s=5, deadline=time.monotonic() + 5)
-            await _until(lambda: any(m.WhichOneof("kind") == "open" for m in verifier.received))
+            await until(lambda: any(m.WhichOneof("kind") == "open" for m in verifier.received))
             opened = next(m.open for m in verifier.received if m.WhichOneof("kind") == "open")
             assert opened.HasField("timeout_ms") and 4000 < opened.timeout_ms <= 5000
             assert list(opened.prompt_token_ids) == [1, 2, 3] and opened.num_output_tokens == 0
 
             verifier.hang_up.set()  # the stream breaks: the sequence learns it, the link reconnects by itself
             assert isinstance(await asyncio.wait_for(link.next_event(seq_id), 5), StreamLost)
-            await _until(lambda: link.connected)
+            await until(lambda: link.connected)
             with pytest.raises(LinkDown):  # not reopened on the new stream yet
                 link.propose(seq_id, 5, DraftBlock((7,), None), send_draft_probs=False)
             verifier.received.clear()
             await link.reopen(seq_id, [1, 2, 3, 9, 9], sampling, num_output_tokens=2, retry_s=5)
             link.propose(seq_id, 5, DraftBlock((7,), None, draft_seconds=0.25), send_draft_probs=False,
                          assumed_token_ids=(9,))
-            await _until(lambda: len(verifier.received) >= 2)
+            await until(lambda: len(verifier.received) >= 2)
             reopened, proposal = verifier.received[0].open, verifier.received[1].propose
             assert list(reopened.prompt_token_ids) == [1, 2, 3, 9, 9] and reopened.num_output_tokens == 2
             assert not reopened.HasField("timeout_ms")
