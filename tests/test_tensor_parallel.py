@@ -88,15 +88,22 @@ def test_sizes_the_ranks_cannot_split_are_refused():
 
 
 def test_a_tensor_parallel_verifier_serves_target_greedy_output(pair, tmp_path):
+    """Chains, and token trees, whose accepted paths' K/V are moved inside the pool (a copy every rank must make
+    on its share of the heads)."""
     target, draft = pair
     running = start_stack(target, draft, tmp_path / "logs",
                           extra_verifier=["--tensor-parallel-size", "2", "--num-threads", "2"])
     try:
         prompt = [5, 9, 14, 3, 22, 7]
+        reference = greedy_continuation(target, prompt, 40)
         with Client(running.draft, timeout=120) as client:
             out = client.generate(prompt_token_ids=prompt, max_tokens=40, temperature=0.0, ignore_eos=True)
-        assert out.token_ids == greedy_continuation(target, prompt, 40)
+        assert out.token_ids == reference
         assert out.stats.num_accepted_tokens > 0  # verified blocks, not only single tokens
+        trees, _ = running.start_draft("tree-draft", ["--tree-branches", "2", "--tree-nodes", "8"])
+        with Client(trees.address, timeout=120) as client:
+            assert client.generate(prompt_token_ids=prompt, max_tokens=40, temperature=0.0,
+                                   ignore_eos=True).token_ids == reference
         log = running.service("verifier").log_text()
         assert "tensor_parallel_rank_ready" in log
     finally:
