@@ -130,7 +130,7 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
     if config.metrics_port:
         metrics_server = start_metrics_server(config.metrics_port, config.host, metrics.registry)
     servicer = DraftServicer(generator)
-    server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
+    server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.DRAFT_SERVER_OPTIONS, security=config,
                                add_servicers=lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
     await server.start()
     watcher = asyncio.create_task(track_verifier(link, server.health), name="verifier-health")

@@ -35,6 +35,7 @@ log = structlog.get_logger(__name__)
 
 RESOLVE_INTERVAL_S = 5.0  # how often a dns:/// target is resolved again
 MIN_RESOLVE_INTERVAL_S = 1.0  # at most this often when a request waits for a verifier the name does not give yet
+RESOLVE_TIMEOUT_S = 10.0  # a lookup that takes longer keeps what was known
 WAIT_POLL_S = 0.05  # while no verifier can take a sequence: how often to look again
 
 
@@ -87,6 +88,9 @@ class VerifierLink:
     def _add(self, address: str) -> None:
         def reconnected() -> None:
             verifier.state.reset()
+            identity = verifier.connection.identity
+            if identity is not None and wire.FEATURE_LOAD not in identity.features:
+                verifier.state.draining = False  # no report will ever clear it: this verifier does not drain
             if self._on_reconnect is not None:
                 self._on_reconnect()
 
@@ -101,17 +105,16 @@ class VerifierLink:
         """Follow the resolver (dns:/// targets; at most every RESOLVE_INTERVAL_S unless `force`): new addresses
         get a connection; one that went takes no new sequence, and is closed once none of this draft's is left
         on it. A failed lookup keeps what was known."""
-        if not self._targets.resolves or self._closed:
+        if not self._targets.resolves or self._closed or self._resolving.locked():
+            return  # a lookup is under way: nobody waits for it, they go on with what is known
+        if time.monotonic() - self._resolved_at < (MIN_RESOLVE_INTERVAL_S if force else RESOLVE_INTERVAL_S):
             return
         async with self._resolving:
-            now = time.monotonic()
-            if now - self._resolved_at < (MIN_RESOLVE_INTERVAL_S if force else RESOLVE_INTERVAL_S):
-                return
-            self._resolved_at = now
+            self._resolved_at = time.monotonic()
             try:
-                addresses = set(await self._targets.resolve())
-            except OSError as err:
-                log.warning("verifier_resolve_failed", target=self._target, error=str(err))
+                addresses = set(await asyncio.wait_for(self._targets.resolve(), RESOLVE_TIMEOUT_S))
+            except (OSError, TimeoutError) as err:
+                log.warning("verifier_resolve_failed", target=self._target, error=str(err) or type(err).__name__)
                 return
             await self._follow(addresses)
 

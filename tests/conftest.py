@@ -58,7 +58,7 @@ def stat_stack(models_dir):
 # The longest files, longest first (measured on 2 cores; most start service processes). They are collected first,
 # so that `make test`'s two workers (--dist loadfile --no-loadscope-reorder hands out files in collection order)
 # start on them at once and finish together, instead of one worker running the longest ones alone at the end.
-LONGEST_FILES = ("test_faults.py", "test_testing_kit.py", "test_e2e_triton.py", "test_load.py", "test_kernels_triton.py",
+LONGEST_FILES = ("test_faults.py", "test_multi_verifier.py", "test_tensor_parallel.py", "test_testing_kit.py", "test_e2e_triton.py", "test_load.py", "test_kernels_triton.py",
                  "test_kit_example.py", "test_security.py", "test_pipelined_drafting.py", "test_static_forward.py",
                  "test_e2e.py", "test_tree_e2e.py", "test_coupled.py", "test_gateway.py", "test_quantization.py",
                  "test_netns.py")

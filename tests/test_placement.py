@@ -254,3 +254,18 @@ def test_a_dns_target_is_followed_as_verifiers_come_and_go(monkeypatch):
             assert set(link._verifiers) == {address2}  # closed once nothing of this draft is left on it
 
     asyncio.run(run())
+
+
+def test_a_verifier_without_load_reports_is_not_left_marked_draining_after_a_reconnection():
+    """A drained verifier replaced, on its address, by an older one (no "load" feature): no report would ever
+    clear the flag, so the reconnection does."""
+    async def run() -> None:
+        async with _two_verifiers() as (one, _, address1, _, link, _):
+            one.info.ClearField("features")  # its next welcome comes from a verifier without load reports
+            link._verifiers[address1].state.draining = True
+            connections = link._verifiers[address1].connection.num_connections
+            one.hang_up.set()
+            await until(lambda: link._verifiers[address1].connection.num_connections > connections)
+            assert not link._verifiers[address1].state.draining
+
+    asyncio.run(run())

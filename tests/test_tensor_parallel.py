@@ -110,6 +110,7 @@ def test_a_tensor_parallel_verifier_serves_target_greedy_output(pair, tmp_path):
         running.stack.stop()
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_the_verifier_instead_of_leaving_it_hung(pair, tmp_path):
     """Rank 0 would wait in the next collective for ever: it exits instead, so its drafts fail over and its
     supervisor restarts it."""

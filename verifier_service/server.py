@@ -41,14 +41,18 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
     dtype = resolve_dtype_name(config.dtype, device)
     tp = workers = None
     stopping = threading.Event()
-    if config.tensor_parallel_size > 1:  # this process is rank 0; the others start now and join it
-        tensor_parallel.check_devices(device, config.tensor_parallel_size)
-        rendezvous = tempfile.mkdtemp(prefix="specwire-tp-")
-        init_method = f"file://{rendezvous}/rendezvous"
-        workers = tensor_parallel.start_workers(config, init_method, stopping)
-        device = tensor_parallel.rank_device(device, 0)
-        tp = tensor_parallel.init_rank(0, config.tensor_parallel_size, init_method, device)
-    loaded, model, static = build_model_runner(config, device, dtype, tp)
+    try:
+        if config.tensor_parallel_size > 1:  # this process is rank 0; the others start now and join it
+            tensor_parallel.check_devices(device, config.tensor_parallel_size)
+            rendezvous = tempfile.mkdtemp(prefix="specwire-tp-")
+            init_method = f"file://{rendezvous}/rendezvous"
+            workers = tensor_parallel.start_workers(config, init_method, stopping)
+            device = tensor_parallel.rank_device(device, 0)
+            tp = tensor_parallel.init_rank(0, config.tensor_parallel_size, init_method, device)
+        loaded, model, static = build_model_runner(config, device, dtype, tp)
+    except BaseException:
+        stopping.set()  # the start failed here (its error is the one to report): the other ranks end with it
+        raise
     if tp is not None:
         model = tensor_parallel.LeaderModel(model, tp, workers, device, stopping)
     return VerifierEngine(loaded, model, BlockManager(model.kv_cache.num_blocks, config.block_size), static=static,

@@ -13,6 +13,8 @@ import datetime
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -48,10 +50,12 @@ def init_rank(rank: int, world_size: int, init_method: str, device: torch.device
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    extra = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        extra["device_id"] = device  # NCCL's communicator on this rank's GPU, from the first collective on
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S), **extra)
     return TensorParallel(rank, world_size)
 
 
@@ -167,9 +171,9 @@ def start_workers(config: Any, init_method: str, stopping: threading.Event) -> l
         workers.append(worker)
 
     def watch() -> None:
-        while not stopping.is_set():
+        while not stopping.is_set() and not sys.is_finalizing():
             for worker in workers:
-                if not worker.is_alive() and not stopping.is_set():
+                if not worker.is_alive() and not stopping.is_set() and not sys.is_finalizing():
                     fatal(f"tensor-parallel rank process {worker.name} ended (exit code {worker.exitcode})")
             time.sleep(0.5)
 
@@ -193,6 +197,9 @@ def worker_main(config: Any, rank: int, init_method: str, parent_pid: int) -> No
     from verifier_service.server import build_model_runner
 
     _exit_with_parent(parent_pid)
+    # a Ctrl-C or a SIGTERM to the whole process group is rank 0's to handle (it drains, then sends stop)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threads = max(1, torch.get_num_threads() // config.tensor_parallel_size)
     torch.set_num_threads(threads)
     device = rank_device(resolve_device(config.device), rank)

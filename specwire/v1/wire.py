@@ -46,6 +46,15 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     # SO_REUSEPORT, which gRPC sets by default, splits the connections between both)
     ("grpc.so_reuseport", 0),
 ]
+# The draft service's server: a client connection is asked to reconnect (GOAWAY) after 5 minutes, its calls in
+# flight going on for up to an hour, so that a client spreading calls over a dns:/// name (the gateway over a
+# headless Service) resolves it again and finds draft services added since (gRPC re-resolves on a GOAWAY).
+DRAFT_SERVER_OPTIONS: list[tuple[str, int]] = [
+    *SERVER_OPTIONS,
+    ("grpc.max_connection_age_ms", 300_000),
+    ("grpc.max_connection_age_grace_ms", 3_600_000),
+]
+
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     *_MESSAGE_LIMITS,
     ("grpc.keepalive_time_ms", 30_000),
