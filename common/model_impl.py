@@ -27,6 +27,6 @@ def build_paged_model(loaded: LoadedModel, kv: KVCache, *, quantization: str = "
         if quantization != "none":
             raise ValueError(f"--quantization {quantization} is a path of the native implementation; "
                              f"{loaded.model.config.model_type!r} runs on the transformers backend")
-        return TransformersPagedLM(loaded.model, kv)
+        return TransformersPagedLM(loaded.model, kv, tp=tp)
     return PagedCausalLM(loaded.model, kv, release_unpacked=release_unpacked, quantization=quantization,
                          gguf_path=loaded.gguf_path, tp=tp)

@@ -75,15 +75,64 @@ def _split_rows(linear: torch.nn.Linear, tp: TensorParallel) -> None:
     linear.in_features = n
 
 
+COLUMN_SPLIT = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_SPLIT = ("self_attn.o_proj", "mlp.down_proj")  # their outputs are summed over the ranks
+
+
+def check_layers(model: Any) -> None:
+    """ValueError unless every decoder layer has the Llama family's separate projections as plain nn.Linear and
+    nothing per head beside them that a cut would split wrong: the modules that shard_model cuts. Fused
+    projections (phi3's qkv_proj), mixture-of-experts MLPs, attention sinks and q/k norms over the whole
+    projection (olmo2) are refused, naming the first layer's problem."""
+    layer = model.model.layers[0]
+    problems = []
+    for name in (*COLUMN_SPLIT, *ROW_SPLIT):
+        module = layer.get_submodule(name) if _has(layer, name) else None
+        if type(module) is not torch.nn.Linear:
+            problems.append(f"no nn.Linear {name}")
+    attn = getattr(layer, "self_attn", None)
+    if attn is not None and getattr(attn, "sinks", None) is not None:
+        problems.append("attention sinks (one per head)")
+    head_dim = getattr(attn, "head_dim", None)
+    for norm in ("q_norm", "k_norm"):
+        weight = getattr(getattr(attn, norm, None), "weight", None)
+        if weight is not None and head_dim is not None and weight.numel() != head_dim:
+            problems.append(f"{norm} over the whole projection")
+    if problems:
+        raise ValueError(f"{model.config.model_type!r} cannot be split by tensor parallelism here: "
+                         f"{', '.join(problems)} (specwire shards Llama-style layers: separate q, k, v, o and "
+                         "gate, up, down projections)")
+
+
+def _has(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def shard_model(model: Any, tp: TensorParallel) -> None:
-    """Cut a Llama-family model (common.paged_model.NATIVE_MODEL_TYPES) to this rank's share, in place."""
+    """Cut a model with Llama-style layers (check_layers) to this rank's share, in place."""
     check_shardable(model.config, tp.world_size)
+    check_layers(model)
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            _split_columns(linear, tp)
-        for linear in (attn.o_proj, mlp.down_proj):
-            _split_rows(linear, tp)
+        for name in COLUMN_SPLIT:
+            _split_columns(layer.get_submodule(name), tp)
+        for name in ROW_SPLIT:
+            _split_rows(layer.get_submodule(name), tp)
+
+
+def sum_row_split_outputs(model: Any, tp: TensorParallel) -> None:
+    """For a model whose own modules compute each layer (the transformers backend): sum each row-split
+    projection's output over the ranks, by a forward hook on whatever module holds that place now (a packed
+    drop-in included)."""
+    def summed(module: torch.nn.Module, inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        return tp.all_reduce(output)
+
+    for layer in model.model.layers:
+        for name in ROW_SPLIT:
+            layer.get_submodule(name).register_forward_hook(summed)
 
 
 def sharded_spec(spec: KVCacheSpec, world_size: int) -> KVCacheSpec:

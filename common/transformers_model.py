@@ -26,6 +26,7 @@ import torch
 
 from common.cpu_linear import PackedLinear, onednn_packs
 from common.kv_cache import KVCache, KVCacheSpec, LayerShape
+from common.tensor_parallel import TensorParallel, sum_row_split_outputs
 from kernels import platform
 from kernels.kv_cache_write import write_kv
 from kernels.paged_attention import (
@@ -253,9 +254,12 @@ class TransformersPagedLM:
     quantization = "none"
     model_impl = "transformers"
 
-    def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True) -> None:
+    def __init__(self, model: Any, kv_cache: KVCache, *, pack_weights: bool = True,
+                 tp: TensorParallel | None = None) -> None:
         """pack_weights: on CPU in float32 or bfloat16, every nn.Linear becomes a oneDNN-packed drop-in (the
-        native path packs the same way); the model is changed in place."""
+        native path packs the same way); the model is changed in place. tp: this rank's place in a
+        tensor-parallel group; the model was cut to its share (common.tensor_parallel.shard_model), and kv_cache
+        sized by a probe of the cut model."""
         check_model(model)
         register_attention()
         model.set_attn_implementation(ATTENTION_NAME)
@@ -266,6 +270,8 @@ class TransformersPagedLM:
         self.packed = pack_weights and model.device.type == "cpu" and onednn_packs(model.dtype)
         if self.packed:
             log.info("transformers_packed_linears", count=pack_linears(model))
+        if tp is not None:
+            sum_row_split_outputs(model, tp)
         self.lm_head = model.get_output_embeddings()
         self.embed_tokens = model.get_input_embeddings()
         self.base = model.get_decoder() if hasattr(model, "get_decoder") else model.model

@@ -9,9 +9,9 @@ import torch
 import torch.multiprocessing as mp
 
 from common.kv_cache import KVCache
-from common.model_impl import paged_kv_spec
+from common.model_impl import build_paged_model, paged_kv_spec
 from common.model_loading import load_model
-from common.paged_model import ForwardBatch, PagedCausalLM
+from common.paged_model import ForwardBatch
 from common.tensor_parallel import TensorParallel, check_shardable, shard_model, sharded_spec
 from common.token_tree import ancestor_masks, tree_depths
 from kernels.paged_attention import TreeMask
@@ -19,7 +19,7 @@ from specwire import Client
 from specwire.launch import free_port
 
 from stacks import start_stack
-from tiny_models import greedy_continuation, make_text_pair
+from tiny_models import build_model, greedy_continuation, make_text_pair, model_config, save, word_tokenizer
 
 BLOCK = 4
 # the sums over the ranks differ from one matmul's only by rounding order: float64 on torch's matmul, float32 on
@@ -42,16 +42,17 @@ def _batches() -> list[ForwardBatch]:
     return [prefill, decode, nodes]
 
 
-def _rank(rank: int, world_size: int, port: int, target: str, out: str, dtype: torch.dtype) -> None:
+def _rank(rank: int, world_size: int, port: int, target: str, out: str, dtype: torch.dtype, impl: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     tp = TensorParallel(rank, world_size)
-    loaded = load_model(target, dtype, "cpu")
+    loaded = load_model(target, dtype, "cpu", impl)
     shard_model(loaded.model, tp)
-    kv = KVCache(sharded_spec(paged_kv_spec(loaded), world_size), 8, BLOCK)
-    runner = PagedCausalLM(loaded.model, kv, tp=tp)
+    spec = paged_kv_spec(loaded)  # the transformers backend probes the cut model
+    kv = KVCache(sharded_spec(spec, world_size) if impl == "native" else spec, 8, BLOCK)
+    runner = build_paged_model(loaded, kv, tp=tp)
     logits = [runner.forward(b) for b in _batches()]
     if rank == 0:
         torch.save({"logits": logits, "kv_heads": kv.key_caches[0].shape[2]}, out)
@@ -63,19 +64,44 @@ def pair(tmp_path_factory):
     return make_text_pair(tmp_path_factory.mktemp("tp"), "qwen2")
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_two_ranks_give_the_single_process_logits(pair, tmp_path, dtype):
-    target, _ = pair
-    loaded = load_model(target, dtype, "cpu")
-    single = PagedCausalLM(loaded.model, KVCache(paged_kv_spec(loaded), 8, BLOCK))
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    """A tiny Gemma 2 (the transformers backend): sliding windows, attention and final logit softcaps."""
+    config = model_config("gemma2", 97, eos_token_id=None)
+    return save(build_model(config, seed=5, dtype=torch.float64), word_tokenizer(97),
+                tmp_path_factory.mktemp("tp-gemma2") / "gemma2")
+
+
+@pytest.mark.parametrize(("model", "impl", "dtype"), [("qwen2", "native", torch.float64),
+                                                      ("qwen2", "native", torch.float32),
+                                                      ("qwen2", "transformers", torch.float64),
+                                                      ("gemma2", "transformers", torch.float64)])
+def test_two_ranks_give_the_single_process_logits(pair, gemma2, tmp_path, model, impl, dtype):
+    target = pair[0] if model == "qwen2" else gemma2
+    loaded = load_model(target, dtype, "cpu", impl)
+    single = build_paged_model(loaded, KVCache(paged_kv_spec(loaded), 8, BLOCK))
     reference = [single.forward(b) for b in _batches()]
     out = tmp_path / "rank0.pt"
-    mp.spawn(_rank, args=(2, free_port(), str(target), str(out), dtype), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, free_port(), str(target), str(out), dtype, impl), nprocs=2, join=True)
     got = torch.load(out)
     assert got["kv_heads"] == loaded.model.config.num_key_value_heads // 2  # the pool holds its share of heads
+    assert single.model_impl == impl
     for a, b in zip(got["logits"], reference, strict=True):
         assert a.shape == b.shape
         assert torch.allclose(a, b, rtol=0, atol=TOLERANCES[dtype] * b.abs().max().item()), (a - b).abs().max()
+
+
+@pytest.mark.parametrize(("family", "why"), [("phi3", "no nn.Linear self_attn.q_proj"),
+                                             ("mixtral", "no nn.Linear mlp.gate_proj"),
+                                             ("gpt_oss", "attention sinks"),
+                                             ("olmo2", "q_norm over the whole projection")])
+def test_layers_that_cannot_be_cut_like_llamas_are_refused_naming_why(family, why):
+    from common.tensor_parallel import check_layers
+
+    model = build_model(model_config(family, 61, eos_token_id=None), seed=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match=why):
+        check_layers(model)
+    check_layers(build_model(model_config("gemma2", 61, eos_token_id=None), seed=1, dtype=torch.float32))
 
 
 def test_sizes_the_ranks_cannot_split_are_refused():

@@ -37,7 +37,8 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     tensor_parallel_size: int = option(1, "ranks the target is split over (Megatron-style: attention heads and the "
                                        "MLP by columns and rows, the KV pool by heads), one process each on this "
                                        "host: GPU r for rank r with --device cuda (NCCL, or RCCL on ROCm), gloo on "
-                                       "CPU; native model types, unquantized")
+                                       "CPU; models with Llama-style layers (native, or on the transformers "
+                                       "backend), unquantized")
     max_draft_tokens: int = option(16, "largest draft block accepted (a token tree's depth)")
     max_tree_nodes: int = option(64, "draft tokens one token-tree proposal may hold (at most 64, and below the "
                                  "step's token budget); 0: chains only")

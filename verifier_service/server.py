@@ -19,7 +19,7 @@ from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
 from common.model_impl import PagedModel, build_paged_model, paged_kv_spec
 from common.model_loading import LoadedModel, load_model
-from common.paged_model import NATIVE_MODEL_TYPES, PagedCausalLM, profile_peak_memory
+from common.paged_model import PagedCausalLM, profile_peak_memory
 from common.static_forward import StaticForward, build_static_forward
 from common.tensor_parallel import TensorParallel, shard_model, sharded_spec
 from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
@@ -80,8 +80,8 @@ def build_model_runner(config: VerifierConfig, device: torch.device, dtype: str,
 
     # with tensor parallelism the ranks load in turn: the host holds one whole copy at a time, then the shards
     loaded = load_and_cut() if tp is None else tensor_parallel.in_turn(tp, load_and_cut)
-    spec = paged_kv_spec(loaded)
-    if tp is not None:
+    spec = paged_kv_spec(loaded)  # the transformers backend's probe sees the cut model's shapes already
+    if tp is not None and loaded.model_impl == "native":
         spec = sharded_spec(spec, tp.world_size)
     num_blocks = config.num_blocks or _num_blocks(config, loaded, spec, device, tp)
     if tp is not None:
@@ -103,11 +103,8 @@ def build_model_runner(config: VerifierConfig, device: torch.device, dtype: str,
 
 
 def check_tensor_parallel(loaded: LoadedModel, config: VerifierConfig) -> None:
-    """What --tensor-parallel-size runs on: the native forward, unquantized."""
-    if loaded.model_impl != "native":
-        raise ValueError(f"--tensor-parallel-size needs the native implementation (model types "
-                         f"{', '.join(NATIVE_MODEL_TYPES)}); {loaded.model.config.model_type!r} runs on the "
-                         "transformers backend, whose modules specwire does not shard")
+    """What --tensor-parallel-size runs on: Llama-style layers (common.tensor_parallel.check_layers), native or
+    on the transformers backend, unquantized."""
     if config.quantization != "none":
         raise ValueError(f"--tensor-parallel-size shards float weights; --quantization {config.quantization} is a "
                          "single-process CPU path")
