@@ -10,7 +10,9 @@ import shutil
 
 import pytest
 import torch
-from test_verifier_link import ScriptedVerifier, _serve, _until
+from scripted_verifiers import serve_scripted as _serve
+from scripted_verifiers import until as _until
+from test_verifier_link import ScriptedVerifier
 
 from common.errors import ErrorCode, ServiceError
 from common.model_loading import model_fingerprint
