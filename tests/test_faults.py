@@ -236,6 +236,7 @@ def test_a_resume_onto_a_verifier_restarted_with_another_model_fails_naming_both
     running.wait_for_metric("specwire_kv_blocks_used", 0)
 
 
+@pytest.mark.slow
 def test_a_sigtermed_draft_finishes_its_generations_and_takes_no_new_one(fault_stack):
     """A draft drains (--drain-grace): the generation in progress streams to its end, a request after the
     SIGTERM is refused, and the process exits 0. Through 5 ms of one-way delay, with k = 0, the generation takes

@@ -114,7 +114,9 @@ def stat_tree_stack(tmp_path_factory):
     running.stack.stop()
 
 
-@pytest.mark.parametrize("wire_mode", ["sparse", pytest.param("one-hot", marks=pytest.mark.slow)])
+# statistics-heavy end to end (the tree rule's own statistics run in the default profile: test_tree_sampler.py)
+@pytest.mark.slow
+@pytest.mark.parametrize("wire_mode", ["sparse", "one-hot"])
 def test_sampled_trees_follow_the_target_distribution(stat_tree_stack, wire_mode):
     """Children drawn without replacement (sparse) or the draft's likeliest (one-hot): the first two tokens
     against the target's exact marginals, the draft's as the negative control (N = 1000, V = 8). Through the
