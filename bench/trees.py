@@ -8,7 +8,12 @@ as `make demo` runs them), one verifier and a draft service per configuration, o
 3. The verifier's cost of one 16-node tree against one 16-token chain (17 rows each), in-process after the
    services stop: the median step time of the same sequence verified each way.
 
-    python bench/trees.py [--sizes 4,8,16] [--tokens 48] [--per-category 2] [--rtts 0,20,50] [--out DIR]
+    python bench/trees.py [--sizes 4,8,16] [--tokens 48] [--per-category 2] [--rtts 0,20,50] [--raw-trees]
+                          [--out DIR]
+
+Trees rank their nodes by calibrated probabilities (the draft's default, draft_service.tree_calibration);
+--raw-trees adds trees ranked by the raw ones (--tree-calibration false) beside them. Every configuration runs in a
+draft service of its own, whose calibration starts empty and learns from the prompts in the order they run.
 
 Prints markdown tables and writes trees.json into --out. Each figure is a median over the prompts and seeds.
 """
@@ -37,14 +42,17 @@ from specwire.launch import Stack  # noqa: E402
 TREES = {4: (4, 2), 8: (8, 2), 16: (16, 2)}
 
 
-def configs(sizes: list[int]) -> list[tuple[str, int, list[str]]]:
-    """(name, N, draft arguments) per configuration."""
+def configs(sizes: list[int], raw: bool = False) -> list[tuple[str, int, list[str]]]:
+    """(name, N, draft arguments) per configuration; the name's first word is its kind (chain, tree, tree-raw)."""
     out = []
     for n in sizes:
         depth, branches = TREES[n]
         out.append((f"chain k={n}", n, ["--num-speculative-tokens", str(n)]))
-        out.append((f"tree N={n} (depth {depth}, B={branches})", n,
-                    ["--num-speculative-tokens", str(depth), "--tree-branches", str(branches), "--tree-nodes", str(n)]))
+        tree = ["--num-speculative-tokens", str(depth), "--tree-branches", str(branches), "--tree-nodes", str(n)]
+        out.append((f"tree N={n} (depth {depth}, B={branches})", n, tree))
+        if raw:
+            out.append((f"tree-raw N={n} (depth {depth}, B={branches}, raw probabilities)", n,
+                        [*tree, "--tree-calibration", "false"]))
     return out
 
 
@@ -63,9 +71,9 @@ def run_prompts(address: str, prompts: list[str], tokens: int, temperature: floa
 
 
 def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[str, list[str]], tokens: int,
-                  log_dir: Path, temperatures: tuple[float, ...] = (0.0, 0.8)) -> list[dict]:
+                  log_dir: Path, temperatures: tuple[float, ...] = (0.0, 0.8), raw: bool = False) -> list[dict]:
     rows = []
-    for name, n, args in configs(sizes):
+    for name, n, args in configs(sizes, raw):
         d = stack.start("draft", ["draft", "--model", str(ROOT / ".models" / "draft"), "--dtype", "bfloat16",
                                   "--verifier", verifier, "--speculation", "fixed", *args], log_dir=log_dir)
         for temperature in temperatures:
@@ -131,16 +139,23 @@ def section_step_cost(repeats: int = 9) -> dict:
 
 
 def table_sizes(rows: list[dict]) -> str:
-    lines = ["| N | temperature | category | chain tokens/round | tree tokens/round | ratio | chain tok/s | tree tok/s "
-             "| speedup |", "|---|---|---|---|---|---|---|---|---|"]
     by = {(r["N"], r["temperature"], r["category"], r["config"].split()[0]): r for r in rows}
+    raw = any(kind == "tree-raw" for *_, kind in by)
+    lines = ["| N | temperature | category | chain tokens/round | tree tokens/round | ratio | chain tok/s | tree tok/s "
+             "| speedup |" + (" raw tree tokens/round | raw ratio | raw speedup |" if raw else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if raw else "")]
     for (n, t, c, kind), chain in by.items():
         if kind != "chain":
             continue
         tree = by[(n, t, c, "tree")]
-        lines.append(f"| {n} | {t:g} | {c} | {chain['tokens_per_round']:.2f} | {tree['tokens_per_round']:.2f} | "
-                     f"{tree['tokens_per_round'] / chain['tokens_per_round']:.2f}x | {chain['tok_s']:.2f} | "
-                     f"{tree['tok_s']:.2f} | {tree['tok_s'] / chain['tok_s']:.2f}x |")
+        line = (f"| {n} | {t:g} | {c} | {chain['tokens_per_round']:.2f} | {tree['tokens_per_round']:.2f} | "
+                f"{tree['tokens_per_round'] / chain['tokens_per_round']:.2f}x | {chain['tok_s']:.2f} | "
+                f"{tree['tok_s']:.2f} | {tree['tok_s'] / chain['tok_s']:.2f}x |")
+        if raw:
+            other = by[(n, t, c, "tree-raw")]
+            line += (f" {other['tokens_per_round']:.2f} | {other['tokens_per_round'] / chain['tokens_per_round']:.2f}x"
+                     f" | {other['tok_s'] / chain['tok_s']:.2f}x |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -164,6 +179,7 @@ def main() -> int:
     parser.add_argument("--sections", default="sizes,rtt,step")
     parser.add_argument("--temperatures", default="0,0.8")
     parser.add_argument("--categories", default="code,prose,chat")
+    parser.add_argument("--raw-trees", action="store_true", help="also trees ranked by raw probabilities")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="specwire-trees-"))
@@ -179,7 +195,8 @@ def main() -> int:
             if "sizes" in sections:
                 results["sizes"] = section_sizes(stack, v.address, [int(x) for x in args.sizes.split(",")], prompts,
                                                  args.tokens, out / "logs",
-                                                 tuple(float(t) for t in args.temperatures.split(",")))
+                                                 tuple(float(t) for t in args.temperatures.split(",")),
+                                                 raw=args.raw_trees)
                 print(table_sizes(results["sizes"]), flush=True)
             if "rtt" in sections:
                 results["rtt"] = section_rtt(stack, v.address, [float(x) for x in args.rtts.split(",")],

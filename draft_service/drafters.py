@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
+from common.sampling import SamplingParams
 from draft_service.batcher import DraftBatcher
 from draft_service.draft_model import DraftJob
+from draft_service.metrics import DraftMetrics
 from draft_service.ngram import propose_ngram
 from draft_service.sequence import DraftSequence
+from draft_service.tree_calibration import IDENTITY, Calibration, TreeCalibration
 from draft_service.tree_drafting import TreeShape
 from draft_service.types import EMPTY_BLOCK, DraftBlock
 
@@ -48,6 +51,18 @@ class Drafter(Protocol):
         """Ends warm(seq): nothing touches seq after this until it drafts."""
         ...
 
+    def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:
+        """A verdict on seq's block: the tokens the verifier emitted for it (accepted, then corrected or bonus)."""
+        ...
+
+
+def calibration_kind(sampling: SamplingParams) -> str | None:
+    """Which calibration table a sequence's trees learn from and read: greedy, one-hot or coupled; None for sparse
+    (its children are drawn, allotted by raw probabilities)."""
+    if sampling.is_greedy:
+        return "greedy"
+    return None if sampling.sends_draft_probs else sampling.wire_mode.value
+
 
 class ModelDrafter:
     """Drafts with the draft model; a block ends early when the draft's confidence in its next token falls below
@@ -55,17 +70,38 @@ class ModelDrafter:
     (draft_service.tree_drafting), scaled down when k is below its depth."""
 
     def __init__(self, batcher: DraftBatcher, min_confidence: float = 0.0, tree: TreeShape | None = None,
-                 trees_allowed: Callable[[], bool] = lambda: True) -> None:
+                 trees_allowed: Callable[[], bool] = lambda: True, calibrate: bool = True,
+                 metrics: DraftMetrics | None = None) -> None:
         """trees_allowed: whether the verifier now connected verifies such trees (a resume may land on one that
-        does not); if not, rounds draft chains."""
+        does not); if not, rounds draft chains. calibrate: trees rank nodes by calibrated probabilities
+        (draft_service.tree_calibration)."""
         self.batcher = batcher
         self.min_confidence = min_confidence
         self.tree = tree
         self.trees_allowed = trees_allowed
+        self.calibrations: dict[str, TreeCalibration] | None = {} if calibrate and tree is not None else None
+        self.metrics = metrics
 
     def _job(self, seq: DraftSequence, k: int, guess_first: bool = False) -> DraftJob:
         tree = self.tree.scaled(k) if self.tree is not None and k > 1 and self.trees_allowed() else None
-        return DraftJob(seq, k, self.min_confidence, guess_first=guess_first, tree=tree)
+        return DraftJob(seq, k, self.min_confidence, guess_first=guess_first, tree=tree,
+                        calibration=self._calibration(seq) if tree is not None else IDENTITY)
+
+    def _calibration(self, seq: DraftSequence) -> Calibration:
+        kind = calibration_kind(seq.sampling)
+        if self.calibrations is None or kind is None or kind not in self.calibrations:
+            return IDENTITY
+        return self.calibrations[kind].current
+
+    def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:
+        kind = calibration_kind(seq.sampling)
+        if self.calibrations is None or kind is None or block.parents is None or block.node_probs is None:
+            return
+        table = self.calibrations.setdefault(kind, TreeCalibration())
+        accepted, rejected = table.observe(block.parents, block.token_ids, block.node_ranks, block.node_probs, verified)
+        if self.metrics is not None:
+            self.metrics.tree_labels.labels(kind=kind, outcome="accepted").inc(accepted)
+            self.metrics.tree_labels.labels(kind=kind, outcome="rejected").inc(rejected)
 
     async def draft(self, seq: DraftSequence, k: int) -> DraftBlock:
         if k == 0:
@@ -125,3 +161,6 @@ class NgramDrafter:
 
     async def settle(self, seq: DraftSequence) -> None:
         return None
+
+    def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:
+        return None  # lookups learn nothing

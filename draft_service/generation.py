@@ -154,7 +154,8 @@ class Generator:
                 flight.resumed = False
                 seq.roll_back()
                 tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
-                self._record_round(stats, length, verified, verdict, tokens, t0, t_sent - t_draft, t_verdict - t_sent)
+                self._record_round(stats, length, seq, verified, verdict, tokens, t0, t_sent - t_draft,
+                                   t_verdict - t_sent)
                 stats.finish_reason = FinishReason.STOP if stopped else verdict.finish_reason
                 if stopped and not finished:  # the verifier would go on: tell it to free the sequence now
                     finished = True
@@ -189,12 +190,13 @@ class Generator:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
         return await self.drafter.draft(seq, k)
 
-    def _record_round(self, stats: GenerationStats, length: RoundLength, block: DraftBlock, verdict: VerdictEvent,
-                      tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float) -> None:
+    def _record_round(self, stats: GenerationStats, length: RoundLength, seq: DraftSequence, block: DraftBlock,
+                      verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float) -> None:
         stats.record_round(num_draft_tokens=block.num_draft_tokens, num_accepted=verdict.num_accepted,
                            num_emitted=len(tokens), draft_s=draft_s, wait_s=wait_s, verify_s=verdict.step_time_s,
                            num_positions=block.num_positions)
         self.metrics.observe_round(draft_s, wait_s, verdict.step_time_s)
+        self.drafter.observe(seq, block, verdict.token_ids)
         if stats.num_rounds == 1:
             stats.time_to_first_token_s = time.perf_counter() - t0
         # a tree counts by its positions (its depth), as the length it was drafted for

@@ -33,6 +33,10 @@ class DraftMetrics:
                                   "least loaded), prefix (it caches the prompt's prefix), resume (back on its own "
                                   "verifier after a reconnection), failover (moved off a verifier that went)",
                                   ["reason"], registry=r)
+        self.tree_labels = Counter("specwire_draft_tree_labels", "Children of token-tree nodes the verification "
+                                   "reached, by tree kind (greedy, one-hot, coupled) and outcome (accepted or "
+                                   "rejected): what calibrates tree growth (--tree-calibration)", ["kind", "outcome"],
+                                   registry=r)
         self.failovers = Counter("specwire_draft_failovers", "Sequences moved to another verifier because theirs went "
                                  "(killed, drained, unreachable)", registry=r)
         self.verifier_sequences = Gauge("specwire_draft_verifier_sequences", "This draft's open sequences per "

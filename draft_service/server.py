@@ -111,7 +111,8 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
         fingerprint = loaded.tokenizer_fingerprint
         tree = TreeShape(config.num_speculative_tokens, config.tree_branches, config.tree_nodes) \
             if config.tree_branches > 1 else None
-        drafter = ModelDrafter(batcher, config.draft_confidence_threshold, tree)
+        drafter = ModelDrafter(batcher, config.draft_confidence_threshold, tree, calibrate=config.tree_calibration,
+                               metrics=metrics)
     security = LinkSecurity.from_files(tls=config.verifier_uses_tls, ca=config.verifier_tls_ca,
                                        cert=config.verifier_tls_cert, key=config.verifier_tls_key,
                                        server_name=config.verifier_tls_server_name,

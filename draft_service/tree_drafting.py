@@ -34,6 +34,7 @@ import torch
 from common.sampling import SparseProbs
 from draft_service.draft_sampling import support
 from draft_service.sequence import DraftSequence
+from draft_service.tree_calibration import IDENTITY, Calibration
 from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
 from kernels.sampling_probs import compute_probs
@@ -87,8 +88,10 @@ class Node:
     token: int
     parent: int  # -1: the root (the context's last token)
     depth: int
-    score: float  # path probability
+    score: float  # path probability (greedy, one-hot, coupled: calibrated, see draft_service.tree_calibration)
     q: SparseProbs | None = None  # what it was drawn from (sparse)
+    rank: int = 0  # among its parent's children as proposed, best first
+    prob: float = 1.0  # the draft's probability of it given its parent
     slot: int = -1  # fed: its cache index less `first` (nodes get slots in the order they are fed); -1: never fed
 
 
@@ -116,6 +119,7 @@ class TreeGrowth:
     seq: DraftSequence
     shape: TreeShape
     first: int  # the cache index of slot 0: the context's length (its positions start there too)
+    calibration: Calibration = IDENTITY  # how a greedy, one-hot or coupled tree scores a child's probability
     nodes: list[Node] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)  # the nodes fed next
     fed: list[int] = field(default_factory=list)  # the nodes fed by the last step, in row order
@@ -136,9 +140,11 @@ class TreeGrowth:
         if self.rerank:
             for parent, row in zip(parents, rows, strict=True):
                 base = 1.0 if parent < 0 else self.nodes[parent].score
-                for token, prob in zip(row.token_ids[:self.shape.branches], row.probs, strict=False):
+                for rank, (token, prob) in enumerate(zip(row.token_ids[:self.shape.branches], row.probs,
+                                                         strict=False)):
                     if prob > 0:
-                        self.nodes.append(Node(token, parent, depth, base * prob))
+                        score = base * self.calibration.acceptance(rank, prob)
+                        self.nodes.append(Node(token, parent, depth, score, rank=rank, prob=prob))
             # only a candidate among the best `nodes` so far can end in the tree (later ones score below their
             # parents), and so can its children: the others are not fed; nor more than max_fed in all
             if len(self.nodes) > self.shape.nodes:
@@ -219,7 +225,8 @@ class TreeGrowth:
         qs = tuple(self.nodes[i].q for i in chosen) if sampling.sends_draft_probs else None
         block = DraftBlock(tuple(self.nodes[i].token for i in chosen), qs,
                            parents=tuple(index[p] if (p := self.nodes[i].parent) >= 0 else -1 for i in chosen),
-                           path=tuple(index[i] for i in path))
+                           path=tuple(index[i] for i in path), node_ranks=tuple(self.nodes[i].rank for i in chosen),
+                           node_probs=tuple(self.nodes[i].prob for i in chosen))
         return block, path
 
 

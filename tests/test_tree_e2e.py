@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import specwire
+from specwire.launch import scrape_metric
 
 from distributions import STAT_VOCAB, assert_first_two_tokens_follow_the_target
 from stacks import start_stack
@@ -20,9 +21,11 @@ TREES = {"b2-n8": ["--tree-branches", "2", "--tree-nodes", "8"],
          "b3-n16": ["--tree-branches", "3", "--tree-nodes", "16"]}
 
 
-def _start_draft(running, extra: list[str]) -> str:
-    """Another draft service on the stack's verifier (the stack's draft arguments, fixed k = 4): its address."""
-    return running.start_draft("draft", extra)[0].address
+def _start_draft(running, extra: list[str], metrics: dict[str, str], name: str) -> str:
+    """Another draft service on the stack's verifier (the stack's draft arguments, fixed k = 4): its address (its
+    metrics URL goes into `metrics`)."""
+    service, metrics[name] = running.start_draft("draft", extra)
+    return service.address
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +33,13 @@ def tree_stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("trees")
     target, draft = make_text_pair(d, "qwen2")
     running = start_stack(target, draft, d / "logs", extra_draft=["--speculation", "fixed"], in_process=True)
-    drafts = {name: _start_draft(running, args) for name, args in TREES.items()}
-    drafts["b2-n8-pipelined"] = _start_draft(running, [*TREES["b2-n8"], "--pipeline", "true"])
+    running.tree_metrics = {}
+    drafts = {name: _start_draft(running, args, running.tree_metrics, name) for name, args in TREES.items()}
+    drafts["b2-n8-pipelined"] = _start_draft(running, [*TREES["b2-n8"], "--pipeline", "true"], running.tree_metrics,
+                                             "b2-n8-pipelined")
+    # trees ranked by the draft's raw probabilities: the same output, and no calibration learned
+    drafts["b2-n8-raw"] = _start_draft(running, [*TREES["b2-n8"], "--tree-calibration", "false"],
+                                       running.tree_metrics, "b2-n8-raw")
     yield running, drafts
     running.stack.stop()
 
@@ -70,6 +78,14 @@ def test_greedy_trees_equal_target_only_beside_a_chain_draft(tree_stack):
             accepted += r.stats.num_accepted_tokens
         assert accepted > 0, name
     running.wait_for_metric("specwire_kv_blocks_used", 0)
+    # the verdicts calibrated the trees' growth (tree_calibration), except where that is off
+    for name, url in running.tree_metrics.items():
+        labels = [scrape_metric(url, "specwire_draft_tree_labels_total", {"kind": "greedy", "outcome": outcome})
+                  for outcome in ("accepted", "rejected")]
+        if name.endswith("-raw"):
+            assert labels == [None, None], name
+        else:
+            assert labels[0] > 0 and labels[1] > 0, (name, labels)
 
 
 def test_trees_yield_more_tokens_per_round_than_the_chain(tree_stack):
