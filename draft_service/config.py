@@ -63,9 +63,9 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                                 "(1: a chain of k, as without trees); needs a verifier with the tree feature")
     tree_nodes: int = option(16, "token trees: draft tokens one tree holds at most (what the verifier verifies in a "
                              "round; at most the verifier's max_tree_nodes)")
-    tree_calibration: bool = option(True, "token trees: rank nodes by the acceptance the verdicts showed for the "
-                                    "draft's probabilities (per sibling rank and band), not by the raw "
-                                    "probabilities; sparse trees always use the raw ones")
+    tree_calibration: bool = option(True, "token trees, greedy and coupled: rank nodes by the acceptance the "
+                                    "verdicts showed for the draft's probabilities (per sibling rank and band), not "
+                                    "by the raw probabilities; one-hot and sparse trees always use the raw ones")
     wire_mode: str = option("sparse", "how sampled requests are verified (a request may choose its own): sparse "
                             "(rejection sampling; q sent on its top --q-max-support tokens), one-hot (rejection "
                             "sampling; ids only) or coupled (Gumbel-max coupling; ids only; a seeded output is the "

@@ -57,11 +57,11 @@ class Drafter(Protocol):
 
 
 def calibration_kind(sampling: SamplingParams) -> str | None:
-    """Which calibration table a sequence's trees learn from and read: greedy, one-hot or coupled; None for sparse
-    (its children are drawn, allotted by raw probabilities)."""
+    """Which calibration table a sequence's trees learn from and read: greedy or coupled, whose output no tree
+    changes; None for one-hot and sparse, whose sampled output depends on the tree (draft_service.tree_calibration)."""
     if sampling.is_greedy:
         return "greedy"
-    return None if sampling.sends_draft_probs else sampling.wire_mode.value
+    return "coupled" if sampling.is_coupled else None
 
 
 class ModelDrafter:

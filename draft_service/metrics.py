@@ -34,7 +34,7 @@ class DraftMetrics:
                                   "verifier after a reconnection), failover (moved off a verifier that went)",
                                   ["reason"], registry=r)
         self.tree_labels = Counter("specwire_draft_tree_labels", "Children of token-tree nodes the verification "
-                                   "reached, by tree kind (greedy, one-hot, coupled) and outcome (accepted or "
+                                   "reached, by tree kind (greedy, coupled) and outcome (accepted or "
                                    "rejected): what calibrates tree growth (--tree-calibration)", ["kind", "outcome"],
                                    registry=r)
         self.failovers = Counter("specwire_draft_failovers", "Sequences moved to another verifier because theirs went "

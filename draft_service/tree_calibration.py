@@ -1,23 +1,27 @@
 """How far a token tree's growth may trust the draft's probabilities.
 
 EAGLE-2 grows a tree by path probability, the product of the draft's probabilities from the root, on the premise
-that the draft's confidence tracks acceptance. A small draft is seldom calibrated: on code the default pair's draft
-says 0.6 where the target agrees nine times in ten, so a tree ranked by raw probabilities spends its nodes on
-alternatives near the root where a chain would have gone deeper (docs/benchmarks.md, "Token trees").
+that the draft's confidence tracks acceptance. A small draft need not be calibrated: where it is underconfident, a
+tree ranked by raw probabilities spends its nodes on alternatives near the root where a chain would have gone
+deeper; where it is overconfident, the other way round.
 
-This module learns the correction from the verdicts, per draft service and per kind of tree (greedy, one-hot,
-coupled): for each child of every node the verification reached, whether it was the verifier's token at its
-position (for these kinds, that is exactly whether it was accepted: greedy and coupled accept the child equal to
-the verifier's token, and under one-hot recursive rejection the output is always an accepted child or a token
-outside them). Children are counted by their rank among their siblings and their probability's band; a band's
-factor is its hits over the probabilities' sum (what an exact draft would score), with a prior of PRIOR expected
-hits at a factor of 1, so that an unobserved band keeps the raw probability. Counts decay by DECAY per verdict:
-the service follows its recent traffic.
+This module learns the correction from the verdicts, per draft service and per kind of tree (greedy, coupled): for
+each child of every node the verification reached, whether it was the verifier's token at its position (for these
+kinds, exactly whether it was accepted: both accept the child equal to the verifier's token). Children are counted
+by their rank among their siblings and their probability's band; a band's factor is its hits over the sum of its
+probabilities (what an exact draft would score), with a prior of PRIOR expected hits at a factor of 1, so that an
+unobserved band keeps the raw probability, and kept within [MIN_FACTOR, MAX_FACTOR], so that no traffic moves a
+child's score by more than that. Counts decay by DECAY per verdict that labels a child: the service follows its
+recent traffic.
+
+Only greedy and coupled trees are calibrated, because their output does not depend on the tree at all (greedy:
+the target's argmax; coupled: argmax p / E with the seed's noise). A one-hot or sparse tree's sampled output
+depends on which children it holds, so calibrating them would make a seeded output depend on what else the
+service verified before; they keep the raw probabilities. Calibration changes which nodes a tree holds and its best
+path (what the draft keeps in its cache and pipelining assumes), never what the verifier accepts.
 
 What growth reads (TreeGrowth, on the drafting thread) is an immutable snapshot, replaced after each verdict on the
-event loop. Calibration only reorders which nodes a tree keeps: what is verified is still each node's token, and
-every rule of verification stays exact whatever the tree holds. Sparse trees (q sent, children drawn) keep their
-allotment by raw probabilities.
+event loop.
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# bands of the draft's probability of a child (the last edge above 1 so that 1.0 falls in the top band)
+# the edges of the bands of the draft's probability of a child: band i holds [BANDS[i-1], BANDS[i])
 BANDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 MAX_RANK = 2  # siblings ranked 2 and beyond share counts
 PRIOR = 4.0  # expected hits' worth of belief in the raw probability
 DECAY = 0.98  # per verdict: half the weight after about 35 verdicts (some hundreds of labels)
+MIN_FACTOR, MAX_FACTOR = 0.25, 4.0  # how far calibration may move a child's probability, either way
 MAX_ACCEPTANCE = 0.999  # a child's calibrated acceptance stays below 1: it never scores above its parent
 
 
@@ -97,7 +102,8 @@ class TreeCalibration:
             r, b = min(ranks[i], MAX_RANK), band(probs[i])
             self.hits[r][b] += float(hit)
             self.expected[r][b] += probs[i]
-        self.current = Calibration(tuple(tuple((h + PRIOR) / (e + PRIOR) for h, e in zip(row_h, row_e, strict=True))
+        self.current = Calibration(tuple(tuple(min(MAX_FACTOR, max(MIN_FACTOR, (h + PRIOR) / (e + PRIOR)))
+                                               for h, e in zip(row_h, row_e, strict=True))
                                          for row_h, row_e in zip(self.hits, self.expected, strict=True)))
         hits = sum(1 for _, hit in labels if hit)
         return hits, len(labels) - hits

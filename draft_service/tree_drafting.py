@@ -21,8 +21,9 @@ the float32 that travels, with noise E_i of its own (the first child's is the ch
 what is sent with it: each child is then distributed as the q sent with it given everything before it, which is
 what the verifier's recursive rejection sampling assumes. What is drawn later shapes only deeper levels.
 
-After the last step the draft keeps its best path (the likeliest child at each depth) in its cache at the
-positions it would hold if accepted, as a chain's drafts are kept; pipelining assumes that path.
+After the last step the draft keeps its best path (the best-scoring child at each depth: the likeliest, or with
+calibration the likeliest to be accepted) in its cache at the positions it would hold if accepted, as a chain's
+drafts are kept; pipelining assumes that path.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Node:
     token: int
     parent: int  # -1: the root (the context's last token)
     depth: int
-    score: float  # path probability (greedy, one-hot, coupled: calibrated, see draft_service.tree_calibration)
+    score: float  # path probability (greedy, coupled: calibrated, see draft_service.tree_calibration)
     q: SparseProbs | None = None  # what it was drawn from (sparse)
     rank: int = 0  # among its parent's children as proposed, best first
     prob: float = 1.0  # the draft's probability of it given its parent
@@ -210,7 +211,7 @@ class TreeGrowth:
         return sorted(kept, key=lambda i: (self.nodes[i].depth, i))
 
     def block(self) -> tuple[DraftBlock, list[int]]:
-        """The tree as proposed, and its best path (the likeliest child at each depth) as node indices."""
+        """The tree as proposed, and its best path (the best-scoring child at each depth) as node indices."""
         chosen = self.chosen()
         index = {node: k for k, node in enumerate(chosen)}
         path: list[int] = []
@@ -225,8 +226,9 @@ class TreeGrowth:
         qs = tuple(self.nodes[i].q for i in chosen) if sampling.sends_draft_probs else None
         block = DraftBlock(tuple(self.nodes[i].token for i in chosen), qs,
                            parents=tuple(index[p] if (p := self.nodes[i].parent) >= 0 else -1 for i in chosen),
-                           path=tuple(index[i] for i in path), node_ranks=tuple(self.nodes[i].rank for i in chosen),
-                           node_probs=tuple(self.nodes[i].prob for i in chosen))
+                           path=tuple(index[i] for i in path),
+                           node_ranks=tuple(self.nodes[i].rank for i in chosen) if self.rerank else None,
+                           node_probs=tuple(self.nodes[i].prob for i in chosen) if self.rerank else None)
         return block, path
 
 

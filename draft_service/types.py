@@ -23,8 +23,8 @@ class DraftBlock:
     parents: tuple[int, ...] | None = None
     # a tree's best path (indices of its tokens), what the draft's cache holds past the context; None: a chain
     path: tuple[int, ...] | None = None
-    # a tree's nodes' ranks among their siblings and the draft's probabilities of them given their parents (what
-    # draft_service.tree_calibration learns from); not sent
+    # a greedy, one-hot or coupled tree's nodes' ranks among their siblings and the draft's probabilities of them
+    # given their parents (what draft_service.tree_calibration learns from); not sent
     node_ranks: tuple[int, ...] | None = field(default=None, compare=False)
     node_probs: tuple[float, ...] | None = field(default=None, compare=False)
 
