@@ -74,6 +74,7 @@ def test_the_docs_show_the_example_test_file_as_it_is():
     assert example in (root / "docs" / "testing.md").read_text(), "docs/testing.md's example is stale"
 
 
+@pytest.mark.slow  # the suite's time: resume after a restart is in the default run through tests/test_faults.py
 def test_a_local_stack_survives_a_verifier_restart(tmp_path):
     model = text_model(tmp_path / "m", "Hello world! The answer is 42.")
     with LocalStack.start(model, model, log_dir=tmp_path / "logs") as stack, stack.client() as client:
