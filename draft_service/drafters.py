@@ -88,10 +88,8 @@ class ModelDrafter:
                         calibration=self._calibration(seq) if tree is not None else IDENTITY)
 
     def _calibration(self, seq: DraftSequence) -> Calibration:
-        kind = calibration_kind(seq.sampling)
-        if self.calibrations is None or kind is None or kind not in self.calibrations:
-            return IDENTITY
-        return self.calibrations[kind].current
+        table = self.calibrations.get(calibration_kind(seq.sampling)) if self.calibrations is not None else None
+        return table.current if table is not None else IDENTITY
 
     def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:
         kind = calibration_kind(seq.sampling)

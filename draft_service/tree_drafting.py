@@ -120,7 +120,7 @@ class TreeGrowth:
     seq: DraftSequence
     shape: TreeShape
     first: int  # the cache index of slot 0: the context's length (its positions start there too)
-    calibration: Calibration = IDENTITY  # how a greedy, one-hot or coupled tree scores a child's probability
+    calibration: Calibration = IDENTITY  # how a greedy or coupled tree scores a child's probability
     nodes: list[Node] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)  # the nodes fed next
     fed: list[int] = field(default_factory=list)  # the nodes fed by the last step, in row order
