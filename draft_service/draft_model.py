@@ -19,6 +19,7 @@ from common.paged_model import ForwardBatch, PagedCausalLM
 from common.sampling import SparseProbs
 from common.static_forward import StaticForward
 from draft_service.draft_sampling import Sample, sample_drafts, support
+from draft_service.draw_acceptance import DrawAcceptance
 from draft_service.sequence import DraftSequence
 from draft_service.tree_calibration import IDENTITY, Calibration
 from draft_service.tree_drafting import NodeFeed, TreeGrowth, TreeShape, tree_rows
@@ -42,6 +43,7 @@ class DraftJob:
     guess_first: bool = False
     tree: TreeShape | None = None  # a token tree of this shape instead of a chain of k (draft_service.tree_drafting)
     calibration: Calibration = IDENTITY  # how the tree scores the draft's probabilities (tree_calibration)
+    draws: DrawAcceptance = DrawAcceptance()  # how a sparse tree scores its draws (draw_acceptance)
 
 
 # a token list continues the sequence's cache; a NodeFeed feeds tree nodes at their slots past growth.first (they
@@ -188,7 +190,8 @@ class DraftModel:
         for i in trees:
             if growths[i] is None:  # its root row: the context (and a guess) is now cached
                 seq = jobs[i].seq
-                growths[i] = TreeGrowth(seq, jobs[i].tree, first=seq.num_cached, calibration=jobs[i].calibration)
+                growths[i] = TreeGrowth(seq, jobs[i].tree, first=seq.num_cached, calibration=jobs[i].calibration,
+                                        draws=jobs[i].draws)
         parents = [growths[i].fed or [-1] for i in trees]
         seqs = [jobs[i].seq for i, ps in zip(trees, parents, strict=True) for _ in ps]
         # the position each row's children decide: the tree's first one past its parents' depth

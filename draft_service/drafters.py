@@ -84,14 +84,19 @@ class ModelDrafter:
 
     def _job(self, seq: DraftSequence, k: int, guess_first: bool = False) -> DraftJob:
         tree = self.tree.scaled(k) if self.tree is not None and k > 1 and self.trees_allowed() else None
+        # a pipelined branch drafts the round after the one in flight: it knows every verdict but that round's, and
+        # so does a round drafted after its verdict once that verdict is left out (draft_service.draw_acceptance)
+        draws = seq.fork_from.draws.latest if seq.fork_from is not None else seq.draws.before_last
         return DraftJob(seq, k, self.min_confidence, guess_first=guess_first, tree=tree,
-                        calibration=self._calibration(seq) if tree is not None else IDENTITY)
+                        calibration=self._calibration(seq) if tree is not None else IDENTITY, draws=draws)
 
     def _calibration(self, seq: DraftSequence) -> Calibration:
         table = self.calibrations.get(calibration_kind(seq.sampling)) if self.calibrations is not None else None
         return table.current if table is not None else IDENTITY
 
     def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:
+        if seq.sampling.sends_draft_probs:
+            seq.draws.observe(block.parents, block.token_ids, verified)
         kind = calibration_kind(seq.sampling)
         if self.calibrations is None or kind is None or block.parents is None or block.node_probs is None:
             return

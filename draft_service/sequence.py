@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.sampling import SamplingParams
+from draft_service.draw_acceptance import DrawRecord
 
 
 @dataclass(eq=False)
@@ -22,6 +23,8 @@ class DraftSequence:
     # --max-q-support for a q that is sent (it refuses a longer one). Drafting samples from q truncated to it, so
     # what is sent is what was sampled from. None: the draft model's own.
     q_max_support: int | None = None
+    # a sparse sequence's record of which of its tree's draws were accepted (draft_service.draw_acceptance)
+    draws: DrawRecord = field(default_factory=DrawRecord)
 
     def branch(self, assumed: list[int]) -> DraftSequence:
         """A branch continuing the verified tokens and then `assumed`, sharing this sequence's cache for the

@@ -14,8 +14,11 @@ they form a tree): a confident draft spends its nodes deep, an unsure one wide. 
 - coupled: the best tokens of q / E with the verifier's own noise E at that position, the target's likeliest
   samples.
 Sparse trees (sampled, q sent) are draws, and a draw may not be kept or dropped by its value: each depth's
-children are allotted before any is drawn (the i-th child of node f scores path(f) times the i-th largest
-probability of f's distribution; the best `per_depth` are drawn), and every drawn child is kept and fed. The i-th
+children are allotted before any is drawn, and every drawn child is kept and fed. The i-th child of node f scores
+path(f) times the chance that a reached node's i-th draw is the accepted one, from the sequence's record of its
+verdicts (draft_service.draw_acceptance); a depth draws as many of its best candidates as are among the nodes left
+in a forecast of the tree below, where every node's children score like these (forecast_allotment): a sequence
+whose first draws are accepted spends its nodes deep, one whose first draws are rejected draws second ones. The i-th
 child is argmax q_i / E_i over q's support, q_i being q less the earlier children, renormalised and rounded to
 the float32 that travels, with noise E_i of its own (the first child's is the chain's draft noise), and q_i is
 what is sent with it: each child is then distributed as the q sent with it given everything before it, which is
@@ -28,12 +31,14 @@ drafts are kept; pipelining assumes that path.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
 
 from common.sampling import SparseProbs
 from draft_service.draft_sampling import support
+from draft_service.draw_acceptance import DrawAcceptance
 from draft_service.sequence import DraftSequence
 from draft_service.tree_calibration import IDENTITY, Calibration
 from draft_service.types import DraftBlock
@@ -55,8 +60,8 @@ class TreeShape:
 
     @property
     def per_depth(self) -> int:
-        """Nodes fed (greedy, one-hot, coupled) or drawn (sparse) per depth: the branches, or enough to spread the
-        nodes over the depth."""
+        """Nodes fed per depth (greedy, one-hot, coupled): the branches, or enough to spread the nodes over the
+        depth."""
         return max(self.branches, -(-self.nodes // max(1, self.depth)))
 
     @property
@@ -115,12 +120,13 @@ class TreeGrowth:
     last depth, each proposes its `branches` likeliest children, and at the end the `nodes` best of every candidate
     (by path probability) make the tree: a confident draft spends its nodes deep, an unsure one wide. Sparse trees
     cannot choose among drawn children by their draws: each depth's children are allotted before they are drawn
-    (the best `per_depth` scores from their parents' distributions), every drawn child is kept and fed."""
+    (forecast_allotment, with the sequence's record of accepted draws), every drawn child is kept and fed."""
 
     seq: DraftSequence
     shape: TreeShape
     first: int  # the cache index of slot 0: the context's length (its positions start there too)
     calibration: Calibration = IDENTITY  # how a greedy or coupled tree scores a child's probability
+    draws: DrawAcceptance = DrawAcceptance()  # how a sparse tree scores its i-th draw (draw_acceptance)
     nodes: list[Node] = field(default_factory=list)
     frontier: list[int] = field(default_factory=list)  # the nodes fed next
     fed: list[int] = field(default_factory=list)  # the nodes fed by the last step, in row order
@@ -158,20 +164,24 @@ class TreeGrowth:
             self.frontier = new_[:min(self.shape.per_depth, room)] if depth + 1 < self.shape.depth else []
             return bool(self.frontier)
         left = self.shape.nodes - len(self.nodes)
+        profile = self.draws.profile(self.shape.branches)
         candidates = []
         for parent, row in zip(parents, rows, strict=True):
             base = 1.0 if parent < 0 else self.nodes[parent].score
-            ranked = sorted(row.probs, reverse=True)[:self.shape.branches]
-            candidates.extend((-base * p, parent, rank) for rank, p in enumerate(ranked) if p > 0)
+            # a node can have as many children as its row has tokens to draw
+            candidates.extend((-base * p, parent, rank) for rank, p in enumerate(profile[:len(row.probs)]) if p > 0)
+        candidates.sort()
+        take = forecast_allotment([-c[0] for c in candidates], profile, left, self.shape.depth - depth)
         counts: dict[int, int] = {}
-        for _, parent, _ in sorted(candidates)[:min(self.shape.per_depth, left)]:
+        for _, parent, _ in candidates[:take]:
             counts[parent] = counts.get(parent, 0) + 1
         sampling = self.seq.sampling
         for parent, row in zip(parents, rows, strict=True):
             if counts.get(parent, 0):
                 base = 1.0 if parent < 0 else self.nodes[parent].score
-                for token, prob, q in draw_without_replacement(row, counts[parent], sampling.seed, self.first + depth):
-                    self.nodes.append(Node(token, parent, depth, base * prob, q))
+                draws = draw_without_replacement(row, counts[parent], sampling.seed, self.first + depth)
+                for rank, (token, prob, q) in enumerate(draws):
+                    self.nodes.append(Node(token, parent, depth, base * profile[rank], q, rank=rank, prob=prob))
         if depth + 1 < self.shape.depth and len(self.nodes) < self.shape.nodes:
             self.frontier = list(range(start, len(self.nodes)))
         return bool(self.frontier)
@@ -230,6 +240,29 @@ class TreeGrowth:
                            node_ranks=tuple(self.nodes[i].rank for i in chosen) if self.rerank else None,
                            node_probs=tuple(self.nodes[i].prob for i in chosen) if self.rerank else None)
         return block, path
+
+
+def forecast_allotment(scores: list[float], profile: list[float], budget: int, depths_left: int) -> int:
+    """How many of a depth's candidate children (`scores`: their path probabilities, best first) a sparse tree
+    draws, when `budget` nodes remain for this depth and the `depths_left - 1` below it: as many as are among the
+    `budget` best nodes of a forecast tree, in which these candidates are the nodes of this depth and every node's
+    i-th child scores its score times profile[i]. A confident draft then spends its nodes deep (the forecast main
+    line outscores every sibling) and an unsure one wide, as a reranked tree does; the count depends on the
+    parents' distributions only, never on what is drawn from them."""
+    heap = [(-s, 0, i) for i, s in enumerate(scores) if s > 0]
+    heapq.heapify(heap)
+    serial, now = len(heap), 0
+    factors = [p for p in profile if p > 0]
+    for _ in range(max(0, budget)):
+        if not heap:
+            break
+        neg, offset, _ = heapq.heappop(heap)
+        now += offset == 0
+        if offset + 1 < depths_left:
+            for p in factors:  # a child never scores above its parent, so the best `budget` form a tree
+                heapq.heappush(heap, (neg * p, offset + 1, serial))
+                serial += 1
+    return now
 
 
 def draw_without_replacement(row: RowChoices, m: int, seed: int, position: int) -> list[tuple[int, float, SparseProbs]]:

@@ -153,6 +153,29 @@ def test_acceptance_tracker_conditions_on_earlier_positions_and_drifts_back():
     assert t.rates("s", 1) == [t.shared_rate(0)]
 
 
+def test_a_few_old_rejections_do_not_hold_a_deep_position_down():
+    """A first request's drafts were rejected at the third position; since then 8 sequences drafted one token a
+    round for 25 rounds, every one accepted, so nothing reached the third position again. Its shared rate leans on
+    the group's rate over all positions, and a CPU-like verifier with 8 sequences goes back to the full k. Taking
+    the position's few old counts alone (with the fixed default as their prior) held it at 2."""
+    t = AcceptanceTracker(4, decay=0.95, prior_strength=4.0, group_of=lambda key: key[0])
+    t.observe(("s", 0), num_drafted=4, num_accepted=0)
+    t.observe(("s", 0), num_drafted=4, num_accepted=2)
+    t.forget(("s", 0))
+    for _ in range(25):
+        for i in range(1, 9):
+            t.observe(("s", i), num_drafted=1, num_accepted=1)
+    rates = t.rates(("s", 1), 4)
+    assert rates[2] > 0.8 and rates[3] > 0.9
+    step = model_of(lambda n: 0.4 + 0.02 * n)
+    batch = [Candidate(("s", i), 4, tuple(t.rates(("s", i), 4))) for i in range(1, 9)]
+    assert set(choose_draft_lengths(batch, step).draft_lengths.values()) == {4}
+    # a position judged often keeps its own rate: rejected at the second position 40 times, it stays low
+    for _ in range(40):
+        t.observe(("s", 9), num_drafted=4, num_accepted=1)
+    assert t.shared_rate(1, ("s", 9)) < 0.25
+
+
 def test_the_other_work_s_output_is_priced_in():
     """15 fixed-k sequences (75 tokens, all accepted: 75 emitted) and one asking sequence with low acceptance, on a
     compute-bound verifier: a draft slows the others' output too, so the best for the batch is k = 0. Counting

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from common.sampling import SamplingParams, WireMode
 from common.token_tree import tree_depths
+from draft_service.drafters import ModelDrafter
+from draft_service.draw_acceptance import DrawAcceptance, DrawRecord
 from draft_service.sequence import DraftSequence
-from draft_service.tree_drafting import RowChoices, TreeGrowth, TreeShape, draw_without_replacement
+from draft_service.tree_drafting import (
+    RowChoices,
+    TreeGrowth,
+    TreeShape,
+    draw_without_replacement,
+    forecast_allotment,
+)
+from draft_service.types import DraftBlock
 
 
 def _seq(mode: WireMode | None, seed: int = 1) -> DraftSequence:
@@ -108,3 +118,92 @@ def test_sparse_children_are_distributed_as_the_q_sent_with_them():
     bound = 4 * math.sqrt(0.25 / n)
     assert (first / n - q.float()).abs().max() < bound
     assert (second / n - marginal2.float()).abs().max() < bound
+
+
+def _sparse_tree(first_row: RowChoices, row_of, shape: TreeShape, draws: DrawAcceptance, seed: int = 3):
+    growth = TreeGrowth(_seq(WireMode.SPARSE, seed), shape, first=0, draws=draws)
+    more = growth.grow([first_row])
+    while more:
+        growth.feed()
+        more = growth.grow([row_of(growth.nodes[i]) for i in growth.fed])
+    return growth.block()[0]
+
+
+ACCEPTED = DrawAcceptance(first_tried=40.0, first_accepted=39.0)  # a = 0.95
+REJECTED = DrawAcceptance(first_tried=40.0, first_accepted=12.0, later_tried=20.0, later_accepted=10.0)  # 0.3, 0.5
+
+
+def test_a_sparse_tree_spends_its_nodes_deep_when_its_first_draws_are_accepted_and_wide_when_not():
+    """A sparse tree's counts are allotted before its draws, from the sequence's record of which draws were
+    accepted and a forecast of the depths below: a sequence whose first draws are accepted makes a chain of all N
+    nodes, as deep as a chain of N (a fixed two per depth made it half as deep); one whose first draws are often
+    rejected draws second children near the root, however sure q is."""
+    row = RowChoices([5, 6, 7], [0.5, 0.3, 0.2])
+    block = _sparse_tree(row, lambda node: row, TreeShape(16, 2, 16), ACCEPTED)
+    assert block.num_draft_tokens == 16 and max(tree_depths(block.parents)) == 15
+    sure = RowChoices([5, 6, 7], [0.95, 0.03, 0.02])
+    block = _sparse_tree(sure, lambda node: sure, TreeShape(16, 2, 16), REJECTED)
+    depths = tree_depths(block.parents)
+    assert block.num_draft_tokens == 16 and depths.count(0) == 2 and max(depths) < 8
+
+
+def test_sparse_counts_do_not_depend_on_the_draws():
+    """Other seeds draw other tokens into the same shape: how many children a node gets is fixed before they are
+    drawn."""
+    row = RowChoices([5, 6, 7, 8], [0.5, 0.3, 0.15, 0.05])
+    shapes, tokens = set(), set()
+    for seed in range(8):
+        block = _sparse_tree(row, lambda node: row, TreeShape(6, 3, 10), DrawAcceptance(), seed=seed)
+        shapes.add(block.parents)
+        tokens.add(block.token_ids)
+    assert len(shapes) == 1 and len(tokens) > 1
+
+
+def test_the_forecast_allotment():
+    # budget 3 for 3 depths, main line 0.9 a step: the chain (one now) beats a sibling of 0.05
+    assert forecast_allotment([0.9, 0.05], [0.9, 0.05], 3, 3) == 1
+    # a sibling of 0.45 beats the third main-line node (0.9 * 0.5 * 0.5 = 0.225)
+    assert forecast_allotment([0.9, 0.45], [0.5, 0.45], 3, 3) == 2
+    # the last depth: everything that fits is drawn now
+    assert forecast_allotment([0.5, 0.3, 0.2], [0.5, 0.3], 2, 1) == 2
+    assert forecast_allotment([], [0.5], 4, 3) == 0
+
+
+def test_the_record_of_draws_counts_what_the_verifier_tried():
+    # root: children 0, 1; node 0: children 2, 3; node 3: child 4
+    parents, tokens = [-1, -1, 0, 0, 3], [10, 11, 12, 13, 14]
+    # the root's first child accepted, node 0's second, node 3's child rejected (the correction 99)
+    counts = DrawAcceptance().observe(parents, tokens, [10, 13, 99])
+    assert (counts.first_tried, counts.first_accepted, counts.later_tried, counts.later_accepted) == (3, 1, 1, 1)
+    # every child of the root rejected: both were tried
+    counts = DrawAcceptance().observe(parents, tokens, [98])
+    assert (counts.first_tried, counts.first_accepted, counts.later_tried, counts.later_accepted) == (1, 0, 1, 0)
+    # a node whose children all got accepted down to a leaf: the bonus token tries nothing
+    counts = DrawAcceptance().observe([-1, 0], [10, 12], [10, 12, 50])
+    assert (counts.first_tried, counts.first_accepted, counts.later_tried) == (2, 2, 0)
+    profile = DrawAcceptance(first_tried=8.0, first_accepted=8.0, later_tried=8.0, later_accepted=0.0).profile(3)
+    a, b = (8 + 2 * 0.85) / 10, 0.6 / 10
+    assert profile == pytest.approx([a, (1 - a) * b, (1 - a) * (1 - b) * b])
+
+
+def test_a_round_is_shaped_by_every_verdict_but_the_last_one_before_it():
+    """What a pipelined branch knows when it drafts (the verdicts before the one in flight) is what a round drafted
+    after that verdict reads: a seeded tree is the same either way."""
+    record = DrawRecord()
+    record.observe([-1, -1], [10, 11], [11, 5])
+    first = record.latest
+    record.observe(None, [10, 12], [10, 12, 7])  # a chain: first children
+    assert record.before_last == first and record.latest.first_tried > first.first_tried
+
+
+def test_the_drafter_gives_a_round_after_a_verdict_and_a_pipelined_branch_the_same_record():
+    drafter = ModelDrafter(batcher=None, tree=TreeShape(8, 2, 8))
+    seq = _seq(WireMode.SPARSE)
+    first_job = drafter._job(seq, 8)
+    drafter.observe(seq, first_job_block := DraftBlock((10, 11), None, parents=(-1, -1)), (11, 5))
+    branch_job = drafter._job(seq.branch([11, 5]), 8)  # drafted while the next round is in flight
+    drafter.observe(seq, DraftBlock((12,), None), (12, 6))
+    after_job = drafter._job(seq, 8)  # that round's verdict came first
+    assert first_job.draws == DrawAcceptance()
+    assert branch_job.draws == after_job.draws == DrawAcceptance().observe(first_job_block.parents,
+                                                                            first_job_block.token_ids, (11, 5))

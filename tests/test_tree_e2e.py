@@ -35,8 +35,9 @@ def tree_stack(tmp_path_factory):
     running = start_stack(target, draft, d / "logs", extra_draft=["--speculation", "fixed"], in_process=True)
     running.tree_metrics = {}
     drafts = {name: _start_draft(running, args, running.tree_metrics, name) for name, args in TREES.items()}
-    drafts["b2-n8-pipelined"] = _start_draft(running, [*TREES["b2-n8"], "--pipeline", "true"], running.tree_metrics,
-                                             "b2-n8-pipelined")
+    # pipelined with a fixed width: branches are drafted every round, so some verdicts confirm one
+    drafts["b2-n8-pipelined"] = _start_draft(running, [*TREES["b2-n8"], "--pipeline", "true", "--pipeline-width", "3"],
+                                             running.tree_metrics, "b2-n8-pipelined")
     # trees ranked by the draft's raw probabilities: the same output, and no calibration learned
     drafts["b2-n8-raw"] = _start_draft(running, [*TREES["b2-n8"], "--tree-calibration", "false"],
                                        running.tree_metrics, "b2-n8-raw")
@@ -114,6 +115,26 @@ def test_coupled_output_is_the_same_with_and_without_trees(tree_stack):
                  for s in seeds]
     for name, out in outputs.items():
         assert out == alone, name
+
+
+def test_a_seeded_sparse_tree_gives_the_same_tokens_with_and_without_pipelining(tree_stack):
+    """A sparse tree's shape follows the sequence's record of accepted draws; a pipelined branch and a round drafted
+    after the verdict read the same verdicts (all but the last before the round), so a seed gives the same
+    tokens either way."""
+    running, drafts = tree_stack
+    url = running.tree_metrics["b2-n8-pipelined"]
+    used_before = scrape_metric(url, "specwire_draft_pipelined_proposals_total", {"outcome": "used"}) or 0
+    seeds = [5, 41, 2027, 8, 99]
+    outputs = {}
+    for name in ("b2-n8", "b2-n8-pipelined"):
+        with specwire.Client(drafts[name]) as client:
+            # depth 8, 8 nodes: the record decides between depth and second draws
+            outputs[name] = [client.generate(prompt_token_ids=PROMPTS[2], max_tokens=48, temperature=0.9, seed=s,
+                                             ignore_eos=True, wire_mode="sparse", num_speculative_tokens=8)
+                             for s in seeds]
+    assert [r.token_ids for r in outputs["b2-n8"]] == [r.token_ids for r in outputs["b2-n8-pipelined"]]
+    assert min(r.stats.num_rounds for r in outputs["b2-n8"]) >= 4
+    assert scrape_metric(url, "specwire_draft_pipelined_proposals_total", {"outcome": "used"}) > used_before
 
 
 @pytest.fixture(scope="module")

@@ -132,6 +132,10 @@ class AcceptanceTracker:
     global_decay: float = 0.995  # per verdict, for the shared counts
     prior_strength: float = 2.0  # pseudo-counts of the shared rates in a sequence's estimate
     default_rate: float = 0.7  # the shared rate before anything is observed
+    # pseudo-counts of the group's rate over all its positions in one position's shared rate: a position that is
+    # rarely judged (drafts seldom reach it) leans on how the group's drafts fare in general, not on a few old
+    # verdicts, and so is tried again
+    position_strength: float = 2.0
     group_of: Callable[[object], object] = lambda key: None
     max_groups: int = 1024
     _groups: OrderedDict = field(default_factory=OrderedDict)  # group -> (tried, accepted) per position
@@ -177,20 +181,34 @@ class AcceptanceTracker:
 
     def shared_rate(self, j: int, key: object = None) -> float:
         """alpha_j over `key`'s group (the default rate for a group not seen yet)."""
+        return self._shared_rates(key)[j]
+
+    def _shared_rates(self, key: object) -> list[float]:
+        """alpha_j over `key`'s group for every position: the position's own counts with `position_strength`
+        pseudo-counts of the group's rate over all positions.
+
+        Drafts are judged only up to the first rejection and never past their length, so the counts of a deep
+        position are censored: when the draft lengths chosen are short, the last verdicts that reached a deep
+        position may be a few old ones (a first request's rejections), which then would hold it down for
+        hundreds of verdicts however well the shallower positions do. Drawn towards the group's overall rate
+        instead, it is judged again as soon as that rate makes it worth drafting."""
         counts = self._shared(key, touch=False)
         if counts is None:
-            return self.default_rate
+            return [self.default_rate] * self.max_positions
         g_tried, g_accepted = counts
-        return (g_accepted[j] + self.default_rate) / (g_tried[j] + 1.0)
+        overall = (sum(g_accepted) + self.default_rate) / (sum(g_tried) + 1.0)
+        s = self.position_strength
+        return [(a + s * overall) / (t + s) for t, a in zip(g_tried, g_accepted, strict=True)]
 
     def rates(self, key: object, k: int) -> list[float]:
         """alpha_1..alpha_k for `key`."""
         tried = self._tried.get(key)
         accepted = self._accepted.get(key)
         m = self.prior_strength
+        shared = self._shared_rates(key)
         out = []
         for j in range(min(k, self.max_positions)):
-            prior = self.shared_rate(j, key)
+            prior = shared[j]
             if tried is None:
                 out.append(prior)
             else:
