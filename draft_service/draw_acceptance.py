@@ -54,9 +54,15 @@ class DrawAcceptance:
         return (self.later_accepted + PRIOR_STRENGTH * PRIOR_LATER) / (self.later_tried + PRIOR_STRENGTH)
 
     def profile(self, branches: int) -> list[float]:
-        """The chance that a reached node's i-th child (i < branches) is the accepted one."""
+        """The chance that a reached node's i-th child (i < branches) is the accepted one, kept non-increasing:
+        children are drawn in order, so a later one is never allotted where an earlier one is not (where a is
+        below (1 - a) b the second draw would otherwise outscore the first)."""
         a, b = self.first, self.later
-        return [a if i == 0 else (1 - a) * (1 - b) ** (i - 1) * b for i in range(branches)]
+        out: list[float] = []
+        for i in range(branches):
+            p = a if i == 0 else (1 - a) * (1 - b) ** (i - 1) * b
+            out.append(min(p, out[-1]) if out else p)
+        return out
 
     def observe(self, parents: Sequence[int], token_ids: Sequence[int], verified: Sequence[int]) -> DrawAcceptance:
         """After a verdict on a sparse tree (its nodes' parents and tokens, a node's children in the order they were

@@ -94,7 +94,9 @@ class Node:
     token: int
     parent: int  # -1: the root (the context's last token)
     depth: int
-    score: float  # path probability (greedy, coupled: calibrated, see draft_service.tree_calibration)
+    # path probability (greedy, coupled: calibrated, see draft_service.tree_calibration); sparse: the chance of the
+    # path's draws being the accepted ones (draft_service.draw_acceptance)
+    score: float
     q: SparseProbs | None = None  # what it was drawn from (sparse)
     rank: int = 0  # among its parent's children as proposed, best first
     prob: float = 1.0  # the draft's probability of it given its parent
@@ -248,7 +250,7 @@ def forecast_allotment(scores: list[float], profile: list[float], budget: int, d
     `budget` best nodes of a forecast tree, in which these candidates are the nodes of this depth and every node's
     i-th child scores its score times profile[i]. A confident draft then spends its nodes deep (the forecast main
     line outscores every sibling) and an unsure one wide, as a reranked tree does; the count depends on the
-    parents' distributions only, never on what is drawn from them."""
+    scores and the rows' sizes only, never on what is drawn from them."""
     heap = [(-s, 0, i) for i, s in enumerate(scores) if s > 0]
     heapq.heapify(heap)
     serial, now = len(heap), 0

@@ -184,6 +184,10 @@ def test_the_record_of_draws_counts_what_the_verifier_tried():
     profile = DrawAcceptance(first_tried=8.0, first_accepted=8.0, later_tried=8.0, later_accepted=0.0).profile(3)
     a, b = (8 + 2 * 0.85) / 10, 0.6 / 10
     assert profile == pytest.approx([a, (1 - a) * b, (1 - a) * (1 - b) * b])
+    # first draws mostly rejected, later ones often accepted: a second draw never scores above the first, which is
+    # always drawn before it
+    low = DrawAcceptance(first_tried=40.0, first_accepted=2.0, later_tried=20.0, later_accepted=10.0).profile(3)
+    assert low == sorted(low, reverse=True) and low[0] == pytest.approx(low[1])
 
 
 def test_a_round_is_shaped_by_every_verdict_but_the_last_one_before_it():
