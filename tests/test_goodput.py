@@ -170,6 +170,10 @@ def test_a_few_old_rejections_do_not_hold_a_deep_position_down():
     step = model_of(lambda n: 0.4 + 0.02 * n)
     batch = [Candidate(("s", i), 4, tuple(t.rates(("s", i), 4))) for i in range(1, 9)]
     assert set(choose_draft_lengths(batch, step).draft_lengths.values()) == {4}
+    # one rejection and nothing else: not counted twice (in the position and in the rate it is drawn towards)
+    cold = AcceptanceTracker(4)
+    cold.observe("x", num_drafted=4, num_accepted=0)
+    assert cold.shared_rate(0, "x") == pytest.approx((0 + 2 * 0.7) / 3)
     # a position judged often keeps its own rate: rejected at the second position 40 times, it stays low
     for _ in range(40):
         t.observe(("s", 9), num_drafted=4, num_accepted=1)

@@ -185,7 +185,9 @@ class AcceptanceTracker:
 
     def _shared_rates(self, key: object) -> list[float]:
         """alpha_j over `key`'s group for every position: the position's own counts with `position_strength`
-        pseudo-counts of the group's rate over all positions.
+        pseudo-counts of the group's rate over the other positions (with the default rate as their prior; leaving
+        the position's own counts out of it, so that a verdict is not counted twice: after one rejection at the
+        first position and nothing else, its rate is the default's pull on one rejection, as before).
 
         Drafts are judged only up to the first rejection and never past their length, so the counts of a deep
         position are censored: when the draft lengths chosen are short, the last verdicts that reached a deep
@@ -196,9 +198,10 @@ class AcceptanceTracker:
         if counts is None:
             return [self.default_rate] * self.max_positions
         g_tried, g_accepted = counts
-        overall = (sum(g_accepted) + self.default_rate) / (sum(g_tried) + 1.0)
+        all_tried, all_accepted = sum(g_tried), sum(g_accepted)
         s = self.position_strength
-        return [(a + s * overall) / (t + s) for t, a in zip(g_tried, g_accepted, strict=True)]
+        return [(a + s * (all_accepted - a + self.default_rate) / (all_tried - t + 1.0)) / (t + s)
+                for t, a in zip(g_tried, g_accepted, strict=True)]
 
     def rates(self, key: object, k: int) -> list[float]:
         """alpha_1..alpha_k for `key`."""
