@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from draft_service.tree_calibration import reached_children
+
 # a before any verdict: high, because the two ways of being wrong differ. Taking a for higher than it is makes the
 # tree a chain, which yields what the chain yields; taking it for lower spends nodes on second draws that a
 # sequence whose first draws are accepted never reaches, and costs it the chain's depth.
@@ -71,20 +73,16 @@ class DrawAcceptance:
         residual that the correction is drawn from)."""
         first_tried, first_accepted = self.first_tried * DECAY, self.first_accepted * DECAY
         later_tried, later_accepted = self.later_tried * DECAY, self.later_accepted * DECAY
-        node = -1
-        for token in verified:
-            children = [i for i, parent in enumerate(parents) if parent == node]
-            if not children:
-                break
-            hit = next((rank for rank, i in enumerate(children) if token_ids[i] == token), None)
-            tried = len(children) if hit is None else hit + 1
+        # per reached node, its children's labels in draw order; tried up to the accepted one
+        siblings: dict[int, list[bool]] = {}
+        for i, hit in reached_children(parents, token_ids, verified):
+            siblings.setdefault(parents[i], []).append(hit)
+        for hits in siblings.values():
+            hit = hits.index(True) if True in hits else None
             first_tried += 1.0
             first_accepted += float(hit == 0)
-            later_tried += float(tried - 1)
+            later_tried += float((len(hits) if hit is None else hit + 1) - 1)
             later_accepted += float(hit is not None and hit > 0)
-            if hit is None:
-                break
-            node = children[hit]
         return DrawAcceptance(first_tried, first_accepted, later_tried, later_accepted)
 
 
