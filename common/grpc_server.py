@@ -5,6 +5,7 @@ says NOT_SERVING first, then in-flight calls get a grace period)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -86,6 +87,17 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserialize,
                                                    response_serializer=handler.response_serializer)
+
+
+def write_port_file(path: str | None, port: int) -> None:
+    """The bound port's number into `path` (None: nothing), whole or not at all: a reader polling for the file
+    never sees it half written."""
+    if not path:
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{port}\n")
+    os.replace(tmp, path)
 
 
 def _log_refused(method: str, reason: str) -> None:

@@ -35,7 +35,9 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                            "resolving to every verifier, followed as it changes): new sequences are placed by "
                            "cached prefix and load, and move to another verifier when theirs goes")
     host: str = option("127.0.0.1", "address to bind")
-    port: int = option(50052, "gRPC port")
+    port: int = option(50052, "gRPC port (0: one the OS chooses; see --port-file)")
+    port_file: str | None = option(None, "once the gRPC port is bound, write its number to this file (how a launcher "
+                                   "learns the port --port 0 chose)", parse=str)
     device: str = option("auto", DEVICE_CHOICES_HELP)
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))

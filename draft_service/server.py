@@ -12,7 +12,7 @@ from common.compute_thread import compute_thread
 from common.config import parse_dtype
 from common.device import describe_device, resolve_device, resolve_dtype_name
 from common.errors import ErrorCode, ServiceError
-from common.grpc_server import build_grpc_server, serve_until_stopped
+from common.grpc_server import build_grpc_server, serve_until_stopped, write_port_file
 from common.kv_cache import KVCache, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
 from common.model_impl import build_paged_model, paged_kv_spec
@@ -134,6 +134,7 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
     server = build_grpc_server(config.host, config.port, service_names=(SERVICE_NAME,), options=wire.DRAFT_SERVER_OPTIONS, security=config,
                                add_servicers=lambda s: draft_pb2_grpc.add_DraftServicer_to_server(servicer, s))
     await server.start()
+    write_port_file(config.port_file, server.port)
     watcher = asyncio.create_task(track_verifier(link, server.health), name="verifier-health")
     log.info("draft_ready", address=f"{config.host}:{server.port}", model=model_id, verifier=config.verifier,
              proposer=config.proposer, num_speculative_tokens=config.num_speculative_tokens,

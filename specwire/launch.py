@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -57,6 +59,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_port_file(path: Path, timeout_s: float, proc: subprocess.Popen | None = None) -> int:
+    """The port a service started with `--port 0 --port-file path` bound, once it has written it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = path.read_text().strip() if path.exists() else ""
+        if text:
+            return int(text)
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the service exited with code {proc.returncode} before binding its port")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no port in {path} after {timeout_s:g}s")
+        time.sleep(0.05)
 
 
 def scrape_metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
@@ -132,23 +148,36 @@ class Stack:
         """`cpus`: pin the process to these cores (and as many OpenMP threads), as if it had a host of its own.
         `threads`: a verifier's or draft's --num-threads; default: len(cpus) when pinned, else its share of this
         host's cores beside the other (colocated_threads), unless `args` or the environment set a count."""
-        port = port or free_port()
-        address = f"127.0.0.1:{port}"
+        port_dir = None
+        if port is None and args and args[0] in _MODEL_SERVICES:
+            # the service binds a port the OS chooses and names it in a file: a port picked here and bound later
+            # can be taken in between by another process, whose server then answers this one's clients
+            port_dir = Path(tempfile.mkdtemp(prefix="specwire-port-"))
+            port_args = ["--port", "0", "--port-file", str(port_dir / "port")]
+        else:
+            port = port or free_port()
+            port_args = ["--port", str(port)]
         log_path, out = _log_file(log_dir, f"{name}.log")
         pinned = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
         child_env = {**_COLOCATED_ENV, **os.environ, **pinned, **(env or {})}
         if cpus and threads is None:
             threads = len(cpus)
         proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, *_thread_args(args, threads, child_env),
-                                 "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
+                                 "--host", "127.0.0.1", *port_args], stdout=out, stderr=subprocess.STDOUT,
                                 env=child_env,
                                 preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        service = Service(name, address, proc, log_path)
+        service = Service(name, f"127.0.0.1:{port or 0}", proc, log_path)
         self.services.append(service)
+        deadline = time.monotonic() + timeout_s
         try:
-            wait_serving(address, timeout_s, proc, credentials)
+            if port_dir is not None:
+                service.address = f"127.0.0.1:{wait_port_file(port_dir / 'port', timeout_s, proc)}"
+            wait_serving(service.address, max(1.0, deadline - time.monotonic()), proc, credentials)
         except Exception as err:
             raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
+        finally:
+            if port_dir is not None:
+                shutil.rmtree(port_dir, ignore_errors=True)
         return service
 
     def start_gateway(self, server: str, *, tokenizer: Path | None = None, args: tuple[str, ...] = (),

@@ -10,7 +10,9 @@ interpreter, torch or transformers import, and no model module import after the 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import grpc
 
-from specwire.launch import Service, Stack, free_port, scrape_metric, wait_serving
+from specwire.launch import Service, Stack, free_port, scrape_metric, wait_port_file, wait_serving
 
 
 @dataclass
@@ -77,12 +79,13 @@ class InProcessStack:
 
         if env:
             raise ValueError("an in-process service shares the test process's environment: use a process stack")
-        port = port or free_port()
-        parsed = build_parser().parse_args([*args, "--host", "127.0.0.1", "--port", str(port)])
+        port_dir = Path(tempfile.mkdtemp(prefix="specwire-port-")) if port is None else None
+        port_args = ["--port", "0", "--port-file", str(port_dir / "port")] if port_dir else ["--port", str(port)]
+        parsed = build_parser().parse_args([*args, "--host", "127.0.0.1", *port_args])
         config_cls, serve = _serve_function(args[0])
         config = config_from_args(config_cls, parsed)
         ready = threading.Event()
-        service = InProcessService(name, f"127.0.0.1:{port}", threading.Thread())
+        service = InProcessService(name, f"127.0.0.1:{port or 0}", threading.Thread())
 
         async def main() -> None:
             service.loop, service.stop_event = asyncio.get_running_loop(), asyncio.Event()
@@ -102,9 +105,14 @@ class InProcessStack:
         ready.wait()
         self.services.append(service)
         try:
+            if port_dir is not None:
+                service.address = f"127.0.0.1:{wait_port_file(port_dir / 'port', timeout_s, service)}"
             wait_serving(service.address, timeout_s, service, credentials)
         except Exception as err:
             raise RuntimeError(f"{name} failed to start: {err}") from service.error or err
+        finally:
+            if port_dir is not None:
+                shutil.rmtree(port_dir, ignore_errors=True)
         return service
 
     def stop(self) -> None:

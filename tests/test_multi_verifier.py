@@ -29,7 +29,7 @@ class TwoVerifiers:
         self.log_dir = tmp / "logs"
         self.references: list[list[int]] | None = None
         self.stack = Stack()
-        self.ports = [free_port(), free_port()]
+        self.ports = [0, 0]  # the ports the verifiers bound first; a restart binds its verifier's again
         self.metrics_ports = [free_port(), free_port()]
         self.verifiers = [self.start_verifier(i) for i in range(2)]
         self.draft_metrics = free_port()
@@ -40,11 +40,14 @@ class TwoVerifiers:
                                                 str(self.draft_metrics)], log_dir=self.log_dir, timeout_s=120)
 
     def start_verifier(self, i: int):
-        return self.stack.start(f"verifier{i}", ["verifier", "--model", str(self.target), "--dtype", "float64",
-                                                 "--max-draft-tokens", "8", "--num-blocks", "256", "--block-size", "4",
-                                                 "--drain-grace", "0.3", "--metrics-port", str(self.metrics_ports[i])],
-                                log_dir=self.log_dir / f"v{i}-{len(self.stack.services)}", port=self.ports[i],
-                                timeout_s=120)
+        service = self.stack.start(f"verifier{i}", ["verifier", "--model", str(self.target), "--dtype", "float64",
+                                                    "--max-draft-tokens", "8", "--num-blocks", "256", "--block-size",
+                                                    "4", "--drain-grace", "0.3", "--metrics-port",
+                                                    str(self.metrics_ports[i])],
+                                   log_dir=self.log_dir / f"v{i}-{len(self.stack.services)}",
+                                   port=self.ports[i] or None, timeout_s=120)
+        self.ports[i] = int(service.address.rsplit(":", 1)[1])
+        return service
 
     def address(self, i: int) -> str:
         return f"127.0.0.1:{self.ports[i]}"

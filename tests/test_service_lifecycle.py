@@ -49,3 +49,23 @@ def test_a_stopped_verifier_gives_back_its_ports(text_stack):
         assert scrape_metric(f"http://127.0.0.1:{metrics_port}/metrics", "specwire_kv_blocks_total") == 16
     assert _can_bind(metrics_port), "the metrics endpoint still holds its port"
     assert _can_bind(port), "the gRPC server still holds its port"
+
+
+def test_verifiers_on_port_0_name_the_ports_they_bound(text_stack):
+    """The launchers start services with --port 0 and read the port back from --port-file: a port picked by the
+    launcher and bound seconds later by the service could be taken in between (CI once saw a draft's clients
+    answered UNIMPLEMENTED by another test's verifier on the port the draft was to bind)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with InProcessStack() as stack:  # no port given: --port 0 and a port file
+        services = [stack.start(name, _verifier_args(text_stack.target_dir, free_port())) for name in ("a", "b")]
+        ports = [int(s.address.rsplit(":", 1)[1]) for s in services]
+        assert 0 not in ports and ports[0] != ports[1]
+        for port in ports:
+            assert not _can_bind(port)
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="specwire.v1.Verifier"), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert all(s.error is None for s in services)

@@ -28,7 +28,9 @@ CPU_KV_CACHE_MEMORY = 1 << 30  # the pool's default size on CPU, where the host'
 class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
     model: str = option(None, "target: HF model directory or .gguf file")
     host: str = option("127.0.0.1", "address to bind")
-    port: int = option(50051, "gRPC port")
+    port: int = option(50051, "gRPC port (0: one the OS chooses; see --port-file)")
+    port_file: str | None = option(None, "once the gRPC port is bound, write its number to this file (how a launcher "
+                                   "learns the port --port 0 chose)", parse=str)
     device: str = option("auto", DEVICE_CHOICES_HELP)
     dtype: str = option("auto", "weights and KV cache dtype (auto: bfloat16 on a GPU, float32 on CPU)",
                         choices=("auto", *DTYPES))

@@ -14,7 +14,7 @@ from common.block_manager import BlockManager
 from common.compute_thread import compute_thread
 from common.config import parse_dtype
 from common.device import describe_device, kv_budget_from_utilization, resolve_device, resolve_dtype_name
-from common.grpc_server import build_grpc_server, serve_until_stopped
+from common.grpc_server import build_grpc_server, serve_until_stopped, write_port_file
 from common.kv_cache import KVCache, KVCacheSpec, num_blocks_for_budget
 from common.metrics_http import start_metrics_server
 from common.model_impl import PagedModel, build_paged_model, paged_kv_spec
@@ -166,6 +166,7 @@ async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) ->
         metrics_server = start_metrics_server(config.metrics_port, config.host, metrics.registry)
     async_engine.start()
     await server.start()
+    write_port_file(config.port_file, server.port)
     info = describe_device(engine.device)
     log.info("verifier_ready", address=f"{config.host}:{server.port}", model=engine.loaded.model_id,
              vocab_size=engine.loaded.vocab_size, device=info.device, device_name=info.name, platform=info.platform,
