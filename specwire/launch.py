@@ -4,8 +4,10 @@ end-to-end tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -15,6 +17,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,18 +58,63 @@ def _thread_args(args: list[str], threads: int | None, child_env: dict[str, str]
     return ["--num-threads", str(threads)]
 
 
+_random = random.Random()  # seeded from os.urandom: processes started alike draw differently
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the OS hands out for port 0 and outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A port free now, for a server that binds it later (a metrics endpoint, a gateway): drawn at random below the
+    range the OS hands out for port 0 and outgoing connections, so that neither a server started with --port 0
+    nor a client's connection takes it in the meantime (two draws meet about once in 10,000)."""
+    low = _ephemeral_low()
+    if low > 12_000:
+        for _ in range(64):
+            port = _random.randrange(low - 10_000, low)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def wait_port_file(path: Path, timeout_s: float, proc: subprocess.Popen | None = None) -> int:
-    """The port a service started with `--port 0 --port-file path` bound, once it has written it."""
+@contextlib.contextmanager
+def port_file_for(args: list[str], port: int | None) -> Iterator[tuple[list[str], Path | None]]:
+    """(port flags, port file) for a verifier or draft command: the service names the port it bound in the file
+    (removed at the end), so that the launcher knows it is this service that listens there. With no port given it
+    binds one the OS chooses: a port picked by the launcher and bound seconds later, once the model is loaded, can
+    be taken in between by another process, whose server would then answer this one's clients. Other commands:
+    ([], None)."""
+    if not args or args[0] not in _MODEL_SERVICES:
+        yield [], None
+        return
+    port_dir = Path(tempfile.mkdtemp(prefix="specwire-port-"))
+    try:
+        path = port_dir / "port"
+        yield ["--port", str(port or 0), "--port-file", str(path)], path
+    finally:
+        shutil.rmtree(port_dir, ignore_errors=True)
+
+
+def wait_port_file(path: Path, timeout_s: float, proc=None, *, expected: int | None = None) -> int:
+    """The port a service started with `--port-file path` bound, once it has written it (`expected`: the one it was
+    asked for, if any). `proc`: its Popen, or anything with poll() and returncode."""
     deadline = time.monotonic() + timeout_s
     while True:
         text = path.read_text().strip() if path.exists() else ""
         if text:
+            if expected and int(text) != expected:
+                raise RuntimeError(f"the service bound port {text}, not {expected}")
             return int(text)
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the service exited with code {proc.returncode} before binding its port")
@@ -148,36 +196,28 @@ class Stack:
         """`cpus`: pin the process to these cores (and as many OpenMP threads), as if it had a host of its own.
         `threads`: a verifier's or draft's --num-threads; default: len(cpus) when pinned, else its share of this
         host's cores beside the other (colocated_threads), unless `args` or the environment set a count."""
-        port_dir = None
-        if port is None and args and args[0] in _MODEL_SERVICES:
-            # the service binds a port the OS chooses and names it in a file: a port picked here and bound later
-            # can be taken in between by another process, whose server then answers this one's clients
-            port_dir = Path(tempfile.mkdtemp(prefix="specwire-port-"))
-            port_args = ["--port", "0", "--port-file", str(port_dir / "port")]
-        else:
-            port = port or free_port()
-            port_args = ["--port", str(port)]
-        log_path, out = _log_file(log_dir, f"{name}.log")
-        pinned = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
-        child_env = {**_COLOCATED_ENV, **os.environ, **pinned, **(env or {})}
-        if cpus and threads is None:
-            threads = len(cpus)
-        proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args, *_thread_args(args, threads, child_env),
-                                 "--host", "127.0.0.1", *port_args], stdout=out, stderr=subprocess.STDOUT,
-                                env=child_env,
-                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
-        service = Service(name, f"127.0.0.1:{port or 0}", proc, log_path)
-        self.services.append(service)
-        deadline = time.monotonic() + timeout_s
-        try:
-            if port_dir is not None:
-                service.address = f"127.0.0.1:{wait_port_file(port_dir / 'port', timeout_s, proc)}"
-            wait_serving(service.address, max(1.0, deadline - time.monotonic()), proc, credentials)
-        except Exception as err:
-            raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
-        finally:
-            if port_dir is not None:
-                shutil.rmtree(port_dir, ignore_errors=True)
+        with port_file_for(args, port) as (port_args, port_file):
+            if port_file is None:
+                port = port or free_port()
+                port_args = ["--port", str(port)]
+            log_path, out = _log_file(log_dir, f"{name}.log")
+            pinned = {"OMP_NUM_THREADS": str(len(cpus))} if cpus else {}
+            child_env = {**_COLOCATED_ENV, **os.environ, **pinned, **(env or {})}
+            if cpus and threads is None:
+                threads = len(cpus)
+            proc = subprocess.Popen([sys.executable, "-m", "specwire.cli", *args,
+                                     *_thread_args(args, threads, child_env), "--host", "127.0.0.1", *port_args],
+                                    stdout=out, stderr=subprocess.STDOUT, env=child_env,
+                                    preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+            service = Service(name, f"127.0.0.1:{port or 0}", proc, log_path)
+            self.services.append(service)
+            deadline = time.monotonic() + timeout_s
+            try:
+                if port_file is not None:
+                    service.address = f"127.0.0.1:{wait_port_file(port_file, timeout_s, proc, expected=port)}"
+                wait_serving(service.address, max(1.0, deadline - time.monotonic()), proc, credentials)
+            except Exception as err:
+                raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
         return service
 
     def start_gateway(self, server: str, *, tokenizer: Path | None = None, args: tuple[str, ...] = (),

@@ -10,9 +10,7 @@ interpreter, torch or transformers import, and no model module import after the 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from specwire.launch import Service, Stack, free_port, scrape_metric, wait_port_file, wait_serving
+from specwire.launch import Service, Stack, free_port, port_file_for, scrape_metric, wait_port_file, wait_serving
 
 
 @dataclass
@@ -46,6 +44,10 @@ class InProcessService:
     def poll(self) -> int | None:
         """As Popen.poll for launch.wait_serving: None while it runs, else 1."""
         return None if self.thread.is_alive() else 1
+
+    @property
+    def returncode(self) -> int | None:
+        return self.poll()
 
     def log_text(self) -> str:
         # its logs go to the test process's own output: a check on them would pass vacuously
@@ -79,13 +81,21 @@ class InProcessStack:
 
         if env:
             raise ValueError("an in-process service shares the test process's environment: use a process stack")
-        port_dir = Path(tempfile.mkdtemp(prefix="specwire-port-")) if port is None else None
-        port_args = ["--port", "0", "--port-file", str(port_dir / "port")] if port_dir else ["--port", str(port)]
-        parsed = build_parser().parse_args([*args, "--host", "127.0.0.1", *port_args])
         config_cls, serve = _serve_function(args[0])
-        config = config_from_args(config_cls, parsed)
+        with port_file_for(args, port) as (port_args, port_file):
+            parsed = build_parser().parse_args([*args, "--host", "127.0.0.1", *port_args])
+            service = self._start_thread(name, config_from_args(config_cls, parsed), serve)
+            deadline = time.monotonic() + timeout_s
+            try:
+                service.address = f"127.0.0.1:{wait_port_file(port_file, timeout_s, service, expected=port)}"
+                wait_serving(service.address, max(1.0, deadline - time.monotonic()), service, credentials)
+            except Exception as err:
+                raise RuntimeError(f"{name} failed to start: {err}") from service.error or err
+        return service
+
+    def _start_thread(self, name: str, config, serve) -> InProcessService:
         ready = threading.Event()
-        service = InProcessService(name, f"127.0.0.1:{port or 0}", threading.Thread())
+        service = InProcessService(name, "127.0.0.1:0", threading.Thread())
 
         async def main() -> None:
             service.loop, service.stop_event = asyncio.get_running_loop(), asyncio.Event()
@@ -104,15 +114,6 @@ class InProcessStack:
         service.thread.start()
         ready.wait()
         self.services.append(service)
-        try:
-            if port_dir is not None:
-                service.address = f"127.0.0.1:{wait_port_file(port_dir / 'port', timeout_s, service)}"
-            wait_serving(service.address, timeout_s, service, credentials)
-        except Exception as err:
-            raise RuntimeError(f"{name} failed to start: {err}") from service.error or err
-        finally:
-            if port_dir is not None:
-                shutil.rmtree(port_dir, ignore_errors=True)
         return service
 
     def stop(self) -> None:

@@ -205,6 +205,9 @@ class TwoHosts:
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
 
 
+# slow profile: 36 s; services on separate network namespaces with TLS and tokens stay in the default run
+# (test_netns.py)
+@pytest.mark.slow
 def test_two_hosts_as_the_page_says(tmp_path):
     reason = _namespaces_available()
     if reason:

@@ -97,6 +97,7 @@ def test_token_trees_with_pipelining_resume_losslessly_after_a_verifier_restart(
         running.stop_service(service)
 
 
+@pytest.mark.slow  # a restart of its own; resume after a restart stays in the default run (tests above)
 def test_a_request_made_while_the_verifier_is_down_waits_for_it(fault_stack):
     running, target = fault_stack
     running.kill("verifier")
@@ -201,6 +202,7 @@ def test_the_draft_health_follows_its_verifier(fault_stack):
     running.stop_service(gateway)
 
 
+@pytest.mark.slow  # a restart with another model: about 20 s of the default run's ten minutes
 def test_a_resume_onto_a_verifier_restarted_with_another_model_fails_naming_both(fault_stack, tmp_path):
     """Same tokenizer and vocabulary, other weights: the handshake passes, but a sequence with output is not
     continued by another model. New requests are served by the new one."""

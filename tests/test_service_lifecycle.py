@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from specwire.launch import free_port, scrape_metric
 
 from stacks import InProcessStack
@@ -34,12 +36,13 @@ def test_a_second_verifier_on_a_port_in_use_fails_to_start(text_stack):
     port = free_port()
     with InProcessStack() as stack:
         stack.start("first", _verifier_args(text_stack.target_dir, free_port()), port=port)
-        # its address answers SERVING already (the first verifier), so the start returns: the second's own fate
-        # is its thread's
-        second = stack.start("second", _verifier_args(text_stack.target_dir, free_port()), port=port)
-        second.thread.join(60)
-        assert not second.thread.is_alive() and isinstance(second.error, OSError), second.error
-        assert "cannot bind" in str(second.error)
+        # its address answers SERVING already (the first verifier): the start learns from the port file that the
+        # second never bound it
+        with pytest.raises(RuntimeError, match="before binding its port") as raised:
+            stack.start("second", _verifier_args(text_stack.target_dir, free_port()), port=port)
+        assert isinstance(raised.value.__cause__, OSError) and "cannot bind" in str(raised.value.__cause__)
+        second = stack.services[-1]
+        assert not second.thread.is_alive()
 
 
 def test_a_stopped_verifier_gives_back_its_ports(text_stack):
