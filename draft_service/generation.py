@@ -117,7 +117,7 @@ class Generator:
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
                                       deadline=req.deadline, cache_salt=req.cache_salt)
         structlog.contextvars.bind_contextvars(seq_id=seq_id)
-        flight = Flight(self.link, seq_id)
+        flight = Flight(self.link, seq_id, metrics=self.metrics)
         finished = False
         block: DraftBlock | None = None  # the block in flight at the sequence's end, once drafted
         branches: list[Branch] = []  # the next block drafted ahead, one branch per verdict it guesses

@@ -47,11 +47,15 @@ class Flight:
     # --speculation auto: this service's cap on the next block, sent with each proposal to ask for the
     # verifier's choice of its length; None: the draft length is this service's alone
     max_draft_tokens: int | None = None
+    metrics: DraftMetrics | None = None  # counts the token trees sent, by shape
 
     def propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> None:
         """Send `block` for positions from `start` (raises LinkDown when the stream is down)."""
         self.proposal_bytes += self.link.propose(self.seq_id, start, block, send_draft_probs=seq.sampling.sends_draft_probs,
                                                  assumed_token_ids=assumed, max_draft_tokens=self.max_draft_tokens)
+        if block.parents is not None and self.metrics is not None:
+            shape = "branched" if block.num_draft_tokens > block.num_positions else "chain"
+            self.metrics.tree_proposals.labels(shape=shape, pipelined=str(bool(assumed)).lower()).inc()
 
     def try_propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> bool:
         """Propose; False when the stream is down (the verdict wait then resumes the sequence and proposes)."""

@@ -227,6 +227,25 @@ def test_probes_try_one_token_more_and_the_prior_is_per_group():
     assert tracker.rates(("garbage", 2), 1)[0] == pytest.approx(tracker.default_rate)
 
 
+def test_a_fresh_controller_probes_early_then_at_the_usual_rate():
+    """A start on a few cold steps and one rejection held k at 0 for a whole first request at one stream (capacity
+    bench, 2026-12-03: 30 steps until the 32nd choice probed). A fresh controller probes after 4 choices, then
+    twice as late at each probe: up to probe_every while choices draft, further while none does."""
+    from verifier_service.goodput import DraftLengthController
+
+    idle = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512)
+    lengths = [idle.choose({"a": 4}).draft_lengths["a"] for _ in range(130)]
+    assert [i + 1 for i, k in enumerate(lengths) if k] == [4, 12, 28, 60, 124]  # k = 0 is best: 4, 8, 16, 32, 64
+
+    drafting = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32)
+    drafting.idle_s = 0.020  # drafting pays: every choice drafts, the probes come every 4, 8, 16, then 32 choices
+    intervals = []
+    for _ in range(100):
+        assert drafting.choose({"a": 4}).draft_lengths["a"] == 4
+        intervals.append(drafting._probe_interval)
+    assert [intervals[i] for i in (0, 3, 11, 27, 59, 91, 99)] == [4, 8, 16, 32, 32, 32, 32]
+
+
 def test_time_waiting_for_drafting_makes_longer_drafts_dearer_unless_it_is_hidden():
     """A CPU verifier (mostly fixed cost) that waits 1 s per round, all of it the drafts drafting 4 tokens at
     0.25 s each: drafting is the dearest part of a long block, and the choice falls; the same 1 s taken as a

@@ -92,6 +92,11 @@ def test_greedy_trees_equal_target_only_beside_a_chain_draft(tree_stack):
 def test_trees_yield_more_tokens_per_round_than_the_chain(tree_stack):
     """The same draft model, the same depth: a tree's round keeps alternatives, so it accepts at least as much."""
     running, drafts = tree_stack
+    url = running.tree_metrics["b3-n16"]
+
+    def trees(shape: str) -> float:
+        return scrape_metric(url, "specwire_draft_tree_proposals_total", {"pipelined": "false", "shape": shape}) or 0
+    branched_before = trees("branched")
     per_round = {}
     for name, address in [("chain", running.draft), ("b3-n16", drafts["b3-n16"])]:
         with specwire.Client(address) as client:
@@ -99,6 +104,8 @@ def test_trees_yield_more_tokens_per_round_than_the_chain(tree_stack):
                                   num_speculative_tokens=4) for p in PROMPTS]
         per_round[name] = sum(r.stats.num_generated_tokens for r in rs) / sum(r.stats.num_rounds for r in rs)
     assert per_round["b3-n16"] >= per_round["chain"], per_round
+    # depth 4 and 16 nodes: every round's tree branches (counted by shape)
+    assert trees("branched") - branched_before == sum(r.stats.num_rounds for r in rs) and trees("chain") == 0
 
 
 def test_coupled_output_is_the_same_with_and_without_trees(tree_stack):
