@@ -37,9 +37,9 @@ class DraftMetrics:
                                    "reached, by tree kind (greedy, coupled) and outcome (accepted or "
                                    "rejected): what calibrates tree growth (--tree-calibration)", ["kind", "outcome"],
                                    registry=r)
-        self.tree_proposals = Counter("specwire_draft_tree_proposals", "Token trees proposed, by shape: chain (one "
-                                      "child per node: the tree grew no alternative) or branched; and whether drafted "
-                                      "ahead on a guessed verdict (pipelined)", ["shape", "pipelined"], registry=r)
+        self.tree_proposals = Counter("specwire_draft_tree_proposals", "Token trees sent, by shape: chain (one child "
+                                      "per node: the tree grew no alternative) or branched; and whether drafted ahead "
+                                      "on a guessed verdict (pipelined). A tree sent again after a reconnect counts again", ["shape", "pipelined"], registry=r)
         self.failovers = Counter("specwire_draft_failovers", "Sequences moved to another verifier because theirs went "
                                  "(killed, drained, unreachable)", registry=r)
         self.verifier_sequences = Gauge("specwire_draft_verifier_sequences", "This draft's open sequences per "

@@ -236,6 +236,9 @@ def test_a_fresh_controller_probes_early_then_at_the_usual_rate():
     idle = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512)
     lengths = [idle.choose({"a": 4}).draft_lengths["a"] for _ in range(130)]
     assert [i + 1 for i, k in enumerate(lengths) if k] == [4, 12, 28, 60, 124]  # k = 0 is best: 4, 8, 16, 32, 64
+    idle.idle_s = 0.020  # drafting pays now: probes at the usual rate again, not the first ones'
+    assert [idle.choose({"a": 4}).draft_lengths["a"] for _ in range(3)] == [4] * 3
+    assert idle._probe_interval == 32
 
     drafting = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32)
     drafting.idle_s = 0.020  # drafting pays: every choice drafts, the probes come every 4, 8, 16, then 32 choices

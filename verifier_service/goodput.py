@@ -147,7 +147,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 class DraftLengthController:
     """The verifier's side of `--speculation auto`: learns from every step it runs and every verdict it gives,
     and after a step chooses the next draft length of each sequence that asked for one (Proposal.max_draft_tokens)
-    by choose_draft_lengths. A probe (every `probe_every`-th choice at first) gives each sequence one draft token
+    by choose_draft_lengths. A probe (every `probe_every`-th choice, sooner at first: below) gives each sequence one draft token
     more than chosen: a step size the model has not seen lately gets measured again, and a sequence held at k = 0
     gets judged again, so neither a stale step time nor a stale acceptance can hold k at 0 for good.
 
@@ -186,7 +186,7 @@ class DraftLengthController:
     # e, below; before any drafting is seen, 1: the verifier waits for every draft in one phase (--phases hold)
     exposure: float = 1.0
     last_price: tuple[float, float] | None = None  # the idle_split() the last choice priced its step with
-    _until_probe: int = 0  # choices before the next probe; 0: not started (set from probe_every)
+    _until_probe: int = 0  # choices before the next probe; 0: not started (set from first_probe_every)
     _probe_interval: int = 0
     _drafted_since_probe: bool = False
     _last_probe: float | None = None  # time.monotonic() of the last probe
