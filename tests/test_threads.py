@@ -120,6 +120,7 @@ def _num_threads(cmd: list[str]) -> str | None:
 def test_stack_gives_colocated_services_their_share(clean_omp_env):
     clean_omp_env.setattr(launch.subprocess, "Popen", _FakePopen)
     clean_omp_env.setattr(launch, "wait_serving", lambda *a, **k: None)
+    clean_omp_env.setattr(launch, "wait_port_file", lambda path, timeout_s, proc, *, expected=None: expected)
     clean_omp_env.setattr(launch.os, "sched_getaffinity", lambda pid: set(range(16)))
     _FakePopen.calls.clear()
     stack = launch.Stack()
