@@ -39,7 +39,8 @@ class DraftMetrics:
                                    registry=r)
         self.tree_proposals = Counter("specwire_draft_tree_proposals", "Token trees sent, by shape: chain (one child "
                                       "per node: the tree grew no alternative) or branched; and whether drafted ahead "
-                                      "on a guessed verdict (pipelined). A tree sent again after a reconnect counts again", ["shape", "pipelined"], registry=r)
+                                      "on a guessed verdict (pipelined). A tree sent again after a reconnect counts "
+                                      "again", ["shape", "pipelined"], registry=r)
         self.failovers = Counter("specwire_draft_failovers", "Sequences moved to another verifier because theirs went "
                                  "(killed, drained, unreachable)", registry=r)
         self.verifier_sequences = Gauge("specwire_draft_verifier_sequences", "This draft's open sequences per "

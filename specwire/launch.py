@@ -123,6 +123,18 @@ def wait_port_file(path: Path, timeout_s: float, proc=None, *, expected: int | N
         time.sleep(0.05)
 
 
+def wait_started(address_or_port_file: str | Path, port: int | None, timeout_s: float, proc,
+                 credentials: grpc.ChannelCredentials | None = None) -> str:
+    """The address of a service once it serves: read from its port file (a Path, from port_file_for; `port`: the
+    one it was asked for, if any), or given; then until its health service says SERVING, all within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    address = address_or_port_file
+    if isinstance(address, Path):
+        address = f"127.0.0.1:{wait_port_file(address, timeout_s, proc, expected=port)}"
+    wait_serving(address, max(1.0, deadline - time.monotonic()), proc, credentials)
+    return address
+
+
 def scrape_metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     """One sample of a Prometheus /metrics page: `name` with exactly `labels` (None: absent)."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
@@ -211,11 +223,8 @@ class Stack:
                                     preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
             service = Service(name, f"127.0.0.1:{port or 0}", proc, log_path)
             self.services.append(service)
-            deadline = time.monotonic() + timeout_s
             try:
-                if port_file is not None:
-                    service.address = f"127.0.0.1:{wait_port_file(port_file, timeout_s, proc, expected=port)}"
-                wait_serving(service.address, max(1.0, deadline - time.monotonic()), proc, credentials)
+                service.address = wait_started(port_file or service.address, port, timeout_s, proc, credentials)
             except Exception as err:
                 raise RuntimeError(f"{name} failed to start: {err}\n{service.log_text()[-4000:]}") from err
         return service

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from specwire.launch import Service, Stack, free_port, port_file_for, scrape_metric, wait_port_file, wait_serving
+from specwire.launch import Service, Stack, free_port, port_file_for, scrape_metric, wait_started
 
 
 @dataclass
@@ -85,10 +85,8 @@ class InProcessStack:
         with port_file_for(args, port) as (port_args, port_file):
             parsed = build_parser().parse_args([*args, "--host", "127.0.0.1", *port_args])
             service = self._start_thread(name, config_from_args(config_cls, parsed), serve)
-            deadline = time.monotonic() + timeout_s
             try:
-                service.address = f"127.0.0.1:{wait_port_file(port_file, timeout_s, service, expected=port)}"
-                wait_serving(service.address, max(1.0, deadline - time.monotonic()), service, credentials)
+                service.address = wait_started(port_file, port, timeout_s, service, credentials)
             except Exception as err:
                 raise RuntimeError(f"{name} failed to start: {err}") from service.error or err
         return service

@@ -147,8 +147,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 class DraftLengthController:
     """The verifier's side of `--speculation auto`: learns from every step it runs and every verdict it gives,
     and after a step chooses the next draft length of each sequence that asked for one (Proposal.max_draft_tokens)
-    by choose_draft_lengths. A probe (every `probe_every`-th choice, sooner at first: below) gives each sequence one draft token
-    more than chosen: a step size the model has not seen lately gets measured again, and a sequence held at k = 0
+    by choose_draft_lengths. A probe (every `probe_every`-th choice, sooner at first: below) gives each sequence one
+    draft token more than chosen: a step size the model has not seen lately gets measured again, and a sequence held at k = 0
     gets judged again, so neither a stale step time nor a stale acceptance can hold k at 0 for good.
 
     A probe is dear where it matters least: under a load that holds every sequence at k = 0, the draft has not
