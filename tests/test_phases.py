@@ -291,7 +291,8 @@ def test_a_hold_prices_a_merged_step_past_the_sizes_seen_at_the_marginal_cost():
 
 
 def test_no_hold_longer_than_the_step_it_saves():
-    """With a step's fixed cost of 0.5 s, sequences due in about 0.6 s are not waited for."""
+    """With a step's fixed cost of 0.5 s, sequences due in about 0.6 s are not waited for (answered by the same
+    step as the one present: one phase, the plain rule)."""
     planner = _planner(fixed_s=0.5, per_token_s=0.02)
     now = _rounds(planner, KEYS, turnaround=0.6, draft_seconds=0.05) + 0.5
     for key in KEYS:
@@ -299,6 +300,53 @@ def test_no_hold_longer_than_the_step_it_saves():
     planner.submitted(_propose(KEYS[0]), now)
     planner.plan_phases(now)
     assert planner.hold(now, now) is None
+
+
+def _alternating(planner: PhasePlanner, rounds: int = 4, gap_s: float = 0.4, step_s: float = 0.6) -> float:
+    """Two sequences in two phases: steps of one sequence each, alternating (KEYS[0], KEYS[1], ...), as at two
+    streams on 2 shared cores. Each proposal comes in `gap_s` after the other's step ended, so each comes back
+    `gap_s + step_s + gap_s` after its verdict. Returns the time KEYS[0]'s last proposal is in, KEYS[1] answered
+    `gap_s` before and awaited."""
+    a, b = KEYS[:2]
+    t = 0.0
+    planner.submitted(_propose(a), t)
+    for r in range(2 * rounds):
+        key, other = (a, b) if r % 2 == 0 else (b, a)
+        planner.step_started()
+        t += step_s
+        planner.replied(_verdict(key), t)
+        t += gap_s
+        planner.submitted(_propose(other), t)
+    return t
+
+
+def test_a_hold_merges_two_phases_waiting_up_to_merge_rounds_savings_once_per_as_many_steps():
+    """Under one phase's plan the sequence of the other phase is due in 1.0 s, past the 0.5 s a merged step
+    saves: the plain rule never waits for it (the phases stay apart for good); a merging hold waits up to
+    merge_rounds savings, and not again within merge_rounds steps."""
+    plain = _planner(fixed_s=0.5, per_token_s=0.02)
+    plain.split = False
+    plain.merge_rounds = 1
+    now = _alternating(plain)
+    assert plain.plan_phases(now).num_phases == 1
+    assert plain.hold(now, now) is None
+
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    planner.split = False
+    now = _alternating(planner)
+    assert planner._streams[1].due(now - 0.4, planner.min_slack_s) == pytest.approx(now + 1.0, abs=0.01)
+    planner.plan_phases(now)
+    decision = planner.hold(now, now)
+    assert decision is not None and decision.merges and decision.num_awaited == 1
+    assert decision.saving_s == pytest.approx(0.5)
+    assert decision.deadline == pytest.approx(now + 4 * 0.5)  # merge_rounds savings (before twice its turnaround)
+    assert planner.hold(now + 1.2, now).merges  # the same step's hold decides again at each arrival: still on
+    assert planner.hold(now + 2.01, now) is None  # the allowance is spent
+    for _ in range(planner.merge_rounds - 1):  # no merging hold again within merge_rounds steps
+        planner.step_started()
+        assert planner.hold(now, now) is None
+    planner.step_started()
+    assert planner.hold(now, now).merges
 
 
 def test_a_stream_late_twice_in_a_row_is_not_waited_for():

@@ -43,6 +43,14 @@ client that never proposes again, or always late, costs the others at most what 
 per step. A step is never held for a sequence whose next proposal is already in (pipelined drafting), nor on a
 verifier with no work.
 
+A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
+of their own, and once two phases form under one phase's plan, the plain rule keeps them apart for good: each
+comes back while the other's step runs, and is due later than one step's saving (at two streams of the default
+pair on 2 cores, steps of one sequence each alternated, the verifier idle half the time between them). A merge
+saves its step every round it lasts, so such a hold may wait up to `merge_rounds` savings, betting that the merge
+lasts that many rounds; it is taken at most once per `merge_rounds` steps, so that where merges never last (a draft
+always slower than the others) the holds still average at most one saving per step, what the plain rule allows.
+
 Lives on the asyncio side (async_engine), between steps: no locks."""
 
 from __future__ import annotations
@@ -85,6 +93,7 @@ class HoldDecision:
     deadline: float  # time.monotonic() until which the step waits, unless everything awaited comes first
     num_awaited: int  # sequences the wait is for
     saving_s: float  # the step time it expects to save
+    merges: bool = False  # it merges another phase into this step: it may wait up to merge_rounds savings
 
 
 @dataclass(frozen=True)
@@ -142,6 +151,7 @@ class PhasePlanner:
     max_late: int = 2  # a stream late this many times in a row is not waited for
     split: bool = True  # False: one phase always (--phases hold)
     max_step_tokens: int | None = None  # the step's token budget: no merge past it is ever waited for
+    merge_rounds: int = 4  # a hold that merges two phases waits up to this many savings, once per as many steps
     step_time: StepTimeModel = field(default_factory=lambda: StepTimeModel(decay=0.9))
     plan: PhasePlan | None = None  # the last one planned (metrics, logs)
     num_present: int = field(default=0, init=False)  # opens and proposals arrived since the last step started
@@ -152,6 +162,9 @@ class PhasePlanner:
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
+    _answered: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)  # its last verdict's time
+    _num_steps: int = field(default=0, init=False, repr=False)
+    _last_merge_step: int | None = field(default=None, init=False, repr=False)  # of the last merging hold
 
     # -- what the loop reports ---------------------------------------------------------------------------------
 
@@ -185,7 +198,7 @@ class PhasePlanner:
         self.num_present += 1
 
     def stream_closed(self, stream_id: int) -> None:
-        for table in (self._awaited, self._outstanding, self._block_tokens):
+        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered):
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
         self._expired = {k for k in self._expired if k.stream_id != stream_id}
@@ -193,6 +206,7 @@ class PhasePlanner:
 
     def step_started(self) -> None:
         self.num_present = 0
+        self._num_steps += 1
 
     def stepped(self, num_tokens: int, seconds: float) -> None:
         self.step_time.observe(num_tokens, seconds)
@@ -222,6 +236,7 @@ class PhasePlanner:
         if outcome.next_draft_tokens is not None:
             self._block_tokens[key] = outcome.next_draft_tokens + 1
         self._awaited[key] = now
+        self._answered[key] = now
 
     # -- the decisions -----------------------------------------------------------------------------------------
 
@@ -281,10 +296,14 @@ class PhasePlanner:
                 self._expired.add(key)
                 times.count_late(plain, True)
                 continue
-            arrivals.append((due, expiry, self._block_tokens.get(key, 1)))
+            arrivals.append((due, expiry, self._block_tokens.get(key, 1), sent))
         if not arrivals:
             return None
         arrivals.sort()
+        # the steps that answered the sequences present: an awaited one answered by none of them is another phase
+        present_phases = {self._answered.get(k) for k in self._outstanding}
+        last = self._last_merge_step  # this step's own hold goes on deciding at each arrival
+        may_merge = last is None or last == self._num_steps or self._num_steps - last >= self.merge_rounds
 
         def t(n: int) -> float:
             return self.step_time.predict(n, marginal_beyond=True) if n else 0.0
@@ -293,16 +312,26 @@ class PhasePlanner:
         best = None
         awaited_tokens = 0
         last_expiry = 0.0
-        for i, (due, expiry, tokens) in enumerate(arrivals):
+        another_phase = False  # among those due past one saving: a sequence of another phase
+        for i, (due, expiry, tokens, sent) in enumerate(arrivals):
             awaited_tokens += tokens
             last_expiry = max(last_expiry, expiry)
             if self.max_step_tokens is not None and present + awaited_tokens > self.max_step_tokens:
                 break  # no step holds them all: waiting would merge nothing
             saving = t(present) + t(awaited_tokens) - t(present + awaited_tokens)
-            if due - hold_started < saving and now - hold_started < saving:
-                # until they are in, the saving is spent, or they pass twice their turnaround: one a little past
-                # its due still pays
-                best = HoldDecision(min(hold_started + saving, last_expiry), i + 1, saving)
+            merging = False
+            if due - hold_started >= saving:
+                another_phase = another_phase or (bool(present_phases) and sent not in present_phases)
+                merging = may_merge and another_phase
+            allowed = saving * (self.merge_rounds if merging else 1)
+            if due - hold_started < allowed and now - hold_started < allowed:
+                # until they are in, the allowance is spent, or they pass twice their turnaround: one a little
+                # past its due still pays
+                best = HoldDecision(min(hold_started + allowed, last_expiry), i + 1, saving, merging)
+        if best is not None and best.merges and self._last_merge_step != self._num_steps:
+            self._last_merge_step = self._num_steps
+            log.info("phase_merge_hold", awaited=best.num_awaited, saving_ms=round(best.saving_s * 1e3, 1),
+                      until_s=round(best.deadline - now, 3))
         return best
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -338,6 +367,7 @@ class PhasePlanner:
         self._awaited.pop(key, None)
         self._outstanding.pop(key, None)
         self._block_tokens.pop(key, None)
+        self._answered.pop(key, None)
 
 
 def _add(average: _Average | None, x: float, decay: float) -> _Average:
