@@ -136,6 +136,16 @@ def test_steps_that_compute_prompts_and_load_changes_are_not_measured():
     assert trial._window.tokens == 5 and trial._window.num_running == 9
 
 
+def test_a_window_covers_every_running_sequence_twice():
+    """32 sequences, steps of 8 of them (fragments of the batch), each step long and rich enough for a window's
+    seconds and tokens: a window still takes 8 steps, two verifications per sequence."""
+    trial = SpeculationTrial()
+    for i in range(8):
+        assert trial._windows_done == 0, i
+        trial.observe(1.0, 1.0, 32, 40, 8)
+    assert trial._windows_done == 1 and trial._rates[trial._phase] == 8 * 40 / (8 * 32 * 1.0)
+
+
 def test_an_idle_verifier_measures_nothing():
     trial = SpeculationTrial()
     _run(trial, {Arm.SPECULATE: 1.0, Arm.PLAIN: 5.0}, 60, num_running=0)
