@@ -32,6 +32,7 @@ from draft_service.metrics import DraftMetrics
 from draft_service.ngram import propose_ngram
 from draft_service.pipelining import Flight
 from draft_service.sequence import DraftSequence
+from draft_service.tree_drafting import TreeShape
 from draft_service.types import (
     DraftBlock,
     DroppedEvent,
@@ -95,6 +96,8 @@ class FakeVerifier:
         self.seqs: dict[int, _Seq] = {}
         self.verified: dict[int, list[tuple]] = {}
         self.released: dict[int, bool] = {}  # seq id -> whether a CloseSequence was sent
+        # per tree verified: (what it assumed, drafts accepted, its depth, whether they were its best path's first)
+        self.trees: list[tuple[tuple[int, ...], int, int, bool]] = []
         self._ids = itertools.count(1)
 
     async def ensure_connected(self, retry_s: float) -> VerifierIdentity:
@@ -138,10 +141,18 @@ class FakeVerifier:
                     return
                 self.verified[seq_id].append((start, block.token_ids, block.draft_probs))
                 emitted = []
-                for token in block.token_ids:
-                    if token != self.target(s.tokens + emitted):
-                        break
-                    emitted.append(token)
+                if block.parents is None:
+                    for token in block.token_ids:
+                        if token != self.target(s.tokens + emitted):
+                            break
+                        emitted.append(token)
+                else:  # a token tree: descend to the child that equals the target's next token
+                    node = -1
+                    while (node := next((i for i, parent in enumerate(block.parents) if parent == node
+                                         and block.token_ids[i] == self.target(s.tokens + emitted)), None)) is not None:
+                        emitted.append(block.token_ids[node])
+                    self.trees.append((assumed, len(emitted), block.num_positions, emitted == list(
+                        block.path_token_ids[:len(emitted)])))
                 num_accepted = len(emitted)
                 emitted.append(self.target(s.tokens + emitted))
                 room = s.max_tokens - (n - s.num_prompt)
@@ -196,7 +207,7 @@ class _Service:
 
 
 def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: int = 4, threshold: float = 0.0,
-             width: int = 3, model: DraftModel | None = None) -> _Service:
+             width: int = 3, model: DraftModel | None = None, tree: TreeShape | None = None) -> _Service:
     # a fixed k: the rounds compared must draft the same lengths (--speculation auto reads clocks)
     config = DraftConfig(model="m", proposer=proposer, pipeline=pipeline, pipeline_width=width if pipeline else 0,
                          num_speculative_tokens=k, draft_confidence_threshold=threshold, speculation="fixed")
@@ -207,7 +218,7 @@ def _service(link: FakeVerifier, *, proposer: str = "model", pipeline: bool, k: 
         model = model or _draft_model()
         prop = DraftBatcher(model, ThreadPoolExecutor(1, thread_name_prefix="test-draft"))
         prop.start()
-        drafter = ModelDrafter(prop, threshold)
+        drafter = ModelDrafter(prop, threshold, tree=tree)
     return _Service(Generator(config, word_tokenizer(VOCAB), VOCAB, link, drafter, DraftMetrics()), link, model,
                     prop)
 
@@ -263,6 +274,35 @@ def test_pipelined_proposals_are_the_unpipelined_rounds_proposals(reference_mode
     for one, two in zip(plain_verified, pipelined_verified, strict=True):
         assert one == two
     assert pipelined == plain
+
+
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_pipelined_branches_hang_off_a_partly_accepted_tree(reference_model, sampling):
+    """Trees (3 children per node, 8 nodes, depth 4) whose best path the verifier leaves at some depth: the
+    pipelined branches guess its token there among the draft's best outside the tree's children, and proposals
+    drafted ahead after a partly accepted tree are used. (The fake verifier's output is its target's whatever is
+    drafted; a tree drafted ahead may differ from the round after the verdict, whose calibration has read that
+    verdict.)"""
+    target = _model_target(reference_model)
+    params, mode = SAMPLINGS[sampling]
+    shape = TreeShape(4, 3, 8)
+
+    async def run(pipeline: bool):
+        link = FakeVerifier(target)
+        link.identity = dataclasses.replace(link.identity, max_tree_nodes=shape.nodes)
+        service = _service(link, pipeline=pipeline, tree=shape, width=4)
+        try:
+            outputs = [await _tokens(service.generator, _request(p, params, mode)) for p in _prompts("model")]
+        finally:
+            await service.stop()
+        return outputs, list(link.verified.values()), link.trees
+
+    plain, _, _ = asyncio.run(run(False))
+    pipelined, _, trees = asyncio.run(run(True))
+    assert pipelined == plain
+    # a tree verified after a pipelined guess at a rejection: the tree before it lost its best path partway
+    partial = [i for i in range(1, len(trees)) if trees[i][0] and trees[i - 1][1] < trees[i - 1][2] and trees[i - 1][3]]
+    assert partial, trees
 
 
 def test_a_pipelined_block_is_the_unpipelined_block_on_every_branch(reference_model):

@@ -69,6 +69,12 @@ def test_growth_keeps_the_shape_and_numbers_nodes_depth_by_depth():
             slots = sorted(n.slot for n in growth.nodes if n.slot >= 0)
             assert slots == list(range(len(slots))) and len(slots) <= shape.max_fed <= 64
             assert (block.draft_probs is not None) == (mode is WireMode.SPARSE)
+            assert len(block.alternatives) == len(block.path)
+            for j, guesses in enumerate(block.alternatives):
+                parent = block.path[j - 1] if j else -1
+                children = {block.token_ids[i] for i, p in enumerate(block.parents) if p == parent}
+                row = growth.rows[path[j - 1] if j else -1]
+                assert guesses == tuple(t for t in row if t not in children)[:2], (mode, shape, j)
 
 
 def test_a_confident_greedy_draft_spends_its_nodes_deep():
@@ -91,6 +97,26 @@ def test_the_best_path_follows_the_likeliest_child():
     block, _ = growth.block()
     # 0.6 * 0.5 = 0.30 under 7 against 0.3 * 0.9 = 0.27 under 8: the path is 7, 1
     assert [block.token_ids[i] for i in block.path] == [7, 1]
+
+
+def test_the_guesses_at_each_position_of_the_path_are_the_best_tokens_outside_the_trees_children():
+    """Pipelining's guesses of the verifier's token where the best path loses: never a child of the tree there
+    (the verifier would have descended to it), the row's best others, in order."""
+    growth = TreeGrowth(_seq(None), TreeShape(3, 2, 6), first=0)
+    growth.grow([RowChoices([7, 8, 9, 10], [0.6, 0.3, 0.05, 0.03])])
+    growth.feed()
+    growth.grow([RowChoices([1, 2, 11, 12], [0.5, 0.4, 0.05, 0.01]), RowChoices([3, 4, 13, 14], [0.9, 0.1, 0.0, 0.0])])
+    block, _ = growth.block()
+    assert [block.token_ids[i] for i in block.path] == [7, 1]
+    assert block.alternatives == ((9, 10), (11, 12))
+    # 3 nodes: 7 keeps one child, so its row's second best is a guess
+    small = TreeGrowth(_seq(None), TreeShape(3, 2, 3), first=0)
+    small.grow([RowChoices([7, 8, 9, 10], [0.6, 0.3, 0.05, 0.03])])
+    small.feed()
+    small.grow([RowChoices([1, 2, 11, 12], [0.5, 0.4, 0.05, 0.01]), RowChoices([3, 4, 13, 14], [0.9, 0.1, 0, 0])])
+    block, _ = small.block()
+    assert [block.token_ids[i] for i in block.path] == [7, 1] and block.num_draft_tokens == 3
+    assert block.alternatives == ((9, 10), (2, 11))
 
 
 def test_sparse_children_are_distributed_as_the_q_sent_with_them():
