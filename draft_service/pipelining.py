@@ -3,7 +3,8 @@ verdict, and propose each at once, marked with what it assumed.
 
 A branch assumes either that the whole block is accepted and then the draft's guess of the bonus token, or that
 its first j drafts are accepted and the next one is corrected to one of the draft's best other tokens (the
-ALTERNATIVES it kept per position). The verifier verifies the one proposal whose assumption the verdict
+ALTERNATIVES it kept per position; for a token tree, its best path's and the best tokens outside the tree's
+children there). The verifier verifies the one proposal whose assumption the verdict
 confirms, if any, and drops the others, so what is verified never depends on pipelining. Two calls, one on each
 side of a verdict: `Pipeline.draft_branches` and `Pipeline.settle`; `PipelineWidth` decides how many branches a
 round drafts, from what drafting ahead costs the rounds beside it.

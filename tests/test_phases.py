@@ -302,21 +302,26 @@ def test_no_hold_longer_than_the_step_it_saves():
     assert planner.hold(now, now) is None
 
 
-def _alternating(planner: PhasePlanner, rounds: int = 4, gap_s: float = 0.4, step_s: float = 0.6) -> float:
-    """Two sequences in two phases: steps of one sequence each, alternating (KEYS[0], KEYS[1], ...), as at two
-    streams on 2 shared cores. Each proposal comes in `gap_s` after the other's step ended, so each comes back
-    `gap_s + step_s + gap_s` after its verdict. Returns the time KEYS[0]'s last proposal is in, KEYS[1] answered
-    `gap_s` before and awaited."""
-    a, b = KEYS[:2]
+def _alternating(planner: PhasePlanner, rounds: int = 4, gap_s: float = 0.4, step_s: float = 0.6,
+                 per_phase: int = 1) -> float:
+    """Two phases of `per_phase` sequences each (KEYS[:per_phase] and the next as many): steps of one phase each,
+    alternating, as at two streams on 2 shared cores. Each phase's proposals come in `gap_s` after the other's step
+    ended, so each comes back `gap_s + step_s + gap_s` after its verdict. Returns the time the first phase's
+    last proposals are in, the second's answered `gap_s` before and awaited."""
+    a, b = KEYS[:per_phase], KEYS[per_phase:2 * per_phase]
     t = 0.0
-    planner.submitted(_propose(a), t)
+    for key in a:
+        planner.submitted(_propose(key), t)
     for r in range(2 * rounds):
-        key, other = (a, b) if r % 2 == 0 else (b, a)
+        keys, others = (a, b) if r % 2 == 0 else (b, a)
         planner.step_started()
         t += step_s
-        planner.replied(_verdict(key), t)
+        planner.stepped(5 * per_phase, step_s)
+        for key in keys:
+            planner.replied(_verdict(key), t)
         t += gap_s
-        planner.submitted(_propose(other), t)
+        for key in others:
+            planner.submitted(_propose(key), t)
     return t
 
 
@@ -342,11 +347,45 @@ def test_a_hold_merges_two_phases_waiting_up_to_merge_rounds_savings_once_per_as
     assert decision.deadline == pytest.approx(now + 4 * 0.5)  # merge_rounds savings (before twice its turnaround)
     assert planner.hold(now + 1.2, now).merges  # the same step's hold decides again at each arrival: still on
     assert planner.hold(now + 2.01, now) is None  # the allowance is spent
-    for _ in range(planner.merge_rounds - 1):  # no merging hold again within merge_rounds steps
+    for _ in range(10):  # turns of the loop that step nothing (a command woke it) are not steps
         planner.step_started()
+    for _ in range(planner.merge_rounds - 1):  # no merging hold again within merge_rounds steps
+        planner.stepped(5, 0.6)
         assert planner.hold(now, now) is None
-    planner.step_started()
+    planner.stepped(5, 0.6)
     assert planner.hold(now, now).merges
+
+
+def test_a_merging_hold_waits_for_the_whole_other_phase_as_it_comes_in():
+    """Two sequences per phase: the first of the awaited phase coming in (now present) does not make the second
+    look like the present phase; the hold waits on for it, up to the merging allowance."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    planner.split = False
+    now = _alternating(planner, per_phase=2)
+    planner.plan_phases(now)
+    first = planner.hold(now, now)
+    assert first is not None and first.merges and first.num_awaited == 2
+    planner.submitted(_propose(KEYS[2]), now + 0.9)
+    again = planner.hold(now + 0.9, now)
+    assert again is not None and again.merges and again.num_awaited == 1
+    assert again.deadline > now + 2 * again.saving_s  # past what a plain hold would wait
+
+
+def test_a_pipelined_sequence_answered_with_the_awaited_ones_is_of_their_phase():
+    """A sequence whose next proposal was in before its verdict (pipelined) is present at once; answered by the
+    same step as the awaited one, it is of its phase: the plain rule holds, and the awaited one, due past the
+    saving, is not waited for (a merging hold would wait)."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    planner.split = False
+    t = _rounds(planner, KEYS[:2], turnaround=0.8, draft_seconds=0.7)
+    piped = KEYS[0]
+    planner.submitted(_propose(piped), t + 0.01)  # drafted ahead: its next block is in before its verdict
+    planner.stepped(10, 0.7)
+    for key in KEYS[:2]:
+        planner.replied(_verdict(key), t + 0.7)
+    now = t + 0.7
+    planner.plan_phases(now)
+    assert planner.hold(now, now) is None
 
 
 def test_a_stream_late_twice_in_a_row_is_not_waited_for():
@@ -462,9 +501,9 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
     engine = build_engine(VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4))
     real_step, caps, verified = engine.step, [], []
 
-    def step(max_verifications=None):
+    def step(max_verifications=None, awaited=None):
         caps.append(max_verifications)
-        result = real_step(max_verifications)
+        result = real_step(max_verifications, awaited)
         verified.append(sum(isinstance(o, VerdictOut) for o in result.outcomes))
         return result
 

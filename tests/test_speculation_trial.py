@@ -26,7 +26,7 @@ def _run(trial: SpeculationTrial, rates: dict[Arm, float], seconds: float, *, nu
         emitted = int(carry)
         carry -= emitted
         dt = STEP_S + (gap_s if gap_every and i % gap_every == gap_every - 1 else 0.0)
-        running = trial.observe(dt, STEP_S, num_running, emitted, num_running,
+        running = trial.observe(dt, STEP_S, num_running, emitted, range(num_running),
                                 predicted_gain=predicted_gain, mean_drafted=mean_drafted)
         history.append(running)
         arms.append(running)
@@ -104,7 +104,7 @@ def test_a_stalled_client_decides_nothing():
     _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 2.0}, 200, gap_every=37)
     assert trial.incumbent is Arm.SPECULATE and trial.num_switches == 0
     fresh = SpeculationTrial()
-    fresh.observe(30.0, STEP_S, 4, 2, 4)
+    fresh.observe(30.0, STEP_S, 4, 2, range(4))
     assert fresh._window.seconds == STEP_S + fresh.max_gap_s
 
 
@@ -120,33 +120,48 @@ def test_the_warm_up_is_not_measured():
     trial = SpeculationTrial()
     trial._begin(trial._phase, Arm.PLAIN, num_running=4)
     for _ in range(2):  # 4 verifications a step: two steps of warm-up
-        trial.observe(STEP_S, STEP_S, 4, 100, 4)
+        trial.observe(STEP_S, STEP_S, 4, 100, range(4))
     assert trial._window.tokens == 0
-    trial.observe(STEP_S, STEP_S, 4, 7, 4)
+    trial.observe(STEP_S, STEP_S, 4, 7, range(4))
     assert trial._window.tokens == 7
 
 
 def test_steps_that_compute_prompts_and_load_changes_are_not_measured():
     trial = SpeculationTrial()
-    trial.observe(STEP_S, STEP_S, 4, 0, 4, num_prefill_tokens=500)
+    trial.observe(STEP_S, STEP_S, 4, 0, range(4), num_prefill_tokens=500)
     assert trial._window.seconds == 0 and trial._window.sequence_s == 0
-    trial.observe(STEP_S, STEP_S, 4, 6, 4)
+    trial.observe(STEP_S, STEP_S, 4, 6, range(4))
     assert trial._window.tokens == 6 and trial._window.seconds == STEP_S
-    trial.observe(STEP_S, STEP_S, 9, 5, 9)  # 4 -> 9 sequences: a new window
+    trial.observe(STEP_S, STEP_S, 9, 5, range(9))  # 4 -> 9 sequences: a new window
     assert trial._window.tokens == 5 and trial._window.num_running == 9
 
 
-def test_a_window_covers_every_running_sequence_twice():
-    """32 sequences, steps of 8 of them (fragments of the batch), each step long and rich enough for a window's
-    seconds and tokens: a window still takes 8 steps, two verifications per sequence."""
+def test_a_window_covers_every_sequence_it_verifies_twice():
+    """32 sequences, steps of 8 of them in turn (fragments of the batch), each step long and rich enough for a
+    window's seconds and tokens: a window still takes 8 steps, two verifications per sequence. Sequences admitted
+    but idle (here 8 more) do not stretch it."""
     trial = SpeculationTrial()
     for i in range(8):
         assert trial._windows_done == 0, i
-        trial.observe(1.0, 1.0, 32, 40, 8)
-    assert trial._windows_done == 1 and trial._rates[trial._phase] == 8 * 40 / (8 * 32 * 1.0)
+        trial.observe(1.0, 1.0, 40, 40, range(8 * (i % 4), 8 * (i % 4) + 8))
+    assert trial._windows_done == 1 and trial._rates[trial._phase] == 8 * 40 / (8 * 40 * 1.0)
 
 
 def test_an_idle_verifier_measures_nothing():
     trial = SpeculationTrial()
     _run(trial, {Arm.SPECULATE: 1.0, Arm.PLAIN: 5.0}, 60, num_running=0)
     assert trial.num_trials == 0 and trial.incumbent is Arm.SPECULATE
+
+
+def test_a_challenger_is_given_as_long_as_the_incumbents_window_took_twice_over():
+    """Windows of fragments take 8 steps of 1 s: a challenger that emits as much gets its whole window (the
+    cut for one that emits nothing is twice the incumbent's last window, not twice a window's tokens at the
+    incumbent's rate, which here is under two steps)."""
+    from verifier_service.speculation_trial import _Phase
+    trial = SpeculationTrial()
+    for i in range(80):
+        trial.observe(1.0, 1.0, 32, 40, range(8 * (i % 4), 8 * (i % 4) + 8), predicted_gain=1.2, mean_drafted=3.0)
+        if _Phase.CHALLENGE in trial._window_s:
+            break
+    assert trial._window_s[_Phase.INCUMBENT] == 8.0
+    assert trial._window_s[_Phase.CHALLENGE] == 8.0

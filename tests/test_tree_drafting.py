@@ -237,3 +237,15 @@ def test_the_drafter_gives_a_round_after_a_verdict_and_a_pipelined_branch_the_sa
     assert first_job.draws == DrawAcceptance()
     assert branch_job.draws == after_job.draws == DrawAcceptance().observe(first_job_block.parents,
                                                                             first_job_block.token_ids, (11, 5))
+
+
+def test_greedy_and_coupled_rows_hold_the_children_and_the_guesses_past_them():
+    """tree_rows: a greedy row's `branches` likeliest tokens (the children) and ALTERNATIVES more (pipelining's
+    guesses), best first; a coupled row as many, best of q / E first."""
+    from draft_service.draft_sampling import ALTERNATIVES
+    from draft_service.tree_drafting import tree_rows
+    logits = torch.randn(2, 12, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    greedy, coupled = _seq(None), _seq(WireMode.COUPLED)
+    rows = tree_rows(logits, [greedy, coupled], [3, 3], q_max_support=12, branches=2)
+    assert rows[0].token_ids == logits[0].topk(2 + ALTERNATIVES).indices.tolist()
+    assert len(rows[1].token_ids) == 2 + ALTERNATIVES == len(set(rows[1].token_ids))

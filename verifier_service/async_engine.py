@@ -22,6 +22,7 @@ from verifier_service.types import (
     Command,
     LoadOut,
     Outcome,
+    SeqKey,
     StepResult,
 )
 
@@ -141,9 +142,10 @@ class AsyncEngine:
             if (out := self._streams.get(stream_id)) is not None:
                 out.applied(n)
 
-    async def run_step(self, max_verifications: int | None = None) -> StepResult:
+    async def run_step(self, max_verifications: int | None = None,
+                       awaited: frozenset[SeqKey] | None = None) -> StepResult:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.engine.step, max_verifications)
+        return await loop.run_in_executor(self._executor, self.engine.step, max_verifications, awaited)
 
     async def _wait_for_work(self) -> None:
         """Until something is submitted, or until the next idle sequence is due to time out."""
@@ -156,16 +158,18 @@ class AsyncEngine:
         except TimeoutError:
             pass
 
-    async def _plan_step(self) -> tuple[float, int | None]:
+    async def _plan_step(self) -> tuple[float, int | None, frozenset[SeqKey] | None]:
         """Before a step: plan the phases, then wait while PhasePlanner finds it worth waiting for the proposals
-        on their way (each arrival decides again), when there is work to step. Returns the seconds held and the
-        cap on the step's verifications. A failure turns the plan off: the steps go on, unplanned."""
+        on their way (each arrival decides again), when there is work to step. Returns the seconds held, the cap
+        on the step's verifications and the sequences the plan waits for that are still away (None: no plan). A
+        failure turns the plan off: the steps go on, unplanned."""
         try:
-            return await self._planned_hold()
+            held, cap = await self._planned_hold()
+            return held, cap, self.phases.awaited_keys() if self.phases is not None else None
         except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps
             log.exception("phase_plan_failed")
             self.phases = None
-            return 0.0, None
+            return 0.0, None, None
 
     async def _planned_hold(self) -> tuple[float, int | None]:
         planner = self.phases
@@ -193,12 +197,12 @@ class AsyncEngine:
             await self._wait_for_work()
             # proposals sent in the same burst join this step: 2 % of the last step's time, at most 2 ms
             await coalesce(min(0.002, 0.02 * self._last_step_s))
-            held, cap = await self._plan_step()
+            held, cap, awaited = await self._plan_step()
             self._wakeup.clear()
             if self.phases is not None:
                 self.phases.step_started()
             try:
-                result = await self.run_step(cap)
+                result = await self.run_step(cap, awaited)
             except Exception:  # a bug in a step must not take the server down silently
                 log.exception("engine_step_failed")
                 continue

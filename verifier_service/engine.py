@@ -11,6 +11,7 @@ import dataclasses
 import queue
 import time
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,7 +86,7 @@ class VerifierEngine:
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
                                    max_draft_tokens=max_draft_tokens, max_model_len=loaded.max_model_len,
                                    eos_token_ids=frozenset(loaded.eos_token_ids),
-                                   on_release=self.goodput.forget if self.goodput else None)
+                                   on_release=self._released)
         self.runner = VerifierRunner(model, blocks, static)
         self.admission = Admission(self.scheduler, blocks, self.limits, AdmissionLimits(
             max_sequences_per_stream=max_sequences_per_stream, max_sequences=max_sequences,
@@ -113,9 +114,10 @@ class VerifierEngine:
 
     # -- called from the engine thread ------------------------------------------------------------------------
 
-    def step(self, max_verifications: int | None = None) -> StepResult:
+    def step(self, max_verifications: int | None = None, awaited: Collection[SeqKey] | None = None) -> StepResult:
         """max_verifications: verify at most this many proposals (the phase plan, phases.py); the others wait
-        for the next step. Prefill is not capped."""
+        for the next step. Prefill is not capped. awaited: the sequences away at their drafts that the phase plan
+        waits for (one phase; None: no plan), whose next blocks the goodput choice prices with this step's."""
         step_started = time.perf_counter()
         outcomes = self._apply_commands()
         outcomes.extend(self.admission.expired())
@@ -134,7 +136,7 @@ class VerifierEngine:
             item.seq.last_active = now
         stats = self._step_stats(scheduled, ran, verdicts)
         outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats, step_started,
-                                                   one_phase=max_verifications is None))
+                                                   awaited if max_verifications is None else None))
         return StepResult(outcomes, stats)
 
     @staticmethod
@@ -160,15 +162,14 @@ class VerifierEngine:
         return stats
 
     def _choose_draft_lengths(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],
-                              stats: StepStats, step_started: float, one_phase: bool = True,
+                              stats: StepStats, step_started: float, awaited: Collection[SeqKey] | None = None,
                               ) -> list[VerdictOut | ErrorOut]:
         """Goodput: the step's time and each verification's acceptance go into the controller, which then chooses
         the next draft length of every sequence that asked for one (Proposal.max_draft_tokens) and goes on. The
         step priced is this one's work again: those sequences' next blocks, plus the tokens of what follows no
-        choice (prefill chunks, fixed-k verifications), and under one phase (`one_phase`: no cap on the step's
-        verifications) the sequences away at their drafts as well, which the phase plan waits for (_away): those
-        that follow the choice are chosen for with these (what they get applies at their next verdict), the others
-        are other work."""
+        choice (prefill chunks, fixed-k verifications), and the sequences away at their drafts that the phase plan
+        waits for (`awaited`, _away): those that follow the choice are chosen for with these (what they get
+        applies at their next verdict), the others are other work."""
         control = self.goodput
         if control is None:
             return verdicts
@@ -198,27 +199,24 @@ class VerifierEngine:
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
             caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
         away_caps: dict[SeqKey, int] = {}
-        if caps and one_phase:
-            # as the phase plan, no wait for a sequence silent for four rounds and a second (phases.py)
-            silent_s = 4 * (stats.step_time_s + control.idle_s) + 1.0
-            away = self._away({item.seq.key for item in scheduled.scheduled}, time.monotonic() - silent_s)
-            for key, block in away.items():
+        if caps and awaited:
+            for key, block in self._away({item.seq.key for item in scheduled.scheduled}, awaited).items():
                 if block.cap is not None:
                     away_caps[key] = block.cap
                 else:
                     other_tokens += block.tokens
                     other_output += block.output
                     other_longest = max(other_longest, block.positions)
-        chosen = control.choose({**caps, **away_caps}, other_tokens, other_output, other_longest) if caps else None
-        if chosen is not None and away_caps:
-            chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
+        chosen = control.choose(caps, other_tokens, other_output, other_longest, away_caps) if caps else None
         if self.trial is not None:
             gain = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
                 gain = chosen.goodput / chosen.plain_goodput
             lengths = list(chosen.draft_lengths.values()) if chosen is not None else []
             arm = self.trial.observe(since_last, stats.step_time_s, len(self.scheduler.running),
-                                     stats.num_emitted_tokens, stats.num_verifications, stats.num_prefill_tokens,
+                                     stats.num_emitted_tokens,
+                                     [v.key for v in verdicts if isinstance(v, VerdictOut)],
+                                     stats.num_prefill_tokens,
                                      gain, sum(lengths) / len(lengths) if lengths else None)
             stats.speculation_arm = arm.value
             if chosen is not None and arm is Arm.PLAIN:
@@ -232,20 +230,23 @@ class VerifierEngine:
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]
 
-    def _away(self, in_step: set[SeqKey], active_since: float) -> dict[SeqKey, _NextBlock]:
-        """The next blocks of the live sequences not in this step, active since `active_since` (time.monotonic();
-        a client gone quiet is not waited for, nor priced): answered before, away at their drafts. Under one phase
-        the plan holds a step for them (phases.py), so a choice for this step's sequences alone would price a
-        fragment of the batch, and each fragment's choice would take the others' as given: measured at 32 streams
-        on 2 cores, steps of 5 to 25 of the 32 sequences each chose k = 4 (priced alone, a fragment spreads a
-        step's fixed cost over few tokens; priced beside the others drafting 4, plain decoding of its own few
-        saves little), while plain decoding of all 32 in one step yielded about 20 % more. Ended sequences are
-        forgotten here."""
+    def _away(self, in_step: set[SeqKey], awaited: Collection[SeqKey]) -> dict[SeqKey, _NextBlock]:
+        """The next blocks of the `awaited` sequences not in this step: answered before, away at their drafts, and
+        waited for by the phase plan (phases.py), so in the step the plan expects. A choice for this step's
+        sequences alone would price a fragment of the batch, and each fragment's choice would take the others' as
+        given: measured at 32 streams on 2 cores, steps of 5 to 25 of the 32 sequences each chose k = 4 (priced
+        alone, a fragment spreads a step's fixed cost over few tokens; priced beside the others drafting 4, plain
+        decoding of its own few saves little), while plain decoding of all 32 in one step yielded about 20 %
+        more."""
         live = self.scheduler.sequences
-        for key in [k for k in self._next_blocks if k not in live]:
-            del self._next_blocks[key]
-        return {key: block for key, block in self._next_blocks.items()
-                if key not in in_step and live[key].last_active >= active_since}
+        return {key: block for key in awaited
+                if key not in in_step and key in live and (block := self._next_blocks.get(key)) is not None}
+
+    def _released(self, key: SeqKey) -> None:
+        """A sequence ended (the scheduler's release hook): what the choice kept of it goes."""
+        self._next_blocks.pop(key, None)
+        if self.goodput is not None:
+            self.goodput.forget(key)
 
     def _remember_next_blocks(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],
                               chosen: Allocation | None, caps: dict[SeqKey, int],

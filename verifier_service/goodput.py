@@ -9,8 +9,9 @@ the batch. Here the verifier keeps
 - each sequence's acceptance per draft position (AcceptanceTracker), conditional on the positions before it
   having been accepted, shrunk towards the rates of all sequences,
 
-and after every step chooses the draft lengths k_i of the sequences that got a verdict so as to maximise the
-expected verified tokens per second of the next step (goodput, as in SmartSpec, Liu et al. 2024):
+and after every step chooses the draft lengths k_i of the sequences that got a verdict (with those of the batch
+away at their drafts, whose choices apply at their next verdicts: the step priced is the whole batch's) so as to
+maximise the expected verified tokens per second of the next step (goodput, as in SmartSpec, Liu et al. 2024):
 
     goodput(k) = sum_i E_i(k_i) / t(sum_i (1 + k_i))      E_i(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_{i,m}
 
@@ -244,14 +245,20 @@ class DraftLengthController:
         self.acceptance.forget(key)
 
     def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0,
-               other_longest_block: int = 0) -> Allocation:
+               other_longest_block: int = 0, away: dict[object, int] | None = None) -> Allocation:
         """The next draft length of each key in `caps` (its cap on k), for a step that also carries
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
-        tokens, and whose drafts draft a block of `other_longest_block` tokens whatever is chosen (fixed k)."""
-        candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in caps.items()]
+        tokens, and whose drafts draft a block of `other_longest_block` tokens whatever is chosen (fixed k).
+        `away`: sequences of the same batch away at their drafts (key: cap), chosen for with these, so that the
+        price is the whole batch's; only `caps`' lengths are returned, and only they count for the probes. The
+        allocation's goodput and expected tokens are the whole batch's."""
+        pool = {**(away or {}), **caps}
+        candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
         self.last_price = fixed_idle, per_token = self.idle_split()
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_token, other_longest_block)
+        if len(pool) > len(caps):
+            chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
         if self._probes_now(any(chosen.draft_lengths.values())):
             lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)

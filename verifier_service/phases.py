@@ -38,9 +38,9 @@ whose merged size is never seen again would never merge). A hold that waits for 
 lasts until they are in or the saving is spent: one a little past its due still pays. A sequence later than
 twice its expected turnaround, or whose stream has no estimate yet, holds nothing; a stream whose last two
 proposals came late (none on time between) is not waited for until one comes on time; no hold lasts longer than
-the saving it buys; and a sequence silent for four of its turnarounds (plus a second) leaves the plan. So a
-client that never proposes again, or always late, costs the others at most what a slow honest draft would, once
-per step. A step is never held for a sequence whose next proposal is already in (pipelined drafting), nor on a
+the saving it buys (a merging hold, below: `merge_rounds` savings, once per as many steps); and a sequence silent
+for four of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always
+late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next proposal is already in (pipelined drafting), nor on a
 verifier with no work.
 
 A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
@@ -48,8 +48,11 @@ of their own, and once two phases form under one phase's plan, the plain rule ke
 comes back while the other's step runs, and is due later than one step's saving (at two streams of the default
 pair on 2 cores, steps of one sequence each alternated, the verifier idle half the time between them). A merge
 saves its step every round it lasts, so such a hold may wait up to `merge_rounds` savings, betting that the merge
-lasts that many rounds; it is taken at most once per `merge_rounds` steps, so that where merges never last (a draft
-always slower than the others) the holds still average at most one saving per step, what the plain rule allows.
+lasts that many rounds; it is taken at most once per `merge_rounds` steps that verified anything, so that where
+merges never last (a draft always slower than the others, or a client that makes itself another phase on
+purpose) merging holds add at most one saving per step on average to what the plain rule waits. The phases present
+when a merging hold begins are kept until its step starts: the awaited phase's sequences come in one by one, and
+each that came in must not make the rest look like the present phase.
 
 Lives on the asyncio side (async_engine), between steps: no locks."""
 
@@ -162,9 +165,13 @@ class PhasePlanner:
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
-    _answered: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)  # its last verdict's time
-    _num_steps: int = field(default=0, init=False, repr=False)
+    # the step (its number among the steps that verified anything) that last answered the sequence: its phase
+    _answered: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
+    _num_steps: int = field(default=0, init=False, repr=False)  # steps that verified anything
     _last_merge_step: int | None = field(default=None, init=False, repr=False)  # of the last merging hold
+    # the phases present when this step's merging hold began: the awaited phase stays another one while its
+    # sequences come in one by one (each becomes present, but is not what the hold is measured against)
+    _merge_present: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     # -- what the loop reports ---------------------------------------------------------------------------------
 
@@ -206,10 +213,26 @@ class PhasePlanner:
 
     def step_started(self) -> None:
         self.num_present = 0
-        self._num_steps += 1
 
     def stepped(self, num_tokens: int, seconds: float) -> None:
+        """A step that verified or computed something (an empty turn of the loop is none): call it before
+        replied() for its outcomes."""
+        self._num_steps += 1
         self.step_time.observe(num_tokens, seconds)
+
+    def awaited_keys(self) -> frozenset[SeqKey]:
+        """The sequences answered and not back that the next step is planned to wait for: under one phase, those
+        of streams not late twice in a row and not past twice their turnaround (empty under two phases: a capped
+        step's other half is the other phase). The goodput choice prices the batch with them."""
+        if self.plan is not None and self.plan.num_phases != 1:
+            return frozenset()
+        out = []
+        for key in self._awaited:
+            times = self._streams.get(key.stream_id)
+            if times is None or times.late(self._asked_plain(key)) >= self.max_late or key in self._expired:
+                continue
+            out.append(key)
+        return frozenset(out)
 
     def replied(self, outcome: Outcome, now: float) -> None:
         """An outcome sent to an open stream: a verdict the sequence goes on from is awaited back, unless its
@@ -228,6 +251,8 @@ class PhasePlanner:
         if isinstance(outcome, VerdictOut) and outcome.finish_reason is not None:
             self._forget(key)
             return
+        if isinstance(outcome, VerdictOut):  # its phase, pipelined or not
+            self._answered[key] = self._num_steps
         if outstanding > 1:
             self._outstanding[key] = outstanding - 1
             return
@@ -236,7 +261,6 @@ class PhasePlanner:
         if outcome.next_draft_tokens is not None:
             self._block_tokens[key] = outcome.next_draft_tokens + 1
         self._awaited[key] = now
-        self._answered[key] = now
 
     # -- the decisions -----------------------------------------------------------------------------------------
 
@@ -296,14 +320,18 @@ class PhasePlanner:
                 self._expired.add(key)
                 times.count_late(plain, True)
                 continue
-            arrivals.append((due, expiry, self._block_tokens.get(key, 1), sent))
+            arrivals.append((due, expiry, self._block_tokens.get(key, 1), self._answered.get(key)))
         if not arrivals:
             return None
-        arrivals.sort()
+        arrivals.sort(key=lambda a: a[:3])
         # the steps that answered the sequences present: an awaited one answered by none of them is another phase
-        present_phases = {self._answered.get(k) for k in self._outstanding}
-        last = self._last_merge_step  # this step's own hold goes on deciding at each arrival
-        may_merge = last is None or last == self._num_steps or self._num_steps - last >= self.merge_rounds
+        # (present sequences never answered, new ones, are a phase of their own)
+        present_phases = frozenset(p for k in self._outstanding if (p := self._answered.get(k)) is not None)
+        last = self._last_merge_step
+        merging_now = last == self._num_steps  # this step's own merging hold, deciding again at an arrival
+        if merging_now:
+            present_phases = self._merge_present
+        may_merge = last is None or merging_now or self._num_steps - last >= self.merge_rounds
 
         def t(n: int) -> float:
             return self.step_time.predict(n, marginal_beyond=True) if n else 0.0
@@ -313,7 +341,7 @@ class PhasePlanner:
         awaited_tokens = 0
         last_expiry = 0.0
         another_phase = False  # among those due past one saving: a sequence of another phase
-        for i, (due, expiry, tokens, sent) in enumerate(arrivals):
+        for i, (due, expiry, tokens, phase) in enumerate(arrivals):
             awaited_tokens += tokens
             last_expiry = max(last_expiry, expiry)
             if self.max_step_tokens is not None and present + awaited_tokens > self.max_step_tokens:
@@ -321,15 +349,16 @@ class PhasePlanner:
             saving = t(present) + t(awaited_tokens) - t(present + awaited_tokens)
             merging = False
             if due - hold_started >= saving:
-                another_phase = another_phase or (bool(present_phases) and sent not in present_phases)
+                another_phase = another_phase or phase not in present_phases
                 merging = may_merge and another_phase
             allowed = saving * (self.merge_rounds if merging else 1)
             if due - hold_started < allowed and now - hold_started < allowed:
                 # until they are in, the allowance is spent, or they pass twice their turnaround: one a little
                 # past its due still pays
                 best = HoldDecision(min(hold_started + allowed, last_expiry), i + 1, saving, merging)
-        if best is not None and best.merges and self._last_merge_step != self._num_steps:
+        if best is not None and best.merges and not merging_now:
             self._last_merge_step = self._num_steps
+            self._merge_present = present_phases
             log.info("phase_merge_hold", awaited=best.num_awaited, saving_ms=round(best.saving_s * 1e3, 1),
                       until_s=round(best.deadline - now, 3))
         return best

@@ -15,9 +15,10 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   `margin` is challenged again at once, after one more incumbent window, and takes over when it wins twice in a
   row (one window's noise does not switch the arm); when it lost to both by `clear_loss`, the ratio doubles (up
   to `max_ratio`), so a settled choice is questioned ever less often.
-- A window covers at least `window_rounds` verifications per running sequence as well: a step may verify a
+- A window covers at least `window_rounds` verifications per sequence it verified as well: a step may verify a
   fragment of the batch (sequences that came back apart), and one such step judged an arm by its part of a round
-  (measured at 32 streams on 2 cores: windows of one step, rates of one arm from 0.53 to 0.78 in a row).
+  (measured at 32 streams on 2 cores: windows of one step, rates of one arm from 0.53 to 0.78 in a row). Counted
+  per sequence verified, not per sequence admitted: an idle one would stretch every window.
 - A window is measured after a warm-up in which each running sequence is verified twice under its arm (a choice
   takes effect a round later). Steps that compute prompts are not measured (arrivals would judge an arm), and a
   window restarts when the number of running sequences moves by more than a quarter (a per-sequence rate depends
@@ -36,6 +37,7 @@ changes them; seeded sparse and one-hot requests keep their fixed k and never as
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -64,6 +66,7 @@ class _Window:
     sequence_s: float = 0.0
     seconds: float = 0.0
     verifications: int = 0
+    verified: set = field(default_factory=set)  # the sequences it verified
 
     @property
     def rate(self) -> float | None:
@@ -98,6 +101,7 @@ class SpeculationTrial:
     _window: _Window = field(default_factory=_Window, init=False)
     _windows_done: int = field(default=0, init=False)  # incumbent windows since the last challenge
     _rates: dict[_Phase, float] = field(default_factory=dict, init=False)  # the last window's rate per phase
+    _window_s: dict[_Phase, float] = field(default_factory=dict, init=False)  # and its seconds
     _warmup_left: int = field(default=0, init=False)  # verifications before measuring
     _warmup_s: float = field(default=0.0, init=False)
     _phase_s: float = field(default=0.0, init=False)  # wall time in this phase
@@ -105,13 +109,14 @@ class SpeculationTrial:
     def __post_init__(self) -> None:
         self.ratio = self.base_ratio
 
-    def observe(self, dt_s: float, step_s: float, num_running: int, num_emitted: int, num_verifications: int,
+    def observe(self, dt_s: float, step_s: float, num_running: int, num_emitted: int, verified: Collection[object],
                 num_prefill_tokens: int = 0, predicted_gain: float | None = None,
                 mean_drafted: float | None = None) -> Arm:
         """One step that took `step_s`, `dt_s` after the previous one ended, with `num_running` sequences
-        admitted, `num_emitted` tokens emitted, `num_verifications` verifications and `num_prefill_tokens` of
+        admitted, `num_emitted` tokens emitted, the sequences `verified` (their keys) and `num_prefill_tokens` of
         prompts computed; the controller's predicted gain of its choice over k = 0 and the mean length it chose
         (None: nothing was chosen). Returns the arm the next choices follow."""
+        num_verifications = len(verified)
         self._smooth(predicted_gain, mean_drafted)
         dt = min(dt_s, step_s + self.max_gap_s)
         self._phase_s += dt
@@ -135,6 +140,7 @@ class SpeculationTrial:
             w = self._window = _Window(num_running)  # the load moved: a per-sequence rate is another figure
         w.tokens += num_emitted
         w.verifications += num_verifications
+        w.verified.update(verified)
         w.sequence_s += num_running * dt
         w.seconds += dt
         if self._window_done(w):
@@ -168,16 +174,16 @@ class SpeculationTrial:
     def _window_done(self, w: _Window) -> bool:
         if w.seconds < self.min_window_s:
             return False
-        if w.tokens >= self.window_tokens and w.verifications >= self.window_rounds * w.num_running:
+        if w.tokens >= self.window_tokens and w.verifications >= self.window_rounds * len(w.verified):
             return True
-        # a challenger that takes twice as long as the incumbent did for a window's tokens has lost (one that
-        # emits nothing must not run for ever)
-        before = self._rates.get(_Phase.INCUMBENT)
-        return (self._phase is _Phase.CHALLENGE and before is not None and before > 0
-                and w.seconds >= 2 * self.window_tokens / (before * max(1, w.num_running)))
+        # a challenger that takes twice as long as the incumbent's last window has lost (one that emits nothing
+        # must not run for ever)
+        before = self._window_s.get(_Phase.INCUMBENT)
+        return self._phase is _Phase.CHALLENGE and before is not None and w.seconds >= 2 * before
 
     def _window_finished(self, w: _Window, num_running: int) -> None:
         self._rates[self._phase] = w.rate or 0.0
+        self._window_s[self._phase] = w.seconds
         self._window = _Window(num_running)
         if self._phase is _Phase.INCUMBENT:
             self._windows_done += 1
