@@ -177,8 +177,7 @@ class VerifierEngine:
         idle_s = None if self._last_step_end is None else max(0.0, step_started - self._last_step_end)
         since_last = now - (self._last_step_end if self._last_step_end is not None else step_started)
         self._last_step_end = now
-        control.observe_step(stats.num_tokens, stats.step_time_s, idle_s,
-                             computes_prompts=stats.num_prefill_tokens > 0)
+        control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
         self._observe_drafting(scheduled, control)
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)

@@ -203,17 +203,10 @@ class DraftLengthController:
             self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens), decay=0.95, prior_strength=4.0,
                                                 group_of=lambda key: getattr(key, "stream_id", None))
 
-    def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None,
-                     computes_prompts: bool = False) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None) -> None:
         """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
-        first step). A step that `computes_prompts` (a prefill chunk in it) does not go into the step-time model:
-        the choice prices verification steps, whose tokens come a few per sequence, each sequence with its own
-        attention and sampling, while a prompt's come many to one sequence. Measured on 2 cores (default target):
-        a 265-token prefill step took 7.0 s and 32 verifications of 5 tokens 5.7 s; pooled in one model, prefill
-        steps of 130 to 140 tokens priced that verification step at 4.3 s, and k = 4 for 32 sequences at the
-        goodput of plain decoding, where it gave 0.8x of it."""
-        if not computes_prompts:
-            self.step_time.observe(num_tokens, seconds)
+        first step)."""
+        self.step_time.observe(num_tokens, seconds)
         if idle_s is not None:
             idle = min(max(0.0, idle_s), self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
