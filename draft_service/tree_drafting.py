@@ -320,6 +320,7 @@ def tree_rows(logits: torch.Tensor, seqs: list[DraftSequence], positions: list[i
     top_probs, top_ids = probs.topk(min(q_max_support, probs.shape[1]), dim=1)
     host = torch.cat([finite.double().unsqueeze(1), top_probs.double(), top_ids.double()], dim=1).cpu()
     width = top_probs.shape[1]
+    listed = branches + ALTERNATIVES  # a greedy or one-hot row's children and the guesses past them
     rows = []
     for i, seq in enumerate(seqs):
         if not bool(host[i, 0]):
@@ -336,8 +337,8 @@ def tree_rows(logits: torch.Tensor, seqs: list[DraftSequence], positions: list[i
         elif sampling.is_coupled:
             q = p / p.sum()
             noise = exponential64_reference(sampling.seed, positions[i], Purpose.TARGET_SAMPLE, ids)
-            order = (q / noise).argsort(descending=True)[:branches + ALTERNATIVES]
+            order = (q / noise).argsort(descending=True)[:listed]
             rows.append(RowChoices(ids[order].tolist(), q[order].tolist()))
         else:
-            rows.append(RowChoices(ids[:branches + ALTERNATIVES].tolist(), (p[:branches + ALTERNATIVES] / p.sum()).tolist()))
+            rows.append(RowChoices(ids[:listed].tolist(), (p[:listed] / p.sum()).tolist()))
     return rows

@@ -274,3 +274,17 @@ def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_draf
     assert min(two_back_first(None, awaited=None)) >= 1
     assert min(two_back_first(None, awaited=tuple(keys[2:4]))) >= 1
     assert min(two_back_first(None, n=8)) >= 1
+
+
+def test_the_engine_forgets_an_ended_sequences_next_block(pair):
+    target, _ = pair
+    engine, _ = _engine(target, IDLE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True).with_seed()
+    key = SeqKey(3, 1)
+    engine.submit(OpenCmd(key, tuple(PROMPTS[0]), greedy))
+    engine.submit(ProposeCmd(key, len(PROMPTS[0]), (7, 7), None, max_draft_tokens=4))
+    engine.step(None, frozenset())
+    assert key in engine._next_blocks
+    engine.submit(CloseCmd(key))  # cancelled halfway
+    engine.step(None, frozenset())
+    assert key not in engine._next_blocks

@@ -8,7 +8,7 @@ import pytest
 from common.errors import ErrorCode, ServiceError
 from common.sampling import FinishReason, SamplingParams
 from verifier_service.config import VerifierConfig
-from verifier_service.phases import HoldDecision, PhasePlanner
+from verifier_service.phases import HoldDecision, PhasePlan, PhasePlanner
 from verifier_service.server import build_engine
 from verifier_service.step_time import StepTimeModel
 from verifier_service.types import (
@@ -347,11 +347,14 @@ def test_a_hold_merges_two_phases_waiting_up_to_merge_rounds_savings_once_per_as
     assert decision.deadline == pytest.approx(now + 4 * 0.5)  # merge_rounds savings (before twice its turnaround)
     assert planner.hold(now + 1.2, now).merges  # the same step's hold decides again at each arrival: still on
     assert planner.hold(now + 2.01, now) is None  # the allowance is spent
-    for _ in range(10):  # turns of the loop that step nothing (a command woke it) are not steps
+    for _ in range(10):  # turns of the loop that step nothing (a command woke it) are not steps, nor the same hold
         planner.step_started()
+        assert planner.hold(now, now) is None
     for _ in range(planner.merge_rounds - 1):  # no merging hold again within merge_rounds steps
+        planner.step_started()
         planner.stepped(5, 0.6)
         assert planner.hold(now, now) is None
+    planner.step_started()
     planner.stepped(5, 0.6)
     assert planner.hold(now, now).merges
 
@@ -528,3 +531,24 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
     assert {v.key.seq_id for v in verdicts} == {1, 2}
     assert 1 in caps  # the plan's cap reached the engine
     assert max(verified) == 1  # one verification per step, though both proposals came together
+
+
+def test_the_sequences_the_plan_waits_for_are_the_ones_it_has_not_given_up_on():
+    """awaited_keys(), what the goodput choice prices beside a step: answered and not back, of streams with an
+    estimate and not late twice in a row, not expired; none under two phases; a closed stream's are gone."""
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    assert planner.awaited_keys() == frozenset(KEYS[4:])
+    planner._streams[1].late_in_a_row = planner.max_late
+    assert planner.awaited_keys() == frozenset()
+    planner._streams[1].late_in_a_row = 0
+    planner._expired.add(KEYS[4])
+    assert planner.awaited_keys() == frozenset(KEYS[5:])
+    fresh = SeqKey(9, 1)  # a stream with no turnaround measured yet
+    planner.submitted(_propose(fresh), sent)
+    planner.replied(_verdict(fresh), sent + 0.1)
+    assert fresh in planner._awaited and fresh not in planner.awaited_keys()
+    planner.stream_closed(1)
+    assert planner.awaited_keys() == frozenset()
+    split, _ = _one_phase_with_late_half(turnaround=0.1)
+    split.plan = PhasePlan(2, 1.0, 1.2)
+    assert split.awaited_keys() == frozenset()

@@ -40,15 +40,15 @@ twice its expected turnaround, or whose stream has no estimate yet, holds nothin
 proposals came late (none on time between) is not waited for until one comes on time; no hold lasts longer than
 the saving it buys (a merging hold, below: `merge_rounds` savings, once per as many steps); and a sequence silent
 for four of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always
-late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next proposal is already in (pipelined drafting), nor on a
-verifier with no work.
+late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next
+proposal is already in (pipelined drafting), nor on a verifier with no work.
 
 A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
 of their own, and once two phases form under one phase's plan, the plain rule keeps them apart for good: each
 comes back while the other's step runs, and is due later than one step's saving (at two streams of the default
 pair on 2 cores, steps of one sequence each alternated, the verifier idle half the time between them). A merge
 saves its step every round it lasts, so such a hold may wait up to `merge_rounds` savings, betting that the merge
-lasts that many rounds; it is taken at most once per `merge_rounds` steps that verified anything, so that where
+lasts that many rounds; it is taken at most once per `merge_rounds` steps that ran anything, so that where
 merges never last (a draft always slower than the others, or a client that makes itself another phase on
 purpose) merging holds add at most one saving per step on average to what the plain rule waits. The phases present
 when a merging hold begins are kept until its step starts: the awaited phase's sequences come in one by one, and
@@ -165,10 +165,12 @@ class PhasePlanner:
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
-    # the step (its number among the steps that verified anything) that last answered the sequence: its phase
+    # the step (its number among the steps that ran anything) that last answered the sequence: its phase
     _answered: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
-    _num_steps: int = field(default=0, init=False, repr=False)  # steps that verified anything
+    _num_steps: int = field(default=0, init=False, repr=False)  # steps that ran anything
     _last_merge_step: int | None = field(default=None, init=False, repr=False)  # of the last merging hold
+    _turns: int = field(default=0, init=False, repr=False)  # step_started() calls: a hold is one turn's
+    _last_merge_turn: int | None = field(default=None, init=False, repr=False)
     # the phases present when this step's merging hold began: the awaited phase stays another one while its
     # sequences come in one by one (each becomes present, but is not what the hold is measured against)
     _merge_present: frozenset[int] = field(default=frozenset(), init=False, repr=False)
@@ -213,6 +215,7 @@ class PhasePlanner:
 
     def step_started(self) -> None:
         self.num_present = 0
+        self._turns += 1
 
     def stepped(self, num_tokens: int, seconds: float) -> None:
         """A step that verified or computed something (an empty turn of the loop is none): call it before
@@ -221,16 +224,19 @@ class PhasePlanner:
         self.step_time.observe(num_tokens, seconds)
 
     def awaited_keys(self) -> frozenset[SeqKey]:
-        """The sequences answered and not back that the next step is planned to wait for: under one phase, those
-        of streams not late twice in a row and not past twice their turnaround (empty under two phases: a capped
-        step's other half is the other phase). The goodput choice prices the batch with them."""
+        """The sequences answered and not back that the plan has not given up on: under one phase, those whose
+        stream has a turnaround estimate and is not late twice in a row, and not past twice their turnaround
+        (empty under two phases: a capped step's other half is the other phase). The goodput choice prices the
+        batch with them. A hold may still start the step without some (due past what it may wait)."""
         if self.plan is not None and self.plan.num_phases != 1:
             return frozenset()
         out = []
         for key in self._awaited:
             times = self._streams.get(key.stream_id)
-            if times is None or times.late(self._asked_plain(key)) >= self.max_late or key in self._expired:
-                continue
+            plain = self._asked_plain(key)
+            if (times is None or times.turnaround_for(plain) is None or times.late(plain) >= self.max_late
+                    or key in self._expired):
+                continue  # no estimate yet, late, or given up on
             out.append(key)
         return frozenset(out)
 
@@ -328,7 +334,7 @@ class PhasePlanner:
         # (present sequences never answered, new ones, are a phase of their own)
         present_phases = frozenset(p for k in self._outstanding if (p := self._answered.get(k)) is not None)
         last = self._last_merge_step
-        merging_now = last == self._num_steps  # this step's own merging hold, deciding again at an arrival
+        merging_now = self._last_merge_turn == self._turns  # this turn's merging hold, deciding again at an arrival
         if merging_now:
             present_phases = self._merge_present
         may_merge = last is None or merging_now or self._num_steps - last >= self.merge_rounds
@@ -357,7 +363,7 @@ class PhasePlanner:
                 # past its due still pays
                 best = HoldDecision(min(hold_started + allowed, last_expiry), i + 1, saving, merging)
         if best is not None and best.merges and not merging_now:
-            self._last_merge_step = self._num_steps
+            self._last_merge_step, self._last_merge_turn = self._num_steps, self._turns
             self._merge_present = present_phases
             log.info("phase_merge_hold", awaited=best.num_awaited, saving_ms=round(best.saving_s * 1e3, 1),
                       until_s=round(best.deadline - now, 3))

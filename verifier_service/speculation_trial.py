@@ -29,9 +29,11 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   little of it (its predicted gain over k = 0, smoothed, at most `challenge_below_gain`): where it predicts 2x
   (one stream, a good draft) nothing is put at risk. Under plain decoding, speculation challenges whenever the
   controller would draft, and at once (the ratio reset) when it expects more than `challenge_below_gain`.
-- A challenge that has not finished a window within `max_challenge_s` of wall time ends undecided.
+- A challenger's window ends at twice the incumbent's last window's time, judged by its rate then; a challenge
+  that has not finished a window within `max_challenge_s` of wall time ends undecided.
 
-Lives on the engine thread: no locks, O(1) state. Greedy and coupled outputs do not depend on k, so neither arm
+Lives on the engine thread: no locks; its state is a few numbers and the set of sequences the current window
+verified. Greedy and coupled outputs do not depend on k, so neither arm
 changes them; seeded sparse and one-hot requests keep their fixed k and never ask.
 """
 
@@ -176,8 +178,8 @@ class SpeculationTrial:
             return False
         if w.tokens >= self.window_tokens and w.verifications >= self.window_rounds * len(w.verified):
             return True
-        # a challenger that takes twice as long as the incumbent's last window has lost (one that emits nothing
-        # must not run for ever)
+        # a challenger's window ends at twice the incumbent's last window's time, and is judged by its rate as it
+        # is then (one that emits nothing must not run for ever)
         before = self._window_s.get(_Phase.INCUMBENT)
         return self._phase is _Phase.CHALLENGE and before is not None and w.seconds >= 2 * before
 
