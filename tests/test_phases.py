@@ -493,8 +493,10 @@ def test_draft_seconds_must_be_a_finite_time():
     check_proposal(_propose(SeqKey(1, 1), draft_seconds=0.25), limits)
 
 
-def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
-    """AsyncEngine asks the planner before each step and passes its cap to the engine."""
+@pytest.mark.parametrize("whole_batch", [False, True])
+def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair, whole_batch):
+    """AsyncEngine asks the planner before each step and passes its cap to the engine, and with
+    --whole-batch-goodput the sequences the plan waits for (None without it)."""
     import asyncio
 
     from verifier_service.async_engine import AsyncEngine
@@ -502,10 +504,11 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
 
     target, _ = pair
     engine = build_engine(VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4))
-    real_step, caps, verified = engine.step, [], []
+    real_step, caps, verified, awaits = engine.step, [], [], []
 
     def step(max_verifications=None, awaited=None):
         caps.append(max_verifications)
+        awaits.append(awaited)
         result = real_step(max_verifications, awaited)
         verified.append(sum(isinstance(o, VerdictOut) for o in result.outcomes))
         return result
@@ -514,7 +517,7 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
     greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True).with_seed()
 
     async def scenario() -> list[list[VerdictOut]]:
-        async_engine = AsyncEngine(engine, VerifierMetrics())
+        async_engine = AsyncEngine(engine, VerifierMetrics(), whole_batch_goodput=whole_batch)
         async_engine.phases.max_verifications = lambda: 1
         async_engine.start()
         stream_id, outbox = async_engine.open_stream()
@@ -531,6 +534,7 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair):
     assert {v.key.seq_id for v in verdicts} == {1, 2}
     assert 1 in caps  # the plan's cap reached the engine
     assert max(verified) == 1  # one verification per step, though both proposals came together
+    assert all(isinstance(a, frozenset) for a in awaits) if whole_batch else set(awaits) == {None}
 
 
 def test_the_sequences_the_plan_waits_for_are_the_ones_it_has_not_given_up_on():

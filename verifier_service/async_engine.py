@@ -32,10 +32,12 @@ log = structlog.get_logger(__name__)
 class AsyncEngine:
     def __init__(self, engine: VerifierEngine, metrics: VerifierMetrics,
                  executor: ThreadPoolExecutor | None = None, *, limits: StreamLimits | None = None,
-                 phases: str = "hold") -> None:
+                 phases: str = "hold", whole_batch_goodput: bool = False) -> None:
         """executor: the one thread every step runs on; pass the one that loaded the model (see
         common.compute_thread). phases: when steps start (phases.py): "hold" (one phase, a step waits for the
-        sequences answered with it), "split" (and two phases where those are faster), "off" (at once)."""
+        sequences answered with it), "split" (and two phases where those are faster), "off" (at once).
+        whole_batch_goodput: pass the sequences the plan waits for to each step, whose goodput choice is then
+        made for the whole batch (engine._away)."""
         self.engine = engine
         self.metrics = metrics
         self.limits = limits or StreamLimits()
@@ -47,6 +49,7 @@ class AsyncEngine:
         self._stopping = False
         self.draining = asyncio.Event()  # set once by drain(): no new sequence is admitted
         self._last_step_s = 0.0
+        self.whole_batch_goodput = whole_batch_goodput
         scheduler = getattr(engine, "scheduler", None)  # a test's stand-in engine may have none
         self.phases = None if phases == "off" else PhasePlanner(
             split=phases == "split", max_step_tokens=getattr(scheduler, "max_num_batched_tokens", None))
@@ -165,7 +168,8 @@ class AsyncEngine:
         failure turns the plan off: the steps go on, unplanned."""
         try:
             held, cap = await self._planned_hold()
-            return held, cap, self.phases.awaited_keys() if self.phases is not None else None
+            whole = self.whole_batch_goodput and self.phases is not None
+            return held, cap, self.phases.awaited_keys() if whole else None
         except Exception:  # noqa: BLE001 - a bug in the plan must not stop the steps
             log.exception("phase_plan_failed")
             self.phases = None

@@ -90,6 +90,10 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")
+    whole_batch_goodput: bool = option(False, "with --goodput and --phases hold, choose draft lengths for the "
+                                       "whole batch the phase plan waits for, not only the sequences a step "
+                                       "answered (see docs/load.md: it helped no measured load on the default "
+                                       "pair and cut 8 streams on two pinned cores at 20 ms RTT by a fifth)")
     phases: str = option("hold", "when steps start (phases.py): hold: a step waits for the sequences answered with "
                          "it while that costs less than the step it saves; split: also verify half of them per step "
                          "when drafting one half while the other is verified is faster (for drafts on other hosts: "

@@ -156,7 +156,7 @@ async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) ->
     engine = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
     metrics = VerifierMetrics()
     async_engine = AsyncEngine(engine, metrics, executor, limits=StreamLimits.from_config(config),
-                               phases=config.phases)
+                               phases=config.phases, whole_batch_goodput=config.whole_batch_goodput)
     servicer = VerifierServicer(async_engine, verifier_info(engine, config))
     server = build_grpc_server(
         config.host, config.port, service_names=(SERVICE_NAME,), options=wire.SERVER_OPTIONS, security=config,
