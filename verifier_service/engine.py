@@ -221,7 +221,8 @@ class VerifierEngine:
             stats.speculation_arm = arm.value
             if chosen is not None and arm is Arm.PLAIN:
                 chosen = dataclasses.replace(chosen, draft_lengths=dict.fromkeys(chosen.draft_lengths, 0))
-        self._remember_next_blocks(scheduled, verdicts, chosen, caps, control)
+        if awaited is not None:  # the whole-batch choice (--whole-batch-goodput): the next steps will read them
+            self._remember_next_blocks(scheduled, verdicts, chosen, caps, control)
         if chosen is None:
             return verdicts
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())

@@ -9,8 +9,8 @@ the batch. Here the verifier keeps
 - each sequence's acceptance per draft position (AcceptanceTracker), conditional on the positions before it
   having been accepted, shrunk towards the rates of all sequences,
 
-and after every step chooses the draft lengths k_i of the sequences that got a verdict (with those of the batch
-away at their drafts, whose choices apply at their next verdicts: the step priced is the whole batch's) so as to
+and after every step chooses the draft lengths k_i of the sequences that got a verdict (with --whole-batch-goodput
+also those of the batch away at their drafts, whose choices apply at their next verdicts) so as to
 maximise the expected verified tokens per second of the next step (goodput, as in SmartSpec, Liu et al. 2024):
 
     goodput(k) = sum_i E_i(k_i) / t(sum_i (1 + k_i))      E_i(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_{i,m}

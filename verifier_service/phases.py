@@ -230,15 +230,7 @@ class PhasePlanner:
         batch with them. A hold may still start the step without some (due past what it may wait)."""
         if self.plan is not None and self.plan.num_phases != 1:
             return frozenset()
-        out = []
-        for key in self._awaited:
-            times = self._streams.get(key.stream_id)
-            plain = self._asked_plain(key)
-            if (times is None or times.turnaround_for(plain) is None or times.late(plain) >= self.max_late
-                    or key in self._expired):
-                continue  # no estimate yet, late, or given up on
-            out.append(key)
-        return frozenset(out)
+        return frozenset(key for key, sent in self._awaited.items() if self._due(key, sent) is not None)
 
     def replied(self, outcome: Outcome, now: float) -> None:
         """An outcome sent to an open stream: a verdict the sequence goes on from is awaited back, unless its
@@ -314,17 +306,13 @@ class PhasePlanner:
             return None
         arrivals = []
         for key, sent in self._awaited.items():
-            times = self._streams.get(key.stream_id)
-            plain = self._asked_plain(key)
-            if times is None or times.late(plain) >= self.max_late or key in self._expired:
-                continue
-            due = times.due(sent, self.min_slack_s, plain=plain)
+            due = self._due(key, sent)
             if due is None:
                 continue
             expiry = sent + 2 * (due - sent)  # twice its expected turnaround: it may be gone, and is late
             if now > expiry:
                 self._expired.add(key)
-                times.count_late(plain, True)
+                self._streams[key.stream_id].count_late(self._asked_plain(key), True)
                 continue
             arrivals.append((due, expiry, self._block_tokens.get(key, 1), self._answered.get(key)))
         if not arrivals:
@@ -392,6 +380,15 @@ class PhasePlanner:
             if times is not None and key not in self._expired:
                 times.count_late(self._asked_plain(key), True)  # silence is lateness
             self._forget(key)
+
+    def _due(self, key: SeqKey, sent: float) -> float | None:
+        """When `key`, answered at `sent`, is expected back; None when it is not waited for: its stream has no
+        estimate yet or came late twice in a row, or it passed twice its turnaround."""
+        times = self._streams.get(key.stream_id)
+        plain = self._asked_plain(key)
+        if times is None or times.late(plain) >= self.max_late or key in self._expired:
+            return None
+        return times.due(sent, self.min_slack_s, plain=plain)
 
     def _asked_plain(self, key: SeqKey) -> bool:
         """Whether `key`'s next block is to draft nothing (its verdict chose k = 0, or it drafted none last)."""
