@@ -14,13 +14,18 @@ from common.aio import coalesce
 from common.compute_thread import compute_thread
 from common.errors import ServiceError
 from draft_service.draft_model import Drafted, DraftJob, DraftModel, Prefilling
+from draft_service.due_rounds import DueRounds
 from draft_service.sequence import DraftSequence
 
 log = structlog.get_logger(__name__)
 
 
-# tokens one warming forward feeds at most: the model's thread is busy that long when a drafting batch arrives
-WARM_CHUNK_TOKENS = 64
+# tokens one warming forward feeds at most: the model's thread is busy that long when a drafting batch arrives. A
+# forward's time grows with the sequences it feeds: 64 sequences' one new token each took 400 ms on 2 cores (64
+# streams, default pair), and a verdict that found such a forward running waited for the rest of it
+WARM_CHUNK_TOKENS = 16
+# the longest a batch waits for the sequences whose verdicts are in (DueRounds), whatever the last batch took
+MAX_DUE_WAIT_S = 1.0
 
 
 class DraftBatcher:
@@ -31,11 +36,17 @@ class DraftBatcher:
     most WARM_CHUNK_TOKENS, so the round that drafts again starts at once. Measured at 64 streams on 2 cores
     before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
     which the verifier waited. A sequence is warmed only between its proposal and its verdict: settle() before
-    the sequence changes again ends its warming (waiting at most for the forward running)."""
+    the sequence changes again ends its warming (waiting at most for the forward running).
 
-    def __init__(self, model: DraftModel, executor: ThreadPoolExecutor | None = None) -> None:
+    With `due` (draft_service.due_rounds), a batch and a round that drafts nothing (wait_for_batch) first wait for
+    the sequences whose verdicts are in and whose rounds have not started, at most the last batch's time: the
+    sequences one verifier step answered then draft in one batch and come back to the verifier together."""
+
+    def __init__(self, model: DraftModel, executor: ThreadPoolExecutor | None = None,
+                 due: DueRounds | None = None) -> None:
         """executor: the one thread the model runs on; pass the one that loaded it (see common.compute_thread)."""
         self.model = model
+        self.due = due
         self._pending: list[tuple[DraftJob, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._executor = executor or compute_thread("draft-model")
@@ -60,12 +71,20 @@ class DraftBatcher:
         and each step of 2 cost about what a step of 4 does on a CPU)."""
         if not self._pending and self._batches_started == self._batches_done:
             await coalesce(min(0.002, 0.02 * self._last_batch_s))
+        await self._await_due()
         target = self._batches_started + (1 if self._pending else 0)
         if target <= self._batches_done:
             return
         future = asyncio.get_running_loop().create_future()
         self._batch_waiters.append((target, future))
         await future
+
+    def _due_wait_s(self) -> float:
+        return min(MAX_DUE_WAIT_S, self._last_batch_s)
+
+    async def _await_due(self) -> None:
+        if self.due is not None and self.due.waiting_for(self._due_wait_s()):
+            await self.due.settled(self._due_wait_s())
 
     def _batch_done(self) -> None:
         self._batches_done += 1
@@ -126,6 +145,8 @@ class DraftBatcher:
             # drafting overlap verification, which on a shared host makes both slower. The window is 2 % of the
             # last batch's time, at most 2 ms: nothing for tiny models, nothing against a 100 ms draft step.
             await coalesce(min(0.002, 0.02 * self._last_batch_s))
+            if self._pending:
+                await self._await_due()
             self._wakeup.clear()
             jobs = [job for job in self._pending if not job[1].cancelled()]
             self._pending = []

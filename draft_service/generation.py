@@ -20,6 +20,7 @@ from common.tokenizer import INLINE_PROMPT_IDS, PromptEncoder
 from draft_service.adaptive import AdaptiveDraftLength, RoundLength
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
+from draft_service.due_rounds import DueRounds
 from draft_service.metrics import DraftMetrics
 from draft_service.pipelining import Branch, Flight, Pipeline
 from draft_service.sequence import DraftSequence
@@ -74,13 +75,15 @@ def q_support_limit(sampling: SamplingParams, identity: VerifierIdentity) -> int
 
 class Generator:
     def __init__(self, config: DraftConfig, tokenizer: Any, vocab_size: int, link: VerifierLink, drafter: Drafter,
-                 metrics: DraftMetrics | None = None) -> None:
+                 metrics: DraftMetrics | None = None, due: DueRounds | None = None) -> None:
+        """due: the sequences whose verdict is in (the link marks them); each round here says when it starts."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.link = link
         self.drafter = drafter
         self.metrics = metrics or DraftMetrics()
+        self.due = due
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
         self._recent_choice: int | None = None  # the verifier's last choice for any sequence (auto)
@@ -125,6 +128,8 @@ class Generator:
             while not finished:
                 t_draft = time.perf_counter()
                 k, flight.max_draft_tokens = length.next_round()
+                if self.due is not None:
+                    self.due.left(seq_id)  # before its drafting job or its wait for the batch (in one loop turn)
                 if block is None:
                     block = await self._draft(seq, k, length)
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
@@ -164,6 +169,8 @@ class Generator:
         finally:
             # cancelled by the client or failed here: free it on the verifier too
             self.link.release(seq_id, cancel=not finished)
+            if self.due is not None:
+                self.due.left(seq_id)
             await self.drafter.release(*(branch.seq for branch in branches), seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         yield self._finish(stats, seq, flight, t0)

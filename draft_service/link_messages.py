@@ -49,7 +49,8 @@ def event_of(msg: verifier_pb2.VerifierMessage) -> tuple[int, LinkEvent] | None:
         return v.seq_id, VerdictEvent(v.start_position, v.num_accepted, tuple(v.token_ids),
                                       wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s,
                                       time.perf_counter(),
-                                      v.next_draft_tokens if v.HasField("next_draft_tokens") else None)
+                                      v.next_draft_tokens if v.HasField("next_draft_tokens") else None,
+                                      v.step, v.step_verdicts)
     if kind == "error":
         e = msg.error
         return e.seq_id, ErrorEvent(wire.error_code_from_proto(e.code), e.message)

@@ -23,6 +23,7 @@ from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftModel
 from draft_service.drafters import Drafter, ModelDrafter, NgramDrafter
+from draft_service.due_rounds import DueRounds
 from draft_service.generation import Generator
 from draft_service.link_security import LinkSecurity
 from draft_service.metrics import DraftMetrics
@@ -96,6 +97,7 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
 async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGINT or SIGTERM, or until `stop` is set (see serve_until_stopped)."""
     batcher: DraftBatcher | None = None
+    due: DueRounds | None = None  # with a draft model: the batches wait for the rounds whose verdicts are in
     drafter: Drafter
     metrics = DraftMetrics()
     if config.proposer == "ngram":  # prompt lookup: the tokenizer is all it needs
@@ -106,7 +108,8 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
         executor = compute_thread("draft-model")  # the model loads on the thread that runs it
         loaded, model = await asyncio.get_running_loop().run_in_executor(executor, build_draft_model, config,
                                                                           metrics)
-        batcher = DraftBatcher(model, executor)
+        due = DueRounds()
+        batcher = DraftBatcher(model, executor, due)
         tokenizer, model_id, vocab_size = loaded.tokenizer, loaded.model_id, loaded.vocab_size
         fingerprint = loaded.tokenizer_fingerprint
         tree = TreeShape(config.num_speculative_tokens, config.tree_branches, config.tree_nodes) \
@@ -119,14 +122,14 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
                                        token_file=config.verifier_token_file)
     link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
                         tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc,
-                        metrics=metrics)
+                        metrics=metrics, on_verdict=due.arrived if due is not None else None)
     if isinstance(drafter, ModelDrafter) and drafter.tree is not None:
         # a sequence resumed on a verifier that takes no trees as large goes on with chains
         drafter.trees_allowed = lambda: link.identity is not None and link.identity.takes_trees(config.tree_nodes)
     await connect_at_start(link, config.connect_timeout_s)
     if batcher is not None:
         batcher.start()
-    generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics)
+    generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics, due)
     metrics_server = None
     if config.metrics_port:
         metrics_server = start_metrics_server(config.metrics_port, config.host, metrics.registry)

@@ -60,6 +60,8 @@ class VerdictEvent:
     step_time_s: float = 0.0
     received_at: float = 0.0  # time.perf_counter() when it arrived from the verifier
     next_draft_tokens: int | None = None  # the verifier's choice of the next block's length (goodput)
+    step: int = 0  # the verifier's step that gave it; 0: not stated (Verdict.step)
+    step_verdicts: int = 0  # that step's verdicts on this stream whose sequences go on (Verdict.step_verdicts)
 
 
 @dataclass(frozen=True)

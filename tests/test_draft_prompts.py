@@ -20,10 +20,11 @@ from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
 from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
-from draft_service.batcher import DraftBatcher
+from draft_service.batcher import WARM_CHUNK_TOKENS, DraftBatcher
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftJob, DraftModel, Prefilling
 from draft_service.drafters import NgramDrafter
+from draft_service.due_rounds import DueRounds
 from draft_service.generation import Generator
 from draft_service.sequence import DraftSequence
 from draft_service.servicer import DraftServicer
@@ -441,7 +442,7 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
                     break
                 await asyncio.sleep(0.01)
             await batcher.settle(seq)
-            assert seq.num_cached == seq.num_context - 1 and max(sizes) <= 64  # WARM_CHUNK_TOKENS
+            assert seq.num_cached == seq.num_context - 1 and max(sizes) <= WARM_CHUNK_TOKENS
             drafted = await batcher.draft(DraftJob(seq, 4))
             assert drafted.block.token_ids == expected.token_ids
             other = _batch((1, 30))[1]
@@ -475,3 +476,55 @@ def test_a_round_of_k_0_waiting_for_a_cancelled_batch_is_not_stuck_behind_warmin
             await batcher.stop()
 
     asyncio.run(run())
+
+
+def test_a_batch_waits_for_the_other_verdicts_of_its_step_and_drafts_them_together():
+    """Three sequences answered by one verifier step (Verdict.step_verdicts 3): the first one's drafting job comes
+    in before the others' verdicts have arrived. With DueRounds the batch waits, and all three draft in one batch
+    (and a round of k = 0 of the same step proposes only after it); without, the first drafts alone and the others
+    in the next batch, which is how one step's sequences came back to the verifier in two groups."""
+    def run(with_due: bool) -> tuple[list[int], bool]:
+        draft, _ = _draft_model(None)
+        batches: list[int] = []
+        model_draft = draft.draft
+
+        def recording(jobs):
+            batches.append(len(jobs))
+            return model_draft(jobs)
+
+        draft.draft = recording
+
+        async def go() -> bool:
+            due = DueRounds() if with_due else None
+            batcher = DraftBatcher(draft, ThreadPoolExecutor(1), due)
+            batcher._last_batch_s = 30.0  # the bound of the wait: never reached here
+            batcher.start()
+            seqs = _batch((5, 6, 7, 8))
+            step = ("verifier", 12)
+            try:
+                if due is not None:
+                    for seq_id in (1, 2, 3, 4):
+                        due.arrived(seq_id, step, 4)
+                    due.left(4)  # this one drafts nothing this round: it proposes with the batch
+                plain = asyncio.ensure_future(batcher.wait_for_batch())
+                await asyncio.sleep(0.02)
+                early = plain.done()
+                if due is not None:
+                    due.left(1)
+                first = asyncio.ensure_future(batcher.draft(DraftJob(seqs[0], 2)))
+                await asyncio.sleep(0.05)
+                others = []
+                for seq_id, seq in ((2, seqs[1]), (3, seqs[2])):
+                    if due is not None:
+                        due.left(seq_id)
+                    others.append(asyncio.ensure_future(batcher.draft(DraftJob(seq, 2))))
+                await asyncio.wait_for(asyncio.gather(first, plain, *others), 30)
+                return early
+            finally:
+                await batcher.stop()
+
+        early = asyncio.run(go())
+        return batches, early
+
+    assert run(with_due=True) == ([3], False)
+    assert run(with_due=False) == ([1, 2], True)

@@ -444,3 +444,33 @@ def test_an_open_past_a_limit_is_refused_before_its_prompt_is_checked(pair, monk
     assert [e.code for e in errors] == [ErrorCode.RESOURCE_EXHAUSTED] * 2
     assert "--max-sequences-per-stream" in errors[0].message and "--max-waiting-tokens" in errors[1].message
     assert checked == [12]  # only the one that was opened
+
+
+def test_each_verdict_names_its_step_and_how_many_of_its_stream_go_on(pair):
+    """Verdict.step and step_verdicts (draft_service.due_rounds): per step, a number that grows, and per stream the
+    count of that step's verdicts whose sequences go on; a verdict that ends its sequence counts for none."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=256)
+    keys = [SeqKey(1, 0), SeqKey(1, 1), SeqKey(1, 2), SeqKey(2, 0)]
+    lengths = {SeqKey(1, 0): 1, SeqKey(1, 1): 40, SeqKey(1, 2): 40, SeqKey(2, 0): 40}  # (1, 0) ends in a round
+    for key in keys:
+        params = SamplingParams(temperature=0.0, max_tokens=lengths[key], ignore_eos=True).with_seed()
+        engine.submit(OpenCmd(key, (3, 4, 5), params))
+    position = dict.fromkeys(keys, 3)
+    seen = []
+    for _ in range(2):
+        for key in keys:
+            if key in position:
+                engine.submit(ProposeCmd(key, position[key], (7, 8), None))
+        verdicts = [o for o in engine.step().outcomes if isinstance(o, VerdictOut)]
+        assert {v.key for v in verdicts} == set(position)
+        for v in verdicts:
+            position[v.key] += len(v.token_ids)
+            if v.finish_reason is not None:
+                assert (v.step, v.step_verdicts) == (0, 0)
+                del position[v.key]
+        seen.append({v.key: (v.step, v.step_verdicts) for v in verdicts if v.finish_reason is None})
+    first, second = seen
+    step = first[SeqKey(1, 1)][0]
+    assert first == {SeqKey(1, 1): (step, 2), SeqKey(1, 2): (step, 2), SeqKey(2, 0): (step, 1)}
+    assert second == {SeqKey(1, 1): (step + 1, 2), SeqKey(1, 2): (step + 1, 2), SeqKey(2, 0): (step + 1, 1)}

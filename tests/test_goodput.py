@@ -302,3 +302,37 @@ def test_the_tolerance_is_a_share_of_the_candidates_tokens_not_of_the_whole_step
     assert choose_draft_lengths(one, step, tolerance=0.03).draft_lengths == {"a": 6}  # flat: drafting is free
     beside = choose_draft_lengths(one, step, other_tokens=100, other_output=100.0, tolerance=0.03)
     assert beside.draft_lengths["a"] <= 1
+
+
+def test_the_tolerance_never_trades_a_best_plain_decoding_for_a_draft():
+    """Plain decoding 2 % better than one drafted token: the tolerance (3 %) takes the longest near draft only
+    where the best option drafts; where plain decoding is best it stays (at high load the estimates sit near
+    break-even, and the tolerance turned every sequence to its longest draft at once)."""
+    step = model_of(lambda n: 0.000661 + 0.01 * n, sizes=(1, 2, 3, 4))
+    one = [Candidate("a", 1, (0.9,))]
+    assert choose_draft_lengths(one, step, tolerance=0.0).draft_lengths == {"a": 0}
+    assert choose_draft_lengths(one, step, tolerance=0.03).draft_lengths == {"a": 0}
+    flat = model_of(lambda n: 0.01 + 0.0001 * n, sizes=(1, 2, 3, 4))
+    assert choose_draft_lengths([Candidate("a", 1, (0.9,))], flat, tolerance=0.03).draft_lengths == {"a": 1}
+
+
+def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
+    """A drafting round's proposals leave the draft together after its batch; a plain round's leave as each verdict
+    is handled. Measured apart: steps after drafting rounds waited 0.6 s (0.2 s of it the one drafted token),
+    after plain rounds 0.02 s. Plain decoding priced with its own wait wins; priced with the drafting rounds'
+    fixed part (one average for both, as before), a draft looked better."""
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(1, step_time=model_of(lambda n: 0.5 + 0.01 * n), probe_every=0)
+    for i in range(40):
+        drafting = i % 2 == 0
+        c.observe_step(16 if drafting else 8, 0.66 if drafting else 0.58, 0.6 if drafting else 0.02)
+        c.observe_drafting(0.2 if drafting else 0.0, 0.2 if drafting else 0.0, 1 if drafting else 0)
+    assert c.plain_idle_s == pytest.approx(0.02, rel=0.01) and c.draft_idle_s == pytest.approx(0.6, rel=0.01)
+    fixed, per_token, plain = c.idle_split()
+    assert fixed == pytest.approx(0.4, rel=0.05) and per_token == pytest.approx(0.2, rel=0.05) and plain == c.plain_idle_s
+    c.acceptance.default_rate = 0.9
+    caps = {i: 1 for i in range(8)}
+    assert set(c.choose(caps).draft_lengths.values()) == {0}
+    c.plain_idle_s = None  # one wait for both kinds of round
+    assert set(c.choose(caps).draft_lengths.values()) == {1}

@@ -14,7 +14,7 @@ from scripted_verifiers import serve_scripted, until
 from common.sampling import SamplingParams
 from draft_service.types import DraftBlock, StreamLost
 from draft_service.verifier_link import LinkDown, VerifierLink
-from specwire.v1 import verifier_pb2, verifier_pb2_grpc, wire
+from specwire.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc, wire
 
 
 class ScriptedVerifier(verifier_pb2_grpc.VerifierServicer):
@@ -76,3 +76,34 @@ def test_deadline_and_resume_travel_in_the_open_message_and_stale_streams_refuse
             await server.stop(0)
 
     asyncio.run(run())
+
+
+def test_each_verdict_that_goes_on_is_reported_as_it_arrives():
+    """on_verdict (draft_service.due_rounds) hears of every verdict whose sequence goes on, with its step (None
+    when unstated) and the step's count, also when no generation here awaits it any more (seq id None); a final
+    verdict, a dropped proposal and a verdict from a verifier the sequence left are not verdicts it waits for."""
+    from draft_service.verifier_link import _Placed
+
+    heard = []
+
+    async def run() -> None:
+        link = VerifierLink("127.0.0.1:1", draft_model_id="d", vocab_size=100, tokenizer_fingerprint="fp",
+                            on_verdict=lambda *args: heard.append(args))
+        try:
+            link._placed[5] = _Placed("127.0.0.1:1", 1)
+            link._inboxes[5] = asyncio.Queue()
+
+            def verdict(seq_id: int, **kw) -> verifier_pb2.VerifierMessage:
+                return verifier_pb2.VerifierMessage(verdict=verifier_pb2.Verdict(seq_id=seq_id, token_ids=[3], **kw))
+
+            link._dispatch("127.0.0.1:1", verdict(5, step=8, step_verdicts=2))
+            link._dispatch("127.0.0.1:1", verdict(6, step=8, step_verdicts=2))  # released here meanwhile
+            link._dispatch("127.0.0.1:1", verdict(5))  # an older verifier: no step
+            link._dispatch("127.0.0.1:1", verdict(5, step=9, step_verdicts=1, finish_reason=common_pb2.FINISH_REASON_LENGTH))
+            link._dispatch("127.0.0.1:1", verifier_pb2.VerifierMessage(dropped=verifier_pb2.ProposalDropped(seq_id=5)))
+            assert link._inboxes[5].qsize() == 4
+        finally:
+            await link.close()
+
+    asyncio.run(run())
+    assert heard == [(5, ("127.0.0.1:1", 8), 2), (None, ("127.0.0.1:1", 8), 2), (5, None, 0)]

@@ -81,6 +81,8 @@ def _older(message_name: str, field_name: str):
             if msg.name == message_name:
                 (f,) = [f for f in msg.field if f.name == field_name]
                 msg.field.remove(f)
+                if not f.proto3_optional:
+                    continue
                 # a proto3 optional field has a synthetic oneof of its own: it goes too
                 (o,) = [i for i, o in enumerate(msg.oneof_decl) if o.name == f"_{field_name}"]
                 del msg.oneof_decl[o]
@@ -142,3 +144,15 @@ def test_the_wire_mode_travels_in_the_sampling_parameters():
         assert (sampled.is_coupled, sampled.sends_draft_probs) == (coupled, sends_q)
         greedy = SamplingParams(temperature=0.0, wire_mode=mode)
         assert not greedy.is_coupled and not greedy.sends_draft_probs
+
+
+def test_older_drafts_read_a_verdict_s_step_and_older_verifiers_state_none():
+    """Verdict.step and step_verdicts (draft_service.due_rounds): a draft built before them reads the rest of the
+    verdict; a verifier built before them sends 0, which a draft reads as not stated."""
+    verdict = verifier_pb2.Verdict(seq_id=7, start_position=12, num_accepted=2, token_ids=[1, 2, 3], batch_size=5,
+                                   next_draft_tokens=3, step=41, step_verdicts=9)
+    old = _older("Verdict", "step").FromString(verdict.SerializeToString())
+    assert (old.seq_id, list(old.token_ids), old.next_draft_tokens, old.step_verdicts) == (7, [1, 2, 3], 3, 9)
+    older = _older("Verdict", "step_verdicts")(seq_id=7, token_ids=[1])
+    parsed = verifier_pb2.Verdict.FromString(older.SerializeToString())
+    assert (parsed.step, parsed.step_verdicts) == (0, 0)

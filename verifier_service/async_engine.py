@@ -261,5 +261,7 @@ class AsyncEngine:
                  chosen_draft_tokens=sum(s.chosen_draft_lengths) if s.chosen_draft_lengths else None,
                  predicted_goodput=None if s.predicted_goodput is None else round(s.predicted_goodput, 1),
                  speculation_arm=s.speculation_arm,
-                 **({} if s.priced_wait is None else {"wait_ms": round(s.priced_wait[0] * 1e3, 1),
-                                                      "wait_ms_per_block_token": round(s.priced_wait[1] * 1e3, 1)}))
+                 **({} if s.priced_wait is None else {
+                     "wait_ms": round(s.priced_wait[0] * 1e3, 1),
+                     "wait_ms_per_block_token": round(s.priced_wait[1] * 1e3, 1),
+                     "plain_wait_ms": None if s.priced_wait[2] is None else round(s.priced_wait[2] * 1e3, 1)}))

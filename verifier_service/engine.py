@@ -97,6 +97,7 @@ class VerifierEngine:
         # per sequence verified: its next block, as last chosen; the goodput choice takes the sequences away at
         # their drafts into the next step (_away)
         self._next_blocks: dict[SeqKey, _NextBlock] = {}
+        self._steps = 0  # steps that ran a forward: each one's verdicts carry its number (Verdict.step)
 
     # -- called from any thread -------------------------------------------------------------------------------
 
@@ -135,9 +136,21 @@ class VerifierEngine:
         for item in scheduled.scheduled:
             item.seq.last_active = now
         stats = self._step_stats(scheduled, ran, verdicts)
-        outcomes.extend(self._choose_draft_lengths(scheduled, verdicts, stats, step_started,
-                                                   awaited if max_verifications is None else None))
+        verdicts = self._choose_draft_lengths(scheduled, verdicts, stats, step_started,
+                                              awaited if max_verifications is None else None)
+        outcomes.extend(self._number(verdicts))
         return StepResult(outcomes, stats)
+
+    def _number(self, verdicts: list[VerdictOut | ErrorOut]) -> list[VerdictOut | ErrorOut]:
+        """Each verdict gets the step's number and how many verdicts of its stream this step gives to sequences
+        that go on: their draft waits for all of them before it drafts (draft_service.due_rounds). Measured at 64
+        streams (default pair, 2 cores): one step's verdicts reached the draft over 100 to 300 ms, each read
+        after the earlier ones' processing, and the draft drafted them in two batches, which the verifier then
+        verified in two steps."""
+        self._steps += 1
+        going_on = Counter(v.key.stream_id for v in verdicts if isinstance(v, VerdictOut) and v.finish_reason is None)
+        return [dataclasses.replace(v, step=self._steps, step_verdicts=going_on[v.key.stream_id])
+                if isinstance(v, VerdictOut) and v.finish_reason is None else v for v in verdicts]
 
     @staticmethod
     def _step_stats(scheduled: SchedulerOutput, ran: RunnerOutput, verdicts: list[VerdictOut | ErrorOut]) -> StepStats:

@@ -80,7 +80,8 @@ def _sorted_gains(cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray, np.nd
 
 def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel, other_tokens: int = 0,
                          other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
-                         idle_per_block_token: float = 0.0, other_longest_block: int = 0) -> Allocation:
+                         idle_per_block_token: float = 0.0, other_longest_block: int = 0,
+                         plain_idle_s: float | None = None) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -88,7 +89,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     `idle_per_block_token`: what each token of the longest block adds to it (the draft drafts its sequences'
     blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
     long as the longest block takes); `other_longest_block`: the longest block of the other work (fixed k), which
-    is drafted whatever is chosen.
+    is drafted whatever is chosen. `plain_idle_s`: the wait where nothing at all is drafted (no candidate drafts
+    and the other work's blocks draft nothing), in place of `idle_s` (None: the same).
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
     best goodput, the one with the most drafted tokens is taken. Without a step observed yet every candidate gets
     its cap.
@@ -107,8 +109,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     start = float(base) + other_output
 
     def cost(n: np.ndarray, longest: np.ndarray) -> np.ndarray:
-        return np.where(n > 0, step_time.predict_many(n) + idle_s
-                        + idle_per_block_token * np.maximum(longest, other_longest_block), 0.0)
+        block = np.maximum(longest, other_longest_block)
+        idle = np.full(len(n), idle_s) if plain_idle_s is None else np.where(block > 0, idle_s, plain_idle_s)
+        return np.where(n > 0, step_time.predict_many(n) + idle + idle_per_block_token * block, 0.0)
 
     gains, index, position = _sorted_gains(cands)
     top = int(position.max()) + 1 if position.size else 0
@@ -131,9 +134,13 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     costs = cost(fixed_n + m_all, longest_all)
     goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
     best = goodputs.max()
-    if tolerance > 0:
+    if tolerance > 0 and goodputs[0] < best:
         # near the best: losing at most `tolerance` of the candidates' own expected tokens over the option's step
-        # (of all the step's tokens, the other work's included, a prefill-heavy step let any draft through)
+        # (of all the step's tokens, the other work's included, a prefill-heavy step let any draft through). Only
+        # where the best drafts: where plain decoding is best, a draft that comes near it is priced at break-even,
+        # and the tolerance took the longest such draft (measured at 64 streams, default pair, 2 cores: every
+        # sequence went from k = 0 to 3 or 4 at once, and such a round took 6 to 7 s for 4 to 4.6 tokens a
+        # sequence, which plain rounds of 1.1 s give in 4.3 to 5 s)
         near = np.flatnonzero((best - goodputs) * costs <= tolerance * (expected_all - other_output) + 1e-12)
         pick = int(near[np.lexsort((goodputs[near], m_all[near]))[-1]])
     else:
@@ -179,6 +186,12 @@ class DraftLengthController:
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
     idle_s: float = 0.0  # moving average of the time between steps
+    # the same, kept apart for steps whose blocks drafted something and steps whose blocks drafted nothing (None:
+    # none seen yet); see idle_split
+    draft_idle_s: float | None = None
+    draft_longest_k: float = 0.0  # the longest block of the steps draft_idle_s averages, on average
+    plain_idle_s: float | None = None
+    _step_idle_s: float | None = None  # the wait before the step observed last
     # the drafts' seconds per drafted token (Proposal.draft_seconds over the longest block of its step), and the
     # longest block chosen, on average: the share of idle_s that is the verifier waiting for drafting (see choose)
     draft_decay: float = 0.8
@@ -186,7 +199,7 @@ class DraftLengthController:
     mean_longest_k: float = 0.0
     # e, below; before any drafting is seen, 1: the verifier waits for every draft in one phase (--phases hold)
     exposure: float = 1.0
-    last_price: tuple[float, float] | None = None  # the idle_split() the last choice priced its step with
+    last_price: tuple[float, float, float | None] | None = None  # the idle_split() the last choice priced with
     _until_probe: int = 0  # choices before the next probe; 0: not started (set from first_probe_every)
     _probe_interval: int = 0
     _drafted_since_probe: bool = False
@@ -207,8 +220,9 @@ class DraftLengthController:
         """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
         first step)."""
         self.step_time.observe(num_tokens, seconds)
+        self._step_idle_s = None
         if idle_s is not None:
-            idle = min(max(0.0, idle_s), self.max_idle_s)
+            idle = self._step_idle_s = min(max(0.0, idle_s), self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
     def observe_drafting(self, seconds: float, seconds_per_token: float, longest_block: int) -> None:
@@ -218,25 +232,46 @@ class DraftLengthController:
         verifier waited for is its wait before the step against `seconds` (both capped at max_idle_s)."""
         d = self.draft_decay
         self.mean_longest_k = d * self.mean_longest_k + (1 - d) * longest_block
+        if (idle := self._step_idle_s) is not None:
+            self._step_idle_s = None
+            if longest_block == 0:
+                self.plain_idle_s = idle if self.plain_idle_s is None else \
+                    self.idle_decay * self.plain_idle_s + (1 - self.idle_decay) * idle
+            elif self.draft_idle_s is None:
+                self.draft_idle_s, self.draft_longest_k = idle, float(longest_block)
+            else:
+                self.draft_idle_s = self.idle_decay * self.draft_idle_s + (1 - self.idle_decay) * idle
+                self.draft_longest_k = d * self.draft_longest_k + (1 - d) * longest_block
         if not (seconds > 0.0 and seconds_per_token > 0.0):
             return
         if self.draft_s_per_token is None:
             self.draft_s_per_token = seconds_per_token
         else:
             self.draft_s_per_token = d * self.draft_s_per_token + (1 - d) * seconds_per_token
-        waited = min(1.0, self.idle_s / min(seconds, self.max_idle_s))
+        idle = self.idle_s if self.draft_idle_s is None else self.draft_idle_s
+        waited = min(1.0, idle / min(seconds, self.max_idle_s))
         self.exposure = d * self.exposure + (1 - d) * waited
 
-    def idle_split(self) -> tuple[float, float]:
-        """(idle seconds per step that no draft length changes, seconds each token of the longest block adds).
-        The verifier waits idle_s before each step, of which drafting the longest block it verified, on average
-        k̄ tokens, takes s * k̄; it waits for a share e of the drafting (observe_drafting: 1 in one phase, where
-        it waits for every draft; 0 where drafting hides behind other work; kept while nothing is drafted). A
-        longest block of k tokens then adds e * s * k to the wait."""
+    def idle_split(self) -> tuple[float, float, float | None]:
+        """(idle seconds per step that no draft length changes, seconds each token of the longest block adds,
+        idle seconds per step where nothing is drafted at all or None: the first).
+        The verifier waits before each step that verifies drafted blocks draft_idle_s on average, of which
+        drafting the longest block, on average k̄ tokens, takes s * k̄; it waits for a share e of the drafting
+        (observe_drafting: 1 in one phase, where it waits for every draft; 0 where drafting hides behind other
+        work; kept while nothing is drafted). A longest block of k tokens then adds e * s * k to the wait.
+        Steps after rounds that drafted nothing wait plain_idle_s on average, and that is what plain decoding is
+        priced with: there each sequence proposes as soon as its verdict is handled, where a drafting round's
+        proposals leave the draft together after its batch, which waits for every verdict of the step (measured at
+        64 streams, default pair, 2 cores: about 70 ms between plain steps, against a fixed part of about 330 ms
+        for drafting rounds, which, charged to plain decoding too, made drafting 1 to 3 tokens look 5 to 10 %
+        better than plain decoding where it was 15 to 20 % worse)."""
         s = self.draft_s_per_token
         if not s:
-            return self.idle_s, 0.0
-        return max(0.0, self.idle_s - self.exposure * s * self.mean_longest_k), self.exposure * s
+            return self.idle_s, 0.0, None
+        if self.draft_idle_s is None:
+            return max(0.0, self.idle_s - self.exposure * s * self.mean_longest_k), self.exposure * s, None
+        fixed = max(0.0, self.draft_idle_s - self.exposure * s * self.draft_longest_k)
+        return fixed, self.exposure * s, self.plain_idle_s
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)
@@ -254,9 +289,9 @@ class DraftLengthController:
         allocation's goodput and expected tokens are the whole batch's."""
         pool = {**(away or {}), **caps}
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
-        self.last_price = fixed_idle, per_token = self.idle_split()
+        self.last_price = fixed_idle, per_token, plain_idle = self.idle_split()
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
-                                      self.tolerance, per_token, other_longest_block)
+                                      self.tolerance, per_token, other_longest_block, plain_idle)
         if len(pool) > len(caps):
             chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
         if self._probes_now(any(chosen.draft_lengths.values())):

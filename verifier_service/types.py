@@ -112,6 +112,9 @@ class VerdictOut:
     batch_size: int
     step_time_s: float = 0.0
     next_draft_tokens: int | None = None  # the verifier's choice of the next block's length (goodput)
+    # the step's number, and the verdicts of this stream in it whose sequences go on (Verdict.step_verdicts)
+    step: int = 0
+    step_verdicts: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,7 @@ class StepStats:
     chosen_draft_lengths: list[int] = field(default_factory=list)  # the next lengths chosen after this step
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
     # how the choice priced the verifier's wait: seconds no length changes, and per token of the longest block
-    priced_wait: tuple[float, float] | None = None
+    priced_wait: tuple[float, float, float | None] | None = None
     speculation_arm: str | None = None  # the arm of the speculation trial the next choices follow
 
     @property

@@ -160,7 +160,7 @@ class Welcome(_message.Message):
     def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s", "next_draft_tokens")
+    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s", "next_draft_tokens", "step", "step_verdicts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class Verdict(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     NEXT_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_VERDICTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     num_accepted: int
@@ -177,7 +179,9 @@ class Verdict(_message.Message):
     batch_size: int
     step_time_s: float
     next_draft_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ..., next_draft_tokens: _Optional[int] = ...) -> None: ...
+    step: int
+    step_verdicts: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ..., next_draft_tokens: _Optional[int] = ..., step: _Optional[int] = ..., step_verdicts: _Optional[int] = ...) -> None: ...
 
 class ProposalDropped(_message.Message):
     __slots__ = ("seq_id", "start_position", "num_verified")
