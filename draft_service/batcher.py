@@ -47,6 +47,7 @@ class DraftBatcher:
         """executor: the one thread the model runs on; pass the one that loaded it (see common.compute_thread)."""
         self.model = model
         self.due = due
+        self._due_wait: asyncio.Future | None = None  # the one wait for `due` that every caller shares
         self._pending: list[tuple[DraftJob, asyncio.Future]] = []
         self._wakeup = asyncio.Event()
         self._executor = executor or compute_thread("draft-model")
@@ -64,7 +65,8 @@ class DraftBatcher:
 
     async def wait_for_batch(self) -> None:
         """Until the batch that drafts now, or the one the jobs waiting will make, is done (at once when there
-        is none, after the same short window the batches wait for a burst). A sequence that drafts nothing this
+        is none, after the same short window the batches wait for a burst, and, with `due`, once the other
+        sequences of its verifier step have started their rounds: their jobs may make one). A sequence that drafts nothing this
         round (the verifier chose k = 0 for it) then proposes together with the sequences of its burst that do
         draft, and the verifier verifies them in one step: proposed at once, its proposal would be verified alone
         and the others' after it, and the two groups would stay out of step (measured: 4 streams split into 2 + 2,
@@ -83,8 +85,14 @@ class DraftBatcher:
         return min(MAX_DUE_WAIT_S, self._last_batch_s)
 
     async def _await_due(self) -> None:
-        if self.due is not None and self.due.waiting_for(self._due_wait_s()):
-            await self.due.settled(self._due_wait_s())
+        """Until `due` has settled (at most the last batch's time). One wait, shared: under plain decoding every
+        sequence of a step waits here, and a wait each would wake all of them at every verdict."""
+        bound = self._due_wait_s()
+        if self.due is None or not self.due.waiting_for(bound):
+            return
+        if self._due_wait is None or self._due_wait.done():
+            self._due_wait = asyncio.ensure_future(self.due.settled(bound))
+        await asyncio.shield(self._due_wait)
 
     def _batch_done(self) -> None:
         self._batches_done += 1
@@ -98,9 +106,10 @@ class DraftBatcher:
         self._batch_waiters = waiting
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._due_wait) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
     def warm(self, seq: DraftSequence) -> None:

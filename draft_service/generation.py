@@ -76,7 +76,8 @@ def q_support_limit(sampling: SamplingParams, identity: VerifierIdentity) -> int
 class Generator:
     def __init__(self, config: DraftConfig, tokenizer: Any, vocab_size: int, link: VerifierLink, drafter: Drafter,
                  metrics: DraftMetrics | None = None, due: DueRounds | None = None) -> None:
-        """due: the sequences whose verdict is in (the link marks them); each round here says when it starts."""
+        """due: the sequences whose verdict is in (the link tells verdict_arrived); each round here says when it
+        starts."""
         self.config = config
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -84,6 +85,7 @@ class Generator:
         self.drafter = drafter
         self.metrics = metrics or DraftMetrics()
         self.due = due
+        self._awaiting: set[int] = set()  # sequence ids whose generation waits for its verdict now
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
         self._recent_choice: int | None = None  # the verifier's last choice for any sequence (auto)
@@ -95,6 +97,13 @@ class Generator:
         # or decides every token from its own noise
         self.wire_mode = WireMode(config.wire_mode)
         self.pipeline = Pipeline.from_flags(drafter, self.metrics, config.pipeline, config.pipeline_width)
+
+    def verdict_arrived(self, seq_id: int | None, step: tuple | None, step_verdicts: int) -> None:
+        """The link's on_verdict: a verdict whose sequence goes on. Its round is due (a drafting batch waits for
+        it) only while its generation waits for that verdict: one busy drafting ahead (pipelining) has its jobs in
+        the batch already, which must not wait for it."""
+        if self.due is not None:
+            self.due.arrived(seq_id if seq_id in self._awaiting else None, step, step_verdicts)
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
@@ -141,6 +150,7 @@ class Generator:
                 if warming:
                     self.drafter.warm(seq)
                 t_sent = time.perf_counter()
+                self._awaiting.add(seq_id)
                 try:
                     verdict = await self._verify(seq, len(prompt), block, req.deadline, flight)
                     t_verdict = time.perf_counter()  # before any wait for warming: the round's times
@@ -148,6 +158,7 @@ class Generator:
                     finished = True  # the verifier has already freed the sequence
                     raise
                 finally:
+                    self._awaiting.discard(seq_id)
                     if warming:
                         await self.drafter.settle(seq)  # before seq changes (or is released)
                 self.pipeline.observe(width, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
@@ -170,7 +181,7 @@ class Generator:
             # cancelled by the client or failed here: free it on the verifier too
             self.link.release(seq_id, cancel=not finished)
             if self.due is not None:
-                self.due.left(seq_id)
+                self.due.forget(seq_id)
             await self.drafter.release(*(branch.seq for branch in branches), seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         yield self._finish(stats, seq, flight, t0)

@@ -122,7 +122,7 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
                                        token_file=config.verifier_token_file)
     link = VerifierLink(config.verifier, draft_model_id=model_id, vocab_size=vocab_size,
                         tokenizer_fingerprint=fingerprint, security=security, on_reconnect=metrics.reconnects.inc,
-                        metrics=metrics, on_verdict=due.arrived if due is not None else None)
+                        metrics=metrics)
     if isinstance(drafter, ModelDrafter) and drafter.tree is not None:
         # a sequence resumed on a verifier that takes no trees as large goes on with chains
         drafter.trees_allowed = lambda: link.identity is not None and link.identity.takes_trees(config.tree_nodes)
@@ -130,6 +130,8 @@ async def serve(config: DraftConfig, *, stop: asyncio.Event | None = None) -> No
     if batcher is not None:
         batcher.start()
     generator = Generator(config, tokenizer, link.identity.vocab_size, link, drafter, metrics, due)
+    if due is not None:
+        link.on_verdict = generator.verdict_arrived
     metrics_server = None
     if config.metrics_port:
         metrics_server = start_metrics_server(config.metrics_port, config.host, metrics.registry)

@@ -55,13 +55,14 @@ class _Placed:
 class VerifierLink:
     def __init__(self, target: str, *, draft_model_id: str, vocab_size: int | None, tokenizer_fingerprint: str,
                  security: LinkSecurity | None = None, on_reconnect=None, metrics=None,
-                 on_verdict: Callable[[int | None, tuple[str, int] | None, int], None] | None = None) -> None:
+                 on_verdict: Callable[[int | None, tuple | None, int], None] | None = None) -> None:
         """`target`: --verifier (one HOST:PORT, a list of them, or dns:///NAME:PORT). vocab_size None: a proposer
         without logits (n-gram) takes the verifier's. on_reconnect: called after each successful reconnection
         (not a verifier's first connection). metrics: DraftMetrics (placements, failovers, sequences per
-        verifier), or None. on_verdict: called for every verdict that does not end its sequence, as it
-        arrives, with its sequence id (None when no generation here awaits it), (verifier, step) or None when
-        unstated, and the step's number of such verdicts on the stream (draft_service.due_rounds.DueRounds.arrived)."""
+        verifier), or None. on_verdict (also settable later): called for every verdict that does not end its
+        sequence, as it arrives, with its sequence id (None when no generation here awaits it), (verifier, stream,
+        step) or None when unstated, and the step's number of such verdicts on the stream
+        (draft_service.generation.Generator.verdict_arrived)."""
         self._targets = VerifierTargets.parse(target)
         self._target = target
         # one hello for every verifier: a proposer without logits takes the first one's vocabulary, and the others
@@ -74,7 +75,7 @@ class VerifierLink:
             security = dataclasses.replace(security, server_name=self._targets.dns_host)
         self._security = security
         self._on_reconnect = on_reconnect
-        self._on_verdict = on_verdict
+        self.on_verdict = on_verdict
         self._metrics = metrics
         self._verifiers: dict[str, _Verifier] = {}
         for address in self._targets.addresses:
@@ -371,9 +372,12 @@ class VerifierLink:
         delivered = inbox is not None and placed is not None and placed.address == address  # not a verifier it left
         if delivered:
             inbox.put_nowait(event)
-        if self._on_verdict is not None and isinstance(event, VerdictEvent) and event.finish_reason is None:
-            self._on_verdict(seq_id if delivered else None, (address, event.step) if event.step else None,
-                             event.step_verdicts)
+        if self.on_verdict is not None and isinstance(event, VerdictEvent) and event.finish_reason is None:
+            # a step is named by its stream too: a verifier restarted at the same address counts steps from 1
+            verifier = self._verifiers.get(address)
+            stream = verifier.connection.num_connections if verifier is not None else 0
+            self.on_verdict(seq_id if delivered else None, (address, stream, event.step) if event.step else None,
+                            event.step_verdicts)
 
     def _reported(self, address: str, load: verifier_pb2.VerifierLoad) -> None:
         verifier = self._verifiers.get(address)

@@ -497,7 +497,7 @@ def test_a_batch_waits_for_the_other_verdicts_of_its_step_and_drafts_them_togeth
         async def go() -> bool:
             due = DueRounds() if with_due else None
             batcher = DraftBatcher(draft, ThreadPoolExecutor(1), due)
-            batcher._last_batch_s = 30.0  # the bound of the wait: never reached here
+            batcher._last_batch_s = 30.0  # the bound of the wait: MAX_DUE_WAIT_S then, never reached here
             batcher.start()
             seqs = _batch((5, 6, 7, 8))
             step = ("verifier", 12)
@@ -509,15 +509,14 @@ def test_a_batch_waits_for_the_other_verdicts_of_its_step_and_drafts_them_togeth
                 plain = asyncio.ensure_future(batcher.wait_for_batch())
                 await asyncio.sleep(0.02)
                 early = plain.done()
-                if due is not None:
-                    due.left(1)
-                first = asyncio.ensure_future(batcher.draft(DraftJob(seqs[0], 2)))
-                await asyncio.sleep(0.05)
-                others = []
-                for seq_id, seq in ((2, seqs[1]), (3, seqs[2])):
-                    if due is not None:
+                async def round_of(seq_id: int, seq: DraftSequence):
+                    if due is not None:  # as a generation does: in the loop turn that queues its job
                         due.left(seq_id)
-                    others.append(asyncio.ensure_future(batcher.draft(DraftJob(seq, 2))))
+                    return await batcher.draft(DraftJob(seq, 2))
+
+                first = asyncio.ensure_future(round_of(1, seqs[0]))
+                await asyncio.sleep(0.05)
+                others = [asyncio.ensure_future(round_of(i, seq)) for i, seq in ((2, seqs[1]), (3, seqs[2]))]
                 await asyncio.wait_for(asyncio.gather(first, plain, *others), 30)
                 return early
             finally:
@@ -528,3 +527,65 @@ def test_a_batch_waits_for_the_other_verdicts_of_its_step_and_drafts_them_togeth
 
     assert run(with_due=True) == ([3], False)
     assert run(with_due=False) == ([1, 2], True)
+
+
+class RoundsVerifier(OneTokenVerifier):
+    """Verdicts of one token, 7, that go on until the `rounds`-th, which ends the sequence; each is reported to
+    on_verdict as it arrives, as VerifierLink does. With `hang_at`, that round's verdict arrives and then its
+    generation never gets it (a client gone meanwhile is what ends it)."""
+
+    def __init__(self, rounds: int, hang_at: int | None = None) -> None:
+        super().__init__()
+        self.rounds, self.hang_at = rounds, hang_at
+        self.on_verdict = None
+        self.due_at_proposal: list[int] = []
+        self.due_at_verdict: list[int] = []
+        self.due: DueRounds | None = None
+        self._round = 0
+
+    def propose(self, seq_id, start_position, block, **_) -> int:
+        self.due_at_proposal.append(len(self.due))
+        return 1
+
+    async def next_event(self, seq_id):
+        await asyncio.sleep(0)
+        self._round += 1
+        last = self._round == self.rounds
+        if not last:
+            self.on_verdict(seq_id, ("v", 1, self._round), 1)
+        self.due_at_verdict.append(len(self.due))
+        if self._round == self.hang_at:
+            await asyncio.Event().wait()
+        return VerdictEvent(self._starts[seq_id] + self._round - 1, 0, (7,),
+                            FinishReason.LENGTH if last else None, 1)
+
+
+@pytest.mark.parametrize("hang_at", [None, 3])
+def test_a_generation_s_rounds_leave_the_due_set_and_an_ended_one_is_forgotten(hang_at):
+    """Each verdict that goes on makes its sequence due until its next round starts (before it proposes); when
+    the generation ends, finished or cancelled while its verdict was in, nothing of it stays due."""
+    link = RoundsVerifier(5, hang_at)
+    due = link.due = DueRounds()
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, NgramDrafter(),
+                    None, due)
+    link.on_verdict = gen.verdict_arrived
+
+    async def main() -> None:
+        task = asyncio.ensure_future(_run(gen, prompt_token_ids=(1, 2, 3)))
+        if hang_at is None:
+            await asyncio.wait_for(task, 10)
+            return
+        for _ in range(1000):
+            if len(link.due_at_verdict) == hang_at:
+                break
+            await asyncio.sleep(0.001)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(main())
+    gen.prompts.close()
+    assert len(due) == 0 and not due._late
+    if hang_at is None:
+        assert link.due_at_verdict == [1, 1, 1, 1, 0] and link.due_at_proposal == [0] * 5
+    else:
+        assert link.due_at_verdict == [1, 1, 1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from draft_service.due_rounds import FORGET_S, DueRounds
+from draft_service.due_rounds import FORGET_S, LATE_ROUNDS, DueRounds
 
 
 class Clock:
@@ -51,9 +51,10 @@ def test_what_stalls_is_waited_for_only_within_the_bound():
         await due.settled(0.5)  # returns at once: all of it is older than the bound
 
     asyncio.run(asyncio.wait_for(bounded(), 5))
+    assert due.waiting_for(10.0) == 3  # 1 and 2 are late now; three of step 1 not arrived
     clock.now += FORGET_S
     due.arrived(3, ("v", 2), 2)  # a new step forgets the steps begun too long ago
-    assert due.waiting_for(10.0) == 2 + 1 + 1  # 1 and 2 still due; step 2's other verdict
+    assert due.waiting_for(10.0) == 1 + 1  # 3; step 2's other verdict
 
 
 def test_settled_returns_when_the_last_one_leaves():
@@ -72,5 +73,23 @@ def test_settled_returns_when_the_last_one_leaves():
         assert not waiter.done()  # arrived, its round not started
         due.left(2)
         await asyncio.wait_for(waiter, 5)
+
+    asyncio.run(run())
+
+
+def test_a_wait_gives_up_at_its_bound_and_the_late_one_is_not_waited_for_its_next_verdicts():
+    due = DueRounds()
+
+    async def run() -> None:
+        due.arrived(1)
+        await asyncio.wait_for(due.settled(0.05), 5)  # 1 never leaves: the bound ends the wait
+        assert len(due) == 0 and due.waiting_for(10.0) == 0
+        for _ in range(LATE_ROUNDS):
+            due.arrived(1)
+            assert due.waiting_for(10.0) == 0
+        due.arrived(1)  # on time again after that
+        assert due.waiting_for(10.0) == 1
+        due.forget(1)
+        assert due.waiting_for(10.0) == 0 and not due._late
 
     asyncio.run(run())

@@ -327,7 +327,7 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     for i in range(40):
         drafting = i % 2 == 0
         c.observe_step(16 if drafting else 8, 0.66 if drafting else 0.58, 0.6 if drafting else 0.02)
-        c.observe_drafting(0.2 if drafting else 0.0, 0.2 if drafting else 0.0, 1 if drafting else 0)
+        c.observe_drafting(0.2 if drafting else 0.0, 0.2 if drafting else 0.0, 1 if drafting else 0, drafting)
     assert c.plain_idle_s == pytest.approx(0.02, rel=0.01) and c.draft_idle_s == pytest.approx(0.6, rel=0.01)
     fixed, per_token, plain = c.idle_split()
     assert fixed == pytest.approx(0.4, rel=0.05) and per_token == pytest.approx(0.2, rel=0.05) and plain == c.plain_idle_s
@@ -335,4 +335,34 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     caps = {i: 1 for i in range(8)}
     assert set(c.choose(caps).draft_lengths.values()) == {0}
     c.plain_idle_s = None  # one wait for both kinds of round
+    assert set(c.choose(caps).draft_lengths.values()) == {1}
+
+
+def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():
+    """The step-time model (learnt from every step, prompt chunks too) says 0.5 + 0.01 n s, and steps that verify
+    nothing drafted take that, while steps that verify drafted tokens take 1.5 times it (sampling per drafted
+    position, attention over each sequence's context). Priced by the model alone one drafted token per sequence
+    wins; priced by each kind's ratio plain decoding does. Steps with prompt chunks (drafted None) are not
+    counted."""
+    from verifier_service.goodput import DraftLengthController
+
+    def model(n: int) -> float:
+        return 0.5 + 0.01 * n
+
+    c = DraftLengthController(1, step_time=model_of(model), probe_every=0)
+    c.acceptance.default_rate = 0.9
+    caps = {i: 1 for i in range(32)}
+    assert set(c.choose(caps).draft_lengths.values()) == {1}
+    for i in range(60):
+        drafting = i % 2 == 0
+        n = 64 if drafting else 32
+        c.observe_step(n, model(n) * (1.5 if drafting else 1.0))
+        c.observe_drafting(0.0, 0.0, 0, drafting)
+        c.step_time = model_of(model)  # the model as it was: only the ratios learn here
+        c.observe_step(200, 0.1)  # a step with prompt chunks, far off the model: not counted
+        c.observe_drafting(0.0, 0.0, 0, None)
+        c.step_time = model_of(model)
+    assert c.draft_step_ratio == pytest.approx(1.5, rel=0.01) and c.plain_step_ratio == pytest.approx(1.0, rel=0.01)
+    assert set(c.choose(caps).draft_lengths.values()) == {0}
+    c.calibrate, c.draft_step_ratio = False, 1.0
     assert set(c.choose(caps).draft_lengths.values()) == {1}

@@ -101,9 +101,12 @@ def test_each_verdict_that_goes_on_is_reported_as_it_arrives():
             link._dispatch("127.0.0.1:1", verdict(5))  # an older verifier: no step
             link._dispatch("127.0.0.1:1", verdict(5, step=9, step_verdicts=1, finish_reason=common_pb2.FINISH_REASON_LENGTH))
             link._dispatch("127.0.0.1:1", verifier_pb2.VerifierMessage(dropped=verifier_pb2.ProposalDropped(seq_id=5)))
+            link._dispatch("127.0.0.1:2", verdict(5, step=3, step_verdicts=2))  # a verifier it left
             assert link._inboxes[5].qsize() == 4
         finally:
             await link.close()
 
     asyncio.run(run())
-    assert heard == [(5, ("127.0.0.1:1", 8), 2), (None, ("127.0.0.1:1", 8), 2), (5, None, 0)]
+    stream = 0  # the connection's number: never connected here
+    assert heard == [(5, ("127.0.0.1:1", stream, 8), 2), (None, ("127.0.0.1:1", stream, 8), 2), (5, None, 0),
+                     (None, ("127.0.0.1:2", 0, 3), 2)]

@@ -191,7 +191,7 @@ class VerifierEngine:
         since_last = now - (self._last_step_end if self._last_step_end is not None else step_started)
         self._last_step_end = now
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
-        self._observe_drafting(scheduled, control)
+        self._observe_drafting(scheduled, control, prefill=stats.num_prefill_tokens > 0)
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
@@ -284,9 +284,10 @@ class VerifierEngine:
                                                     p.num_positions if p.draft_seconds is not None else 0, None)
 
     @staticmethod
-    def _observe_drafting(scheduled: SchedulerOutput, control: DraftLengthController) -> None:
+    def _observe_drafting(scheduled: SchedulerOutput, control: DraftLengthController, *, prefill: bool = False) -> None:
         """Proposal.draft_seconds of the blocks verified: per stream (one draft process) its batch's time over its
-        longest block; one phase waits for the slowest stream. A claim past max_idle_s counts as that much."""
+        longest block; one phase waits for the slowest stream. A claim past max_idle_s counts as that much.
+        `prefill`: the step computed prompt chunks too (its wait and its time say nothing of a verification's)."""
         by_stream: dict[int, tuple[float, int]] = {}
         for item in scheduled.verifications:
             p = item.proposal
@@ -295,12 +296,15 @@ class VerifierEngine:
             seconds, k = by_stream.get(p.key.stream_id, (0.0, 0))
             by_stream[p.key.stream_id] = (max(seconds, min(p.draft_seconds, control.max_idle_s)),
                                           max(k, p.num_positions))
+        # the wait before the step is a plain round's when the step verified blocks and none drafted anything
+        verified = scheduled.verifications
+        drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
         if by_stream:
             control.observe_drafting(max(s for s, _ in by_stream.values()),
                                      max(s / k for s, k in by_stream.values()),
-                                     max(k for _, k in by_stream.values()))
+                                     max(k for _, k in by_stream.values()), drafted)
         else:
-            control.observe_drafting(0.0, 0.0, 0)
+            control.observe_drafting(0.0, 0.0, 0, drafted)
 
     def next_expiry(self) -> float | None:
         """When the next sequence would expire (time.monotonic()), or None: the engine loop's wake-up time."""

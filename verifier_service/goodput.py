@@ -81,7 +81,8 @@ def _sorted_gains(cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray, np.nd
 def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeModel, other_tokens: int = 0,
                          other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
                          idle_per_block_token: float = 0.0, other_longest_block: int = 0,
-                         plain_idle_s: float | None = None) -> Allocation:
+                         plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
+                         ) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -90,7 +91,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
     long as the longest block takes); `other_longest_block`: the longest block of the other work (fixed k), which
     is drafted whatever is chosen. `plain_idle_s`: the wait where nothing at all is drafted (no candidate drafts
-    and the other work's blocks draft nothing), in place of `idle_s` (None: the same).
+    and the other work's blocks draft nothing), in place of `idle_s` (None: the same). `step_ratios`: what a step
+    that verifies nothing drafted, and one that verifies drafted tokens, takes against `step_time`'s prediction.
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
     best goodput, the one with the most drafted tokens is taken. Without a step observed yet every candidate gets
     its cap.
@@ -111,7 +113,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     def cost(n: np.ndarray, longest: np.ndarray) -> np.ndarray:
         block = np.maximum(longest, other_longest_block)
         idle = np.full(len(n), idle_s) if plain_idle_s is None else np.where(block > 0, idle_s, plain_idle_s)
-        return np.where(n > 0, step_time.predict_many(n) + idle + idle_per_block_token * block, 0.0)
+        ratio = np.where(block > 0, step_ratios[1], step_ratios[0])
+        return np.where(n > 0, step_time.predict_many(n) * ratio + idle + idle_per_block_token * block, 0.0)
 
     gains, index, position = _sorted_gains(cands)
     top = int(position.max()) + 1 if position.size else 0
@@ -192,6 +195,17 @@ class DraftLengthController:
     draft_longest_k: float = 0.0  # the longest block of the steps draft_idle_s averages, on average
     plain_idle_s: float | None = None
     _step_idle_s: float | None = None  # the wait before the step observed last
+    # The step-time model learns from every step, prompt chunks included, by its tokens alone; a verification
+    # step's tokens cost more (its attention reads each sequence's context, its sampling is per position, and a
+    # drafted position's costs more than a plain one's). Measured at 32 and 64 streams (default pair, 2 cores):
+    # 128-token steps that verified one drafted token per sequence took 2.1 s where the model, which had seen
+    # prompt chunks of 13 ms a token, priced about 1.6 s, and drafting looked 10 % better than plain decoding
+    # where it was 30 % worse. So the price of a step is the model's times what steps of its kind (verifying
+    # drafted tokens or not, no prompt chunk) took against their prediction lately (observe_drafting).
+    calibrate: bool = True
+    plain_step_ratio: float = 1.0
+    draft_step_ratio: float = 1.0
+    _step_predicted: tuple[float, float] | None = None  # (predicted, taken) of the step observed last
     # the drafts' seconds per drafted token (Proposal.draft_seconds over the longest block of its step), and the
     # longest block chosen, on average: the share of idle_s that is the verifier waiting for drafting (see choose)
     draft_decay: float = 0.8
@@ -219,22 +233,35 @@ class DraftLengthController:
     def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None) -> None:
         """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
         first step)."""
+        self._step_predicted = (self.step_time.predict(num_tokens), seconds) if self.step_time.ready else None
         self.step_time.observe(num_tokens, seconds)
         self._step_idle_s = None
         if idle_s is not None:
             idle = self._step_idle_s = min(max(0.0, idle_s), self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
-    def observe_drafting(self, seconds: float, seconds_per_token: float, longest_block: int) -> None:
+    def observe_drafting(self, seconds: float, seconds_per_token: float, longest_block: int,
+                         drafted: bool | None = None) -> None:
         """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch),
         `seconds_per_token` per draft step, and its longest model-drafted block was `longest_block` tokens (0:
         nothing drafted; then the seconds are 0 too). Call it after observe_step: the share e of drafting the
-        verifier waited for is its wait before the step against `seconds` (both capped at max_idle_s)."""
+        verifier waited for is its wait before the step against `seconds` (both capped at max_idle_s).
+        `drafted`: whether any block the step verified drafted anything, by a model or not (None: it verified
+        none, or it computed prompt chunks too); the wait before it goes to the plain or the drafting rounds'
+        average (idle_split), unless it was a quiet spell (max_idle_s: the verifier was idle, not waiting), and its
+        time against the step-time model's prediction to that kind's ratio (see `calibrate`)."""
         d = self.draft_decay
         self.mean_longest_k = d * self.mean_longest_k + (1 - d) * longest_block
-        if (idle := self._step_idle_s) is not None:
-            self._step_idle_s = None
-            if longest_block == 0:
+        predicted, self._step_predicted = self._step_predicted, None
+        if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
+            ratio = min(4.0, max(0.25, predicted[1] / predicted[0]))
+            if drafted:
+                self.draft_step_ratio = self.idle_decay * self.draft_step_ratio + (1 - self.idle_decay) * ratio
+            else:
+                self.plain_step_ratio = self.idle_decay * self.plain_step_ratio + (1 - self.idle_decay) * ratio
+        idle, self._step_idle_s = self._step_idle_s, None
+        if drafted is not None and idle is not None and idle < self.max_idle_s:
+            if not drafted:
                 self.plain_idle_s = idle if self.plain_idle_s is None else \
                     self.idle_decay * self.plain_idle_s + (1 - self.idle_decay) * idle
             elif self.draft_idle_s is None:
@@ -262,9 +289,9 @@ class DraftLengthController:
         Steps after rounds that drafted nothing wait plain_idle_s on average, and that is what plain decoding is
         priced with: there each sequence proposes as soon as its verdict is handled, where a drafting round's
         proposals leave the draft together after its batch, which waits for every verdict of the step (measured at
-        64 streams, default pair, 2 cores: about 70 ms between plain steps, against a fixed part of about 330 ms
-        for drafting rounds, which, charged to plain decoding too, made drafting 1 to 3 tokens look 5 to 10 %
-        better than plain decoding where it was 15 to 20 % worse)."""
+        32 and 64 streams, default pair, 2 cores: 30 to 45 ms between plain steps, against a fixed part of 130 to
+        330 ms priced for drafting rounds, which, charged to plain decoding too, made drafting 1 to 3 tokens look
+        better than plain decoding, which the speculation trial measured 11 to 20 % better)."""
         s = self.draft_s_per_token
         if not s:
             return self.idle_s, 0.0, None
@@ -291,7 +318,8 @@ class DraftLengthController:
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
         self.last_price = fixed_idle, per_token, plain_idle = self.idle_split()
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
-                                      self.tolerance, per_token, other_longest_block, plain_idle)
+                                      self.tolerance, per_token, other_longest_block, plain_idle,
+                                      (self.plain_step_ratio, self.draft_step_ratio))
         if len(pool) > len(caps):
             chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
         if self._probes_now(any(chosen.draft_lengths.values())):
