@@ -366,3 +366,21 @@ def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():
     assert set(c.choose(caps).draft_lengths.values()) == {0}
     c.calibrate, c.draft_step_ratio = False, 1.0
     assert set(c.choose(caps).draft_lengths.values()) == {1}
+
+
+def test_plain_decoding_waits_no_longer_than_a_drafting_round():
+    """Plain rounds' last waits were long (a client's pause between requests), and since then one sequence drafting
+    made every round a drafting one, whose fixed wait is short: plain decoding is priced with the shorter."""
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(1, step_time=model_of(lambda n: 0.25 + 0.005 * n), probe_every=0)
+    for _ in range(3):
+        c.observe_step(4, 0.27, 0.5)
+        c.observe_drafting(0.0, 0.0, 0, False)
+    for _ in range(30):
+        c.observe_step(5, 0.275, 0.08)
+        c.observe_drafting(0.07, 0.07, 1, True)
+    fixed, per_token, plain = c.idle_split()
+    assert c.plain_idle_s > 0.3 and plain == fixed == pytest.approx(0.01, abs=0.005)
+    c.acceptance.default_rate = 0.2
+    assert set(c.choose({i: 1 for i in range(4)}).draft_lengths.values()) == {0}
