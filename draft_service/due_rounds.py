@@ -108,9 +108,8 @@ class DueRounds:
             now = self._clock()
             expiry = self._next_expiry(now, max_wait_s)
             if expiry is None or now >= deadline:
-                # still due past the bound, or when it ran out: late
-                for seq_id in [seq_id for seq_id, t in self._due.items() if expiry is not None or
-                               now - t >= max_wait_s]:
+                # still due past the bound: late (one that arrived within it is waited for by the next wait)
+                for seq_id in [seq_id for seq_id, t in self._due.items() if now - t >= max_wait_s]:
                     del self._due[seq_id]
                     self._late[seq_id] = LATE_ROUNDS
                 return

@@ -154,6 +154,12 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     return Allocation(lengths, float(expected_all[pick]), fixed_n + m, float(costs[pick]), float(goodputs[0]))
 
 
+# per step of the other kind, what is left of a step-time ratio's distance from 1 (DraftLengthController.calibrate)
+RATIO_DRIFT = 0.98
+# steps verifying drafted blocks after which the last plain rounds' wait is taken as stale (idle_split)
+STALE_PLAIN_STEPS = 16
+
+
 @dataclass
 class DraftLengthController:
     """The verifier's side of `--speculation auto`: learns from every step it runs and every verdict it gives,
@@ -195,6 +201,7 @@ class DraftLengthController:
     draft_longest_k: float = 0.0  # the longest block of the steps draft_idle_s averages, on average
     plain_idle_s: float | None = None
     _step_idle_s: float | None = None  # the wait before the step observed last
+    _steps_since_plain: int = 0  # steps that verified drafted blocks since the last that verified none
     # The step-time model learns from every step, prompt chunks included, by its tokens alone; a verification
     # step's tokens cost more (its attention reads each sequence's context, its sampling is per position, and a
     # drafted position's costs more than a plain one's). Measured at 32 and 64 streams (default pair, 2 cores):
@@ -233,7 +240,9 @@ class DraftLengthController:
     def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None) -> None:
         """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
         first step)."""
-        self._step_predicted = (self.step_time.predict(num_tokens), seconds) if self.step_time.ready else None
+        # only a prediction from steps of its size says how the kind's steps differ (outside them it is a guess)
+        self._step_predicted = (self.step_time.predict(num_tokens), seconds) \
+            if self.step_time.ready and self.step_time.has_seen(num_tokens) else None
         self.step_time.observe(num_tokens, seconds)
         self._step_idle_s = None
         if idle_s is not None:
@@ -254,13 +263,18 @@ class DraftLengthController:
         self.mean_longest_k = d * self.mean_longest_k + (1 - d) * longest_block
         predicted, self._step_predicted = self._step_predicted, None
         if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
-            ratio = min(4.0, max(0.25, predicted[1] / predicted[0]))
+            ratio = min(2.0, max(0.5, predicted[1] / predicted[0]))
+            a = self.idle_decay
+            # the kind not seen drifts back to the model's own figure: its ratio may be stale
             if drafted:
-                self.draft_step_ratio = self.idle_decay * self.draft_step_ratio + (1 - self.idle_decay) * ratio
+                self.draft_step_ratio = a * self.draft_step_ratio + (1 - a) * ratio
+                self.plain_step_ratio = 1.0 + RATIO_DRIFT * (self.plain_step_ratio - 1.0)
             else:
-                self.plain_step_ratio = self.idle_decay * self.plain_step_ratio + (1 - self.idle_decay) * ratio
+                self.plain_step_ratio = a * self.plain_step_ratio + (1 - a) * ratio
+                self.draft_step_ratio = 1.0 + RATIO_DRIFT * (self.draft_step_ratio - 1.0)
         idle, self._step_idle_s = self._step_idle_s, None
         if drafted is not None and idle is not None and idle < self.max_idle_s:
+            self._steps_since_plain = 0 if not drafted else self._steps_since_plain + 1
             if not drafted:
                 self.plain_idle_s = idle if self.plain_idle_s is None else \
                     self.idle_decay * self.plain_idle_s + (1 - self.idle_decay) * idle
@@ -298,10 +312,14 @@ class DraftLengthController:
         if self.draft_idle_s is None:
             return max(0.0, self.idle_s - self.exposure * s * self.mean_longest_k), self.exposure * s, None
         fixed = max(0.0, self.draft_idle_s - self.exposure * s * self.draft_longest_k)
-        # a round that drafts nothing waits no longer than one that drafts: plain rounds can be rare (one sequence
-        # drafting makes every round a drafting one), and the last ones' wait may be a client's pause between
-        # requests (measured through aiperf at 4 streams: plain priced at 42 ms where plain rounds then waited 7 to 9)
-        plain = None if self.plain_idle_s is None else min(self.plain_idle_s, fixed)
+        # plain rounds can be rare (one sequence drafting makes every round a drafting one), and the last ones'
+        # wait may be a client's pause between requests (measured through aiperf at 4 streams: plain priced at
+        # 42 ms where plain rounds then waited 7 to 9): when none came for STALE_PLAIN_STEPS steps, plain decoding
+        # is priced with at most a drafting round's fixed wait (not always: pipelining hides a drafting round's
+        # round trip, and a plain round's is not hidden)
+        plain = self.plain_idle_s
+        if plain is not None and self._steps_since_plain >= STALE_PLAIN_STEPS:
+            plain = min(plain, fixed)
         return fixed, self.exposure * s, plain
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:

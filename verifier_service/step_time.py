@@ -63,6 +63,10 @@ class StepTimeModel:
     def ready(self) -> bool:
         return any(t is not None for t in self._tokens)
 
+    def has_seen(self, num_tokens: int) -> bool:
+        """Whether a step of about this size was seen: predict() is then from its own bucket, not a guess."""
+        return self._tokens[_bucket(num_tokens)] is not None
+
     def points(self) -> list[tuple[float, float]]:
         """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds (pool adjacent
         violators, weighted by the buckets' recent counts)."""
