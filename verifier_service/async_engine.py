@@ -95,6 +95,13 @@ class AsyncEngine:
         log.info("verifier_drained", left_to_resume_elsewhere=live)
         return live
 
+    def end_streams(self, message: str) -> None:
+        """Ends every Verify stream with UNAVAILABLE: after a drain, what is left resumes elsewhere at once (the
+        server's shutdown grace would otherwise let the streams go on; measured: three sequences left after a 0.3 s
+        drain finished here during the 2 s grace instead)."""
+        for out in list(self._streams.values()):
+            out.fail(ServiceError(ErrorCode.UNAVAILABLE, message))
+
     def open_stream(self) -> tuple[int, StreamOutbox]:
         """Raises ServiceError RESOURCE_EXHAUSTED at --max-streams. A failed stream frees its slot at once."""
         if len(self._streams) >= self.limits.max_streams:

@@ -186,6 +186,8 @@ async def serve(config: VerifierConfig, *, stop: asyncio.Event | None = None) ->
     async def drain() -> None:
         # readiness goes first: a router or probe stops sending new work here while the running sequences finish
         await server.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
-        await async_engine.drain(config.drain_grace_s)
+        if await async_engine.drain(config.drain_grace_s):
+            async_engine.end_streams("the verifier is shutting down and its drain grace (--drain-grace) is over: "
+                                     "resume the sequence on another verifier")
 
     await serve_until_stopped(server, on_stop=stop_verifier, stop=stop, drain=drain)
