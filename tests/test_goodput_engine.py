@@ -57,6 +57,9 @@ def _engine(target, step_time: StepTimeModel | None = None, **kwargs):
     if step_time is not None:
         engine.goodput.step_time = step_time
         engine.goodput.calibrate = False  # the real steps do not follow the synthetic model
+        # nor the test loop's pauses between steps a verifier's wait: no idle time is priced (a pause of the loop
+        # before a plain step once priced plain decoding above a draft)
+        engine.goodput.max_idle_s = 0.0
     if engine.goodput is not None:
         engine.goodput.probe_every = 0  # the choices these tests check are the controller's best, no probes
     return engine, config
