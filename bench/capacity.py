@@ -205,6 +205,8 @@ def main() -> int:
     p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
     p.add_argument("--rtt-ms", type=float, default=0.0)
     p.add_argument("--pin", action="store_true", help="verifier on core 0, draft on core 1")
+    p.add_argument("--auto-k", type=int, default=None,
+                   help="the auto draft's cap on k (its --num-speculative-tokens; default: the service's, 4)")
     p.add_argument("--models", type=Path, default=ROOT / ".models")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "capacity")
     args = p.parse_args()
@@ -225,12 +227,14 @@ def main() -> int:
         extra_draft = ["--dtype", "float32"]
     rows = []
     for mode in modes:
+        cap = ["--num-speculative-tokens", str(args.auto_k)] if mode == "auto" and args.auto_k is not None else []
         rows += measure_mode(mode, target, draft, levels, prompts, args.tokens, args.rtt_ms, args.pin, log_dir,
-                             extra_verifier, extra_draft, args.requests_per_stream, args.min_requests)
+                             extra_verifier, [*extra_draft, *cap], args.requests_per_stream, args.min_requests)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
-             f"{', pinned 1+1 cores' if args.pin else ', colocated'}")
+             f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
+             f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}")
     (args.out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
     md = table(rows, modes, levels)
     (args.out / f"{stem}.md").write_text(f"{title}\n\n{md}\n")
