@@ -14,7 +14,7 @@ import torch
 from common.sampling import SparseProbs
 from draft_service.sequence import DraftSequence
 from kernels.philox import Purpose, exponential64_reference
-from kernels.sampling_probs import compute_probs
+from kernels.sampling_probs import compute_probs, finite_rows
 
 # the guesses of a correction kept per drafted position: pipelining drafts a branch after each
 # (draft_service.pipelining)
@@ -71,7 +71,7 @@ def _to_host(logits: torch.Tensor, seqs: list[DraftSequence], sampled: list[int]
     exact in it): per row finite, confidence, argmax and the runners-up, then the sampled rows' q,
     [num_sampled, q_max_support] probabilities and ids. One sync per drafting step. (the copy, the head's size)"""
     num_rows, vocab_size = logits.shape
-    finite_t = torch.isfinite(logits).all(dim=1)
+    finite_t = finite_rows(logits)
     confidence_t = (logits.float().softmax(dim=1).max(dim=1).values if need_confidence
                     else logits.new_ones(num_rows, dtype=torch.float32))
     # temperature and top-k/p keep the logits' order

@@ -47,7 +47,7 @@ from draft_service.sequence import DraftSequence
 from draft_service.tree_calibration import IDENTITY, Calibration
 from draft_service.types import DraftBlock
 from kernels.philox import Purpose, exponential64_reference
-from kernels.sampling_probs import compute_probs
+from kernels.sampling_probs import compute_probs, finite_rows
 
 # the noise of a later sibling's draw: its index plus this times its rank (the first child's is the chain's own);
 # philox takes 32 bits of index, so vocabularies below 2^20 and ranks below 2^12 never share one
@@ -310,7 +310,7 @@ def tree_rows(logits: torch.Tensor, seqs: list[DraftSequence], positions: list[i
     logits; the children come from the first `branches`, pipelining's guesses from the rest); one-hot rows those
     of q; coupled rows the best of q / E with the verifier's noise; sparse rows q's kept support, normalised as it
     is sent."""
-    finite = torch.isfinite(logits).all(dim=1)
+    finite = finite_rows(logits)
     params = [s.sampling for s in seqs]
     safe = torch.where(finite.unsqueeze(1), logits, 0.0)
     temperature = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=logits.device)

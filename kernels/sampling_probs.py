@@ -145,3 +145,16 @@ def compute_probs_reference(
             threshold = sorted_x.masked_fill(~keep, float("inf")).min(dim=1, keepdim=True).values
             x = x.masked_fill(x < threshold, float("-inf"))
     return x.softmax(dim=1)
+
+
+def finite_rows(logits: torch.Tensor) -> torch.Tensor:  # [num_rows] bool
+    """Whether each row of `logits` is all finite. On the CPU the extremes of the whole matrix come first (NaN
+    propagates into both, an infinity is one of them): one reduction, and only a matrix that is not all finite
+    pays for a [rows, vocab] mask. Measured on one core of a 2-core machine, vocabulary 151,936: 0.7 ms for 32
+    rows and 4 ms for 160, where the mask took 15 and 90 ms (a third of a verification step's sampling at 32
+    streams). On a GPU the mask stays: it costs little there, and the shortcut would cost a sync."""
+    if logits.device.type == "cpu" and logits.numel():
+        low, high = torch.aminmax(logits)
+        if bool(torch.isfinite(low) & torch.isfinite(high)):
+            return torch.ones(logits.shape[0], dtype=torch.bool)
+    return torch.isfinite(logits).all(dim=1)

@@ -1,9 +1,11 @@
+import math
+
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling_probs import compute_probs
+from kernels.sampling_probs import compute_probs, finite_rows
 
 
 def _probs(logits, t=1.0, k=0, p=1.0):
@@ -148,3 +150,12 @@ def test_reference_and_kernel_keep_the_same_tokens_under_many_ties(rows):
     out = compute_probs_triton(*args)
     assert torch.equal(out > 0, ref > 0), (logits, top_k, top_p, out, ref)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_finite_rows_flags_exactly_the_rows_with_a_non_finite_logit(dtype: torch.dtype) -> None:
+    logits = torch.randn(6, 300).to(dtype) * 1e4
+    assert finite_rows(logits).tolist() == [True] * 6
+    logits[1, 7], logits[3, 299], logits[4, 0] = math.nan, math.inf, -math.inf
+    assert finite_rows(logits).tolist() == [True, False, True, False, False, True]
+    assert finite_rows(logits[:0]).tolist() == []

@@ -14,7 +14,7 @@ import torch
 from common.sampling import SamplingParams
 from kernels import PLACEHOLDER_TOKEN_ID
 from kernels.rejection_sampler import rejection_sample
-from kernels.sampling_probs import compute_probs
+from kernels.sampling_probs import compute_probs, finite_rows
 from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata
 from verifier_service.types import ProposeCmd
 
@@ -62,26 +62,16 @@ def verify_batch(
     out, path = rejection_sample(target_probs, logits.argmax(dim=1), spec, inputs.sampling, return_path=True)
     rows = torch.cat([out, path], dim=1).tolist()  # one copy back: [batch, max_path + 1 + max(max_path, 1)]
     width = out.shape[1]
-    if not _all_finite(logits):  # rare: find the items with a non-finite row
-        finite_rows = torch.isfinite(logits).all(dim=1).tolist()  # [num_draft_tokens + batch]
+    finite = finite_rows(logits)  # [num_draft_tokens + batch]
+    if not bool(finite.all()):  # rare: find the items with a non-finite row
+        finite = finite.tolist()
         first = 0
         for i, (_, proposal) in enumerate(items):
-            if not all(finite_rows[first:first + proposal.num_draft_tokens + 1]):
+            if not all(finite[first:first + proposal.num_draft_tokens + 1]):
                 rows[i] = None
             first += proposal.num_draft_tokens + 1
     return [None if row is None else Verified([t for t in row[:width] if t != PLACEHOLDER_TOKEN_ID],
                                               [n for n in row[width:] if n >= 0]) for row in rows]
-
-
-def _all_finite(logits: torch.Tensor) -> bool:
-    """Whether every logit is finite, from the extremes of the whole matrix (NaN propagates into both, an infinity
-    is one of them): one reduction without a [rows, vocab] mask. Measured on one core of this 2-core machine with a
-    vocabulary of 151,936: 4 ms for 160 rows, where torch.isfinite(logits).all() took 90 ms, more than a third of
-    the verification step's sampling at 32 streams verifying 4 drafted tokens each."""
-    if logits.numel() == 0:
-        return True
-    low, high = torch.aminmax(logits)
-    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 @dataclass(frozen=True)
