@@ -90,19 +90,23 @@ def test_caps_are_kept_and_no_model_yet_means_the_caps():
 @settings(max_examples=60, deadline=None)
 @given(rates=st.lists(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=3), min_size=1, max_size=3),
        fixed=st.floats(0.0, 0.02), per_token=st.floats(0.0, 0.002), other=st.integers(0, 8),
-       per_block_token=st.sampled_from([0.0, 0.0005, 0.003]), other_longest=st.integers(0, 2))
+       per_block_token=st.sampled_from([0.0, 0.0005, 0.003]), other_longest=st.integers(0, 2),
+       per_drafted_token=st.sampled_from([0.0, 0.0004, 0.002]))
 def test_the_choice_is_the_best_of_every_allocation(rates, fixed, per_token, other, per_block_token,
-                                                    other_longest):
+                                                    other_longest, per_drafted_token):
     """Against brute force over every combination of lengths (up to 3 sequences, k <= 3), the wait for
-    drafting priced by the longest block, the other work's included."""
+    drafting priced by the longest block and by the tokens drafted, the other work's included."""
     step = model_of(lambda n: fixed + per_token * n + 1e-4)
     cands = [Candidate(i, len(r), tuple(r)) for i, r in enumerate(rates)]
+    other_drafted = 2 * other_longest
     chosen = choose_draft_lengths(cands, step, other_tokens=other, idle_per_block_token=per_block_token,
-                                  other_longest_block=other_longest)
+                                  other_longest_block=other_longest, idle_per_drafted_token=per_drafted_token,
+                                  other_drafted=other_drafted)
     best = 0.0
     for ks in itertools.product(*(range(c.max_k + 1) for c in cands)):
         tokens = sum(expected_tokens(c.rates, k) for c, k in zip(cands, ks, strict=True))
-        wait = per_block_token * max(other_longest, *ks)
+        block = max(other_longest, *ks)
+        wait = per_block_token * block + (per_drafted_token * (sum(ks) + other_drafted) if block else 0.0)
         best = max(best, tokens / (step.predict(len(cands) + other + sum(ks)) + wait))
     assert chosen.goodput == pytest.approx(best, rel=1e-9)
     lengths = [chosen.draft_lengths[c.key] for c in cands]  # the allocation is the one its goodput is of
@@ -261,7 +265,7 @@ def test_time_waiting_for_drafting_makes_longer_drafts_dearer_unless_it_is_hidde
         c.idle_s, c.mean_longest_k, c.exposure = idle_s, 4.0, exposure
         for _ in range(50):
             if drafting_s is not None:
-                c.observe_drafting(drafting_s, drafting_s / 4, 4)
+                c.observe_drafting(drafting_s, 4)
         return c
 
     caps = {i: 4 for i in range(8)}
@@ -327,10 +331,11 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     for i in range(40):
         drafting = i % 2 == 0
         c.observe_step(16 if drafting else 8, 0.66 if drafting else 0.58, 0.6 if drafting else 0.02)
-        c.observe_drafting(0.2 if drafting else 0.0, 0.2 if drafting else 0.0, 1 if drafting else 0, drafting)
+        c.observe_drafting(0.2 if drafting else 0.0, 1 if drafting else 0, drafting, 8 if drafting else 0)
     assert c.plain_idle_s == pytest.approx(0.02, rel=0.01) and c.draft_idle_s == pytest.approx(0.6, rel=0.01)
-    fixed, per_token, plain = c.idle_split()
-    assert fixed == pytest.approx(0.4, rel=0.05) and per_token == pytest.approx(0.2, rel=0.05) and plain == c.plain_idle_s
+    fixed, per_block, per_drafted, plain = c.idle_split()
+    assert fixed == pytest.approx(0.4, rel=0.05) and plain == c.plain_idle_s
+    assert per_block + 8 * per_drafted == pytest.approx(0.2, rel=0.05)  # each round: a token for 8 sequences
     c.acceptance.default_rate = 0.9
     caps = {i: 1 for i in range(8)}
     assert set(c.choose(caps).draft_lengths.values()) == {0}
@@ -357,10 +362,10 @@ def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():
         drafting = i % 2 == 0
         n = 64 if drafting else 32
         c.observe_step(n, model(n) * (1.5 if drafting else 1.0))
-        c.observe_drafting(0.0, 0.0, 0, drafting)
+        c.observe_drafting(0.0, 0, drafting)
         c.step_time = model_of(model)  # the model as it was: only the ratios learn here
         c.observe_step(200, 0.1)  # a step with prompt chunks, far off the model: not counted
-        c.observe_drafting(0.0, 0.0, 0, None)
+        c.observe_drafting(0.0, 0, None)
         c.step_time = model_of(model)
     assert c.draft_step_ratio == pytest.approx(1.5, rel=0.05) and c.plain_step_ratio == pytest.approx(1.0, rel=0.05)
     assert set(c.choose(caps).draft_lengths.values()) == {0}
@@ -377,15 +382,15 @@ def test_plain_decoding_waits_no_longer_than_a_drafting_round():
     c = DraftLengthController(1, step_time=model_of(lambda n: 0.25 + 0.005 * n), probe_every=0)
     for _ in range(3):
         c.observe_step(4, 0.27, 0.5)
-        c.observe_drafting(0.0, 0.0, 0, False)
+        c.observe_drafting(0.0, 0, False)
     for _ in range(STALE_PLAIN_STEPS - 1):
         c.observe_step(5, 0.275, 0.08)
-        c.observe_drafting(0.07, 0.07, 1, True)
-    assert c.idle_split()[2] == c.plain_idle_s > 0.3
+        c.observe_drafting(0.07, 1, True)
+    assert c.idle_split()[3] == c.plain_idle_s > 0.3
     for _ in range(30):
         c.observe_step(5, 0.275, 0.08)
-        c.observe_drafting(0.07, 0.07, 1, True)
-    fixed, per_token, plain = c.idle_split()
+        c.observe_drafting(0.07, 1, True)
+    fixed, per_token, _, plain = c.idle_split()
     assert c.plain_idle_s > 0.3 and plain == fixed == pytest.approx(0.01, abs=0.005)
     c.acceptance.default_rate = 0.2
     assert set(c.choose({i: 1 for i in range(4)}).draft_lengths.values()) == {0}
@@ -399,11 +404,77 @@ def test_a_step_of_a_size_never_seen_does_not_calibrate_its_kind():
 
     c = DraftLengthController(4, probe_every=0)
     c.observe_step(64, 0.5)
-    c.observe_drafting(0.0, 0.0, 0, None)
+    c.observe_drafting(0.0, 0, None)
     c.observe_step(5, 0.4)
-    c.observe_drafting(0.1, 0.025, 4, True)
+    c.observe_drafting(0.1, 4, True)
     assert c.draft_step_ratio == 1.0 and c.plain_step_ratio == 1.0
     for _ in range(20):
         c.observe_step(5, 0.4)
-        c.observe_drafting(0.1, 0.025, 4, True)
+        c.observe_drafting(0.1, 4, True)
     assert c.draft_step_ratio == pytest.approx(1.0, abs=0.1)  # the model now knows 5-token steps itself
+
+
+def test_the_draft_time_model_prices_rounds_as_they_took_and_learns_the_per_sequence_part():
+    """Rounds all for 16 sequences (M = 16 L) cannot tell a step's fixed part from its per-row part: the fit
+    prices them as they took, and a round for 32 sequences at more (half of a step in proportion to its rows);
+    rounds for 1, 16 and 32 sequences recover a step of 0.07 s + 0.005 s a row."""
+    from verifier_service.step_time import DraftTimeModel
+
+    m = DraftTimeModel()
+    assert not m.ready and m.predict(4, 64) == 0.0
+    for _ in range(30):
+        m.observe(4 * 0.15, 4, 64)
+    assert m.predict(4, 64) == pytest.approx(0.6, rel=0.02)
+    assert m.predict(4, 128) == pytest.approx(0.9, rel=0.05)  # 0.6 * (0.5 + 0.5 * 2)
+    truth = DraftTimeModel()
+    for _ in range(30):
+        for rows, k in ((1, 4), (16, 2), (32, 4), (16, 1)):
+            truth.observe(k * (0.07 + 0.005 * rows), k, rows * k)
+    a, b = truth.coefficients()
+    assert a == pytest.approx(0.07, rel=0.05) and b == pytest.approx(0.005, rel=0.05)
+    skew = DraftTimeModel()
+    for _ in range(30):  # rows cost nothing, more rows took less: never a negative term
+        skew.observe(0.5, 1, 1)
+        skew.observe(0.4, 1, 32)
+    assert min(skew.coefficients()) >= 0.0
+
+
+def test_drafting_for_more_sequences_is_priced_by_its_rows():
+    """The draft took 0.6 s for rounds of 4 tokens for 16 sequences and 0.25 s for one sequence's 4 (the probes):
+    a step of about 0.057 s plus 0.0058 s a row. For 16 sequences the choice is what the longest block alone
+    priced (0.15 s a token, whatever the sequences); for 64, whose rounds of 2 tokens each would take about 0.85
+    s, plain decoding, where the longest block alone priced them at 0.3 s and drafted 2 for each."""
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.4 + 0.001 * n), probe_every=0)
+    c.acceptance.default_rate = 0.7
+    for _ in range(30):
+        c.observe_step(80, 0.5, 0.62)
+        c.observe_drafting(0.6, 4, True, 64)
+        c.observe_step(68, 0.5, 0.27)
+        c.observe_drafting(0.25, 4, True, 4)
+    _, per_block, per_drafted, _ = c.idle_split()
+    a, b = per_block / c.exposure, per_drafted / c.exposure
+    assert a + 16 * b == pytest.approx(0.15, rel=0.1) and a + b == pytest.approx(0.0625, rel=0.2)
+    sixteen, sixty_four = {i: 4 for i in range(16)}, {i: 4 for i in range(64)}
+    by_rows = [sum(c.choose(caps).draft_lengths.values()) for caps in (sixteen, sixty_four)]
+    c.draft_time.coefficients = lambda: (0.15, 0.0)  # the longest block alone
+    by_block = [sum(c.choose(caps).draft_lengths.values()) for caps in (sixteen, sixty_four)]
+    assert by_rows[0] == by_block[0] > 0
+    assert by_rows[1] == 0 < by_block[1]
+
+
+def test_a_long_wait_for_a_long_drafting_round_is_not_a_quiet_spell():
+    """At 64 streams a round of 3 tokens for every sequence kept the verifier waiting 2.6 s, the draft's batch
+    2.4 s of it: that wait is drafting, and counts; 2.6 s after a round the draft took 0.1 s for is a quiet spell
+    (the verifier was idle), and does not."""
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.5 + 0.01 * n), probe_every=0)
+    c.observe_step(256, 3.0, 2.6)
+    c.observe_drafting(2.4, 3, True, 192)
+    assert c.draft_idle_s == pytest.approx(2.6)
+    quiet = DraftLengthController(4, step_time=model_of(lambda n: 0.5 + 0.01 * n), probe_every=0)
+    quiet.observe_step(256, 3.0, 2.6)
+    quiet.observe_drafting(0.1, 3, True, 192)
+    assert quiet.draft_idle_s is None

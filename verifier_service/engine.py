@@ -196,6 +196,7 @@ class VerifierEngine:
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
         other_longest = 0  # their longest model-drafted block: drafted again whatever is chosen
+        other_drafted = 0  # and their model-drafted tokens
         for item, verdict in zip(scheduled.verifications, verdicts, strict=True):
             seq = item.seq
             if not isinstance(verdict, VerdictOut) or seq.key not in self.scheduler.sequences:
@@ -207,6 +208,7 @@ class VerifierEngine:
                 other_output += len(verdict.token_ids)
                 if item.proposal.draft_seconds is not None:
                     other_longest = max(other_longest, item.proposal.num_positions)
+                    other_drafted += item.proposal.num_draft_tokens
                 continue
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
@@ -220,7 +222,9 @@ class VerifierEngine:
                     other_tokens += block.tokens
                     other_output += block.output
                     other_longest = max(other_longest, block.positions)
-        chosen = control.choose(caps, other_tokens, other_output, other_longest, away_caps) if caps else None
+                    other_drafted += block.tokens - 1 if block.positions else 0
+        chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted)
+                  if caps else None)
         if self.trial is not None:
             gain = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
@@ -285,26 +289,26 @@ class VerifierEngine:
 
     @staticmethod
     def _observe_drafting(scheduled: SchedulerOutput, control: DraftLengthController, *, prefill: bool = False) -> None:
-        """Proposal.draft_seconds of the blocks verified: per stream (one draft process) its batch's time over its
-        longest block; one phase waits for the slowest stream. A claim past max_idle_s counts as that much.
-        `prefill`: the step computed prompt chunks too (its wait and its time say nothing of a verification's)."""
-        by_stream: dict[int, tuple[float, int]] = {}
+        """Proposal.draft_seconds of the blocks verified: per stream (one draft process) its batch's time, its
+        longest block and its drafted tokens; one phase waits for the slowest stream. A claim past max_draft_s
+        counts as that much. `prefill`: the step computed prompt chunks too (its wait and its time say nothing of
+        a verification's)."""
+        by_stream: dict[int, tuple[float, int, int]] = {}
         for item in scheduled.verifications:
             p = item.proposal
             if p.draft_seconds is None or not p.num_draft_tokens:
                 continue
-            seconds, k = by_stream.get(p.key.stream_id, (0.0, 0))
-            by_stream[p.key.stream_id] = (max(seconds, min(p.draft_seconds, control.max_idle_s)),
-                                          max(k, p.num_positions))
+            seconds, k, m = by_stream.get(p.key.stream_id, (0.0, 0, 0))
+            by_stream[p.key.stream_id] = (max(seconds, min(p.draft_seconds, control.max_draft_s)),
+                                          max(k, p.num_positions), m + p.num_draft_tokens)
         # the wait before the step is a plain round's when the step verified blocks and none drafted anything
         verified = scheduled.verifications
         drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
         if by_stream:
-            control.observe_drafting(max(s for s, _ in by_stream.values()),
-                                     max(s / k for s, k in by_stream.values()),
-                                     max(k for _, k in by_stream.values()), drafted)
+            seconds, longest, tokens = max(by_stream.values())  # the slowest stream's round
+            control.observe_drafting(seconds, longest, drafted, tokens)
         else:
-            control.observe_drafting(0.0, 0.0, 0, drafted)
+            control.observe_drafting(0.0, 0, drafted, 0)
 
     def next_expiry(self) -> float | None:
         """When the next sequence would expire (time.monotonic()), or None: the engine loop's wake-up time."""

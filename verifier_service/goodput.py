@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verifier_service.step_time import AcceptanceTracker, StepTimeModel
+from verifier_service.step_time import AcceptanceTracker, DraftTimeModel, StepTimeModel
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                          other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
                          idle_per_block_token: float = 0.0, other_longest_block: int = 0,
                          plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
-                         ) -> Allocation:
+                         idle_per_drafted_token: float = 0.0, other_drafted: int = 0) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -90,7 +90,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     `idle_per_block_token`: what each token of the longest block adds to it (the draft drafts its sequences'
     blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
     long as the longest block takes); `other_longest_block`: the longest block of the other work (fixed k), which
-    is drafted whatever is chosen. `plain_idle_s`: the wait where nothing at all is drafted (no candidate drafts
+    is drafted whatever is chosen. `idle_per_drafted_token`: what each drafted token adds to the wait besides (the
+    draft's step over more rows: a CPU draft's time grows with the sequences it drafts for), the other work's
+    `other_drafted` tokens included. `plain_idle_s`: the wait where nothing at all is drafted (no candidate drafts
     and the other work's blocks draft nothing), in place of `idle_s` (None: the same). `step_ratios`: what a step
     that verifies nothing drafted, and one that verifies drafted tokens, takes against `step_time`'s prediction.
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
@@ -114,7 +116,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         block = np.maximum(longest, other_longest_block)
         idle = np.full(len(n), idle_s) if plain_idle_s is None else np.where(block > 0, idle_s, plain_idle_s)
         ratio = np.where(block > 0, step_ratios[1], step_ratios[0])
-        return np.where(n > 0, step_time.predict_many(n) * ratio + idle + idle_per_block_token * block, 0.0)
+        drafting = idle_per_block_token * block + np.where(block > 0, idle_per_drafted_token
+                                                           * (n - fixed_n + other_drafted), 0.0)
+        return np.where(n > 0, step_time.predict_many(n) * ratio + idle + drafting, 0.0)
 
     gains, index, position = _sorted_gains(cands)
     top = int(position.max()) + 1 if position.size else 0
@@ -194,11 +198,17 @@ class DraftLengthController:
     tolerance: float = 0.03
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
+    # a draft batch's claimed time counts at most this much, and a wait before a step that verifies drafted blocks
+    # is a quiet spell only past max_idle_s plus twice the drafting it waited for (measured at 64 streams on 2
+    # cores: waits of 2.6 s for rounds of 3 drafted tokens a sequence, which, taken for quiet spells, never
+    # priced drafting)
+    max_draft_s: float = 10.0
     idle_s: float = 0.0  # moving average of the time between steps
     # the same, kept apart for steps whose blocks drafted something and steps whose blocks drafted nothing (None:
     # none seen yet); see idle_split
     draft_idle_s: float | None = None
     draft_longest_k: float = 0.0  # the longest block of the steps draft_idle_s averages, on average
+    draft_drafted_m: float = 0.0  # and their drafted tokens
     plain_idle_s: float | None = None
     _step_idle_s: float | None = None  # the wait before the step observed last
     _steps_since_plain: int = 0  # steps that verified drafted blocks since the last that verified none
@@ -213,14 +223,16 @@ class DraftLengthController:
     plain_step_ratio: float = 1.0
     draft_step_ratio: float = 1.0
     _step_predicted: tuple[float, float] | None = None  # (predicted, taken) of the step observed last
-    # the drafts' seconds per drafted token (Proposal.draft_seconds over the longest block of its step), and the
-    # longest block chosen, on average: the share of idle_s that is the verifier waiting for drafting (see choose)
+    # the drafts' time for a round (Proposal.draft_seconds) against its longest block and its drafted tokens, and
+    # the longest block and the drafted tokens of the steps, on average: the share of idle_s that is the verifier
+    # waiting for drafting (see idle_split)
     draft_decay: float = 0.8
-    draft_s_per_token: float | None = None
+    draft_time: DraftTimeModel = field(default_factory=DraftTimeModel)
     mean_longest_k: float = 0.0
+    mean_drafted_m: float = 0.0
     # e, below; before any drafting is seen, 1: the verifier waits for every draft in one phase (--phases hold)
     exposure: float = 1.0
-    last_price: tuple[float, float, float | None] | None = None  # the idle_split() the last choice priced with
+    last_price: tuple[float, float, float, float | None] | None = None  # the idle_split() the last choice priced with
     _until_probe: int = 0  # choices before the next probe; 0: not started (set from first_probe_every)
     _probe_interval: int = 0
     _drafted_since_probe: bool = False
@@ -246,21 +258,26 @@ class DraftLengthController:
         self.step_time.observe(num_tokens, seconds)
         self._step_idle_s = None
         if idle_s is not None:
-            idle = self._step_idle_s = min(max(0.0, idle_s), self.max_idle_s)
+            self._step_idle_s = max(0.0, idle_s)  # observe_drafting tells a wait for drafting from a quiet spell
+            idle = min(self._step_idle_s, self.max_idle_s)
             self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
 
-    def observe_drafting(self, seconds: float, seconds_per_token: float, longest_block: int,
-                         drafted: bool | None = None) -> None:
-        """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch),
-        `seconds_per_token` per draft step, and its longest model-drafted block was `longest_block` tokens (0:
-        nothing drafted; then the seconds are 0 too). Call it after observe_step: the share e of drafting the
-        verifier waited for is its wait before the step against `seconds` (both capped at max_idle_s).
-        `drafted`: whether any block the step verified drafted anything, by a model or not (None: it verified
-        none, or it computed prompt chunks too); the wait before it goes to the plain or the drafting rounds'
-        average (idle_split), unless it was a quiet spell (max_idle_s: the verifier was idle, not waiting), and its
-        time against the step-time model's prediction to that kind's ratio (see `calibrate`)."""
+    def observe_drafting(self, seconds: float, longest_block: int, drafted: bool | None = None,
+                         drafted_tokens: int | None = None) -> None:
+        """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch, at most
+        max_draft_s), its longest model-drafted block was `longest_block` tokens and it drafted `drafted_tokens`
+        in all (None: `longest_block`; 0 and 0: nothing drafted, and the seconds are 0 too). Call it after
+        observe_step: the share e of drafting the verifier waited for is its wait before the step against
+        `seconds`. `drafted`: whether any block the step verified drafted anything, by a model or not (None: it
+        verified none, or it computed prompt chunks too); the wait before it goes to the plain or the drafting
+        rounds' average (idle_split), unless it was a quiet spell (past max_idle_s, and for a drafting round past
+        that plus twice `seconds`: the verifier was idle, not waiting), and its time against the step-time
+        model's prediction to that kind's ratio (see `calibrate`)."""
         d = self.draft_decay
+        seconds = min(seconds, self.max_draft_s)
+        drafted_tokens = longest_block if drafted_tokens is None else drafted_tokens
         self.mean_longest_k = d * self.mean_longest_k + (1 - d) * longest_block
+        self.mean_drafted_m = d * self.mean_drafted_m + (1 - d) * drafted_tokens
         predicted, self._step_predicted = self._step_predicted, None
         if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
             ratio = min(2.0, max(0.5, predicted[1] / predicted[0]))
@@ -273,45 +290,47 @@ class DraftLengthController:
                 self.plain_step_ratio = a * self.plain_step_ratio + (1 - a) * ratio
                 self.draft_step_ratio = 1.0 + RATIO_DRIFT * (self.draft_step_ratio - 1.0)
         idle, self._step_idle_s = self._step_idle_s, None
-        if drafted is not None and idle is not None and idle < self.max_idle_s:
+        quiet = self.max_idle_s + (2 * seconds if drafted else 0.0)
+        if drafted is not None and idle is not None and idle < quiet:
             self._steps_since_plain = 0 if not drafted else self._steps_since_plain + 1
             if not drafted:
                 self.plain_idle_s = idle if self.plain_idle_s is None else \
                     self.idle_decay * self.plain_idle_s + (1 - self.idle_decay) * idle
             elif self.draft_idle_s is None:
                 self.draft_idle_s, self.draft_longest_k = idle, float(longest_block)
+                self.draft_drafted_m = float(drafted_tokens)
             else:
                 self.draft_idle_s = self.idle_decay * self.draft_idle_s + (1 - self.idle_decay) * idle
                 self.draft_longest_k = d * self.draft_longest_k + (1 - d) * longest_block
-        if not (seconds > 0.0 and seconds_per_token > 0.0):
+                self.draft_drafted_m = d * self.draft_drafted_m + (1 - d) * drafted_tokens
+        if not (seconds > 0.0 and longest_block > 0):
             return
-        if self.draft_s_per_token is None:
-            self.draft_s_per_token = seconds_per_token
-        else:
-            self.draft_s_per_token = d * self.draft_s_per_token + (1 - d) * seconds_per_token
+        self.draft_time.observe(seconds, longest_block, drafted_tokens)
         idle = self.idle_s if self.draft_idle_s is None else self.draft_idle_s
-        waited = min(1.0, idle / min(seconds, self.max_idle_s))
+        waited = min(1.0, idle / seconds)
         self.exposure = d * self.exposure + (1 - d) * waited
 
-    def idle_split(self) -> tuple[float, float, float | None]:
+    def idle_split(self) -> tuple[float, float, float, float | None]:
         """(idle seconds per step that no draft length changes, seconds each token of the longest block adds,
-        idle seconds per step where nothing is drafted at all, at most the first, or None: the first).
-        The verifier waits before each step that verifies drafted blocks draft_idle_s on average, of which
-        drafting the longest block, on average k̄ tokens, takes s * k̄; it waits for a share e of the drafting
-        (observe_drafting: 1 in one phase, where it waits for every draft; 0 where drafting hides behind other
-        work; kept while nothing is drafted). A longest block of k tokens then adds e * s * k to the wait.
+        seconds each drafted token adds, idle seconds per step where nothing is drafted at all, at most the first,
+        or None: the first). The verifier waits before each step that verifies drafted blocks draft_idle_s on
+        average, of which drafting, a longest block of L̄ tokens and M̄ tokens in all on average, takes
+        a L̄ + b M̄ (DraftTimeModel); it waits for a share e of the drafting (observe_drafting: 1 in one phase,
+        where it waits for every draft; 0 where drafting hides behind other work; kept while nothing is drafted).
+        A round with a longest block of L tokens and M in all then adds e (a L + b M) to the wait.
         Steps after rounds that drafted nothing wait plain_idle_s on average, and that is what plain decoding is
         priced with: there each sequence proposes as soon as its verdict is handled, where a drafting round's
         proposals leave the draft together after its batch, which waits for every verdict of the step (measured at
         32 and 64 streams, default pair, 2 cores: 30 to 45 ms between plain steps, against a fixed part of 130 to
         330 ms priced for drafting rounds, which, charged to plain decoding too, made drafting 1 to 3 tokens look
         better than plain decoding, which the speculation trial measured 11 to 20 % better)."""
-        s = self.draft_s_per_token
-        if not s:
-            return self.idle_s, 0.0, None
+        if not self.draft_time.ready:
+            return self.idle_s, 0.0, 0.0, None
+        a, b = self.draft_time.coefficients()
+        e = self.exposure
         if self.draft_idle_s is None:
-            return max(0.0, self.idle_s - self.exposure * s * self.mean_longest_k), self.exposure * s, None
-        fixed = max(0.0, self.draft_idle_s - self.exposure * s * self.draft_longest_k)
+            return max(0.0, self.idle_s - e * (a * self.mean_longest_k + b * self.mean_drafted_m)), e * a, e * b, None
+        fixed = max(0.0, self.draft_idle_s - e * (a * self.draft_longest_k + b * self.draft_drafted_m))
         # plain rounds can be rare (one sequence drafting makes every round a drafting one), and the last ones'
         # wait may be a client's pause between requests (measured through aiperf at 4 streams: plain priced at
         # 42 ms where plain rounds then waited 7 to 9): when none came for STALE_PLAIN_STEPS steps, plain decoding
@@ -320,7 +339,7 @@ class DraftLengthController:
         plain = self.plain_idle_s
         if plain is not None and self._steps_since_plain >= STALE_PLAIN_STEPS:
             plain = min(plain, fixed)
-        return fixed, self.exposure * s, plain
+        return fixed, e * a, e * b, plain
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)
@@ -329,19 +348,22 @@ class DraftLengthController:
         self.acceptance.forget(key)
 
     def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0,
-               other_longest_block: int = 0, away: dict[object, int] | None = None) -> Allocation:
+               other_longest_block: int = 0, away: dict[object, int] | None = None,
+               other_drafted: int = 0) -> Allocation:
         """The next draft length of each key in `caps` (its cap on k), for a step that also carries
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
-        tokens, and whose drafts draft a block of `other_longest_block` tokens whatever is chosen (fixed k).
+        tokens, and whose drafts draft a block of `other_longest_block` tokens, `other_drafted` in all, whatever is
+        chosen (fixed k).
         `away`: sequences of the same batch away at their drafts (key: cap), chosen for with these, so that the
         price is the whole batch's; only `caps`' lengths are returned, and only they count for the probes. The
         allocation's goodput and expected tokens are the whole batch's."""
         pool = {**(away or {}), **caps}
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
-        self.last_price = fixed_idle, per_token, plain_idle = self.idle_split()
+        self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
-                                      self.tolerance, per_token, other_longest_block, plain_idle,
-                                      (self.plain_step_ratio, self.draft_step_ratio))
+                                      self.tolerance, per_block_token, other_longest_block, plain_idle,
+                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
+                                      other_drafted)
         if len(pool) > len(caps):
             chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
         if self._probes_now(any(chosen.draft_lengths.values())):

@@ -167,8 +167,9 @@ class StepStats:
     tokens_by_stream: dict[int, int] = field(default_factory=dict)  # streams with work -> tokens scheduled
     chosen_draft_lengths: list[int] = field(default_factory=list)  # the next lengths chosen after this step
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
-    # how the choice priced the verifier's wait: seconds no length changes, and per token of the longest block
-    priced_wait: tuple[float, float, float | None] | None = None
+    # how the choice priced the verifier's wait: seconds no length changes, per token of the longest block, per
+    # drafted token, and where nothing is drafted (None: as the first)
+    priced_wait: tuple[float, float, float, float | None] | None = None
     speculation_arm: str | None = None  # the arm of the speculation trial the next choices follow
 
     @property
