@@ -56,22 +56,28 @@ def configs(sizes: list[int], raw: bool = False) -> list[tuple[str, int, list[st
     return out
 
 
-def run_prompts(address: str, prompts: list[str], tokens: int, temperature: float) -> dict:
+def run_prompts(address: str, prompts: list[str], tokens: int, temperature: float,
+                warmup: tuple[str, ...] = ()) -> dict:
+    """The medians over `prompts`, after generating `warmup` (other prompts, not measured: a draft service's tree
+    calibration learns from its verdicts, and a fresh one ranks by the draft's raw probabilities)."""
     rows = []
     with Client(address, timeout=900) as client:
         client.generate(prompts[0], max_tokens=4, temperature=0.0)  # warm-up
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate((*warmup, *prompts)):
             kwargs = dict(temperature=temperature, ignore_eos=True, max_tokens=tokens)
             if temperature > 0:
                 kwargs.update(seed=1000 + i, wire_mode="sparse")
-            rows.append(client.generate(prompt, **kwargs).stats)
+            stats = client.generate(prompt, **kwargs).stats
+            if i >= len(warmup):
+                rows.append(stats)
     return {"tokens_per_round": statistics.median(s.mean_acceptance_length for s in rows),
             "tok_s": statistics.median(s.tokens_per_second for s in rows),
             "drafted_per_round": statistics.median(s.num_draft_tokens / s.num_rounds for s in rows)}
 
 
 def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[str, list[str]], tokens: int,
-                  log_dir: Path, temperatures: tuple[float, ...] = (0.0, 0.8), raw: bool = False) -> list[dict]:
+                  log_dir: Path, temperatures: tuple[float, ...] = (0.0, 0.8), raw: bool = False,
+                  warmup: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
     rows = []
     for name, n, args in configs(sizes, raw):
         d = stack.start("draft", ["draft", "--model", str(ROOT / ".models" / "draft"), "--dtype", "bfloat16",
@@ -79,7 +85,7 @@ def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[s
         for temperature in temperatures:
             for category, texts in prompts.items():
                 row = {"config": name, "N": n, "temperature": temperature, "category": category,
-                       **run_prompts(d.address, texts, tokens, temperature)}
+                       **run_prompts(d.address, texts, tokens, temperature, (warmup or {}).get(category, ()))}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
         d.stop()
@@ -88,15 +94,16 @@ def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[s
 
 
 def section_rtt(stack: Stack, verifier: str, rtts: list[float], prompts: list[str], tokens: int,
-                log_dir: Path) -> list[dict]:
+                log_dir: Path, warmup: tuple[str, ...] = (), pipeline: bool = False) -> list[dict]:
     rows = []
     for name, n, args in configs([16]):
         for rtt in rtts:
             with ProxyThread(verifier, LinkShape(delay_s=rtt / 2000)) as proxy:
                 d = stack.start("draft", ["draft", "--model", str(ROOT / ".models" / "draft"), "--dtype", "bfloat16",
-                                          "--verifier", proxy.address, "--speculation", "fixed", *args],
-                                log_dir=log_dir)
-                row = {"config": name, "N": n, "rtt_ms": rtt, **run_prompts(d.address, prompts, tokens, 0.0)}
+                                          "--verifier", proxy.address, "--speculation", "fixed", *args,
+                                          *(["--pipeline"] if pipeline else [])], log_dir=log_dir)
+                row = {"config": name, "N": n, "rtt_ms": rtt, "pipeline": pipeline,
+                       **run_prompts(d.address, prompts, tokens, 0.0, warmup)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 d.stop()
@@ -180,12 +187,18 @@ def main() -> int:
     parser.add_argument("--temperatures", default="0,0.8")
     parser.add_argument("--categories", default="code,prose,chat")
     parser.add_argument("--raw-trees", action="store_true", help="also trees ranked by raw probabilities")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="per category, generate this many other prompts (its last ones) before measuring")
+    parser.add_argument("--pipeline", action="store_true", help="the rtt section's drafts with --pipeline")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="specwire-trees-"))
     out.mkdir(parents=True, exist_ok=True)
     data = json.loads(resources.files("specwire").joinpath("bench_prompts.json").read_text())
     prompts = {c: data[c][:args.per_category] for c in args.categories.split(",")}
+    warmup = {c: tuple(data[c][len(data[c]) - args.warmup:]) if args.warmup else () for c in prompts}
+    if any(set(warmup[c]) & set(prompts[c]) for c in prompts):
+        parser.error("--per-category and --warmup overlap: the warm-up prompts would be measured")
     sections = args.sections.split(",")
     results: dict = {}
     if "sizes" in sections or "rtt" in sections:
@@ -196,11 +209,13 @@ def main() -> int:
                 results["sizes"] = section_sizes(stack, v.address, [int(x) for x in args.sizes.split(",")], prompts,
                                                  args.tokens, out / "logs",
                                                  tuple(float(t) for t in args.temperatures.split(",")),
-                                                 raw=args.raw_trees)
+                                                 raw=args.raw_trees, warmup=warmup)
                 print(table_sizes(results["sizes"]), flush=True)
             if "rtt" in sections:
                 results["rtt"] = section_rtt(stack, v.address, [float(x) for x in args.rtts.split(",")],
-                                             data["code"][:args.per_category], args.tokens, out / "logs")
+                                             data["code"][:args.per_category], args.tokens, out / "logs",
+                                             tuple(data["code"][len(data["code"]) - args.warmup:])
+                                             if args.warmup else (), args.pipeline)
                 print(table_rtt(results["rtt"]), flush=True)
     if "step" in sections:
         results["step"] = section_step_cost()
