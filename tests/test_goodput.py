@@ -207,7 +207,7 @@ def test_probes_try_one_token_more_and_the_prior_is_per_group():
     from verifier_service.goodput import DraftLengthController
 
     control = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=3,
-                                    max_probe_every=12)
+                                    max_probe_every=12, min_evidence=0.0)
     lengths = [control.choose({"a": 4}).draft_lengths["a"] for _ in range(36)]
     # one more than the best at the third choice; as long as no choice drafts, each probe comes twice as late
     # (a probe makes a draft held at k = 0 catch up on everything verified since), up to every 12th
@@ -237,14 +237,15 @@ def test_a_fresh_controller_probes_early_then_at_the_usual_rate():
     twice as late at each probe: up to probe_every while choices draft, further while none does."""
     from verifier_service.goodput import DraftLengthController
 
-    idle = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512)
+    idle = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512,
+                                 min_evidence=0.0)
     lengths = [idle.choose({"a": 4}).draft_lengths["a"] for _ in range(130)]
     assert [i + 1 for i, k in enumerate(lengths) if k] == [4, 12, 28, 60, 124]  # k = 0 is best: 4, 8, 16, 32, 64
     idle.idle_s = 0.020  # drafting pays now: probes at the usual rate again, not the first ones'
     assert [idle.choose({"a": 4}).draft_lengths["a"] for _ in range(3)] == [4] * 3
     assert idle._probe_interval == 32
 
-    drafting = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32)
+    drafting = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, min_evidence=0.0)
     drafting.idle_s = 0.020  # drafting pays: every choice drafts, the probes come every 4, 8, 16, then 32 choices
     intervals = []
     for _ in range(100):
@@ -478,3 +479,29 @@ def test_a_long_wait_for_a_long_drafting_round_is_not_a_quiet_spell():
     quiet.observe_step(256, 3.0, 2.6)
     quiet.observe_drafting(0.1, 3, True, 192)
     assert quiet.draft_idle_s is None
+
+
+def test_probes_stay_early_while_a_group_s_acceptance_rests_on_few_verdicts():
+    """One rejection of a fresh service's first, junk request held k at 0 at one stream until the second probe, 8
+    choices after the first. While the group's first position has fewer than min_evidence verdicts, probes come
+    every first_probe_every choices, and a group that arrives later is probed within as many; once judged, the
+    interval doubles as before."""
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.types import SeqKey
+
+    a, new = SeqKey(1, 1), SeqKey(2, 1)  # sequences of two Verify streams: two groups
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512)
+    c.observe_verification(a, 4, 0)
+    probes = []
+    for i in range(40):
+        if c.choose({a: 4}).draft_lengths[a]:
+            probes.append(i + 1)
+            c.observe_verification(a, 1, 0)  # the probe's draft is rejected: k stays 0
+    # the group's counts decay a little at each verdict: below 4 until its sixth, so every 4th choice till then
+    assert probes[:5] == [4, 8, 12, 16, 20]
+    assert probes[5:] == [28]  # then twice as late at each probe
+    for _ in range(200):
+        c.choose({a: 4})
+    assert c._probe_interval >= 128
+    lengths = [c.choose({a: 4, new: 4}) for _ in range(4)]
+    assert any(chosen.draft_lengths[new] for chosen in lengths)  # a new group: within 4 choices

@@ -236,6 +236,9 @@ class FixedAcceptance:
     def rates(self, key, k):
         return [self.rate] * k
 
+    def evidence(self, key) -> float:
+        return float("inf")
+
 
 def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_drafts(pair):
     """16 sequences, acceptance 0.5, a step of 0.5 s + 0.05 s per token: one token drafted per sequence pays

@@ -191,6 +191,10 @@ class DraftLengthController:
     acceptance: AcceptanceTracker | None = None
     probe_every: int = 32
     first_probe_every: int = 4
+    # while a sequence's group has fewer verdicts than this on its first position, probes stay first_probe_every
+    # apart (measured at one stream, default pair: a first request's one rejection held k at 0 for 3 s, 15 steps,
+    # until the second probe, 8 choices after the first)
+    min_evidence: float = 4.0
     max_probe_every: int = 512
     max_probe_interval_s: float = 30.0
     # the step-time model and the acceptance are estimates: when a longer draft is within 3 % of the best
@@ -366,17 +370,21 @@ class DraftLengthController:
                                       other_drafted)
         if len(pool) > len(caps):
             chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
-        if self._probes_now(any(chosen.draft_lengths.values())):
+        thin = any(self.acceptance.evidence(key) < self.min_evidence for key in caps)
+        if self._probes_now(any(chosen.draft_lengths.values()), thin):
             lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
         return chosen
 
-    def _probes_now(self, drafts: bool) -> bool:
-        """Counts a choice (`drafts`: it drafts anything); whether it is a probe."""
+    def _probes_now(self, drafts: bool, thin: bool = False) -> bool:
+        """Counts a choice (`drafts`: it drafts anything; `thin`: a group's acceptance rests on few verdicts);
+        whether it is a probe."""
         if not self.probe_every:
             return False
         if not self._probe_interval:
             self._probe_interval = self._until_probe = min(self.first_probe_every, self.probe_every)
+        if thin:  # a group that arrived since the last probe is judged within first_probe_every choices
+            self._until_probe = min(self._until_probe, self.first_probe_every)
         if drafts:
             self._drafted_since_probe = True
             if self._probe_interval > self.probe_every:  # drafting again: probe at the usual rate from here
@@ -389,7 +397,9 @@ class DraftLengthController:
         if self._until_probe > 0 and now - self._last_probe < self.max_probe_interval_s:
             return False
         self._last_probe = now
-        if not self._drafted_since_probe:
+        if thin:  # judge again soon: its next probe comes as early as a fresh controller's
+            self._probe_interval = min(self.first_probe_every, self.probe_every)
+        elif not self._drafted_since_probe:
             self._probe_interval = min(self.max_probe_every, 2 * self._probe_interval)
         elif self._probe_interval < self.probe_every:  # the first probes: towards the usual rate
             self._probe_interval = min(self.probe_every, 2 * self._probe_interval)

@@ -250,6 +250,11 @@ class AcceptanceTracker:
         self._tried.pop(key, None)
         self._accepted.pop(key, None)
 
+    def evidence(self, key: object) -> float:
+        """How many verdicts (decayed) judged the first position of `key`'s group: what its shared rates rest on."""
+        counts = self._shared(key, touch=False)
+        return 0.0 if counts is None else counts[0][0]
+
     def shared_rate(self, j: int, key: object = None) -> float:
         """alpha_j over `key`'s group (the default rate for a group not seen yet)."""
         return self._shared_rates(key)[j]
