@@ -232,6 +232,7 @@ def main() -> int:
                              extra_verifier, [*extra_draft, *cap], args.requests_per_stream, args.min_requests)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
+    stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
     title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
              f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
              f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}")

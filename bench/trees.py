@@ -65,8 +65,8 @@ def run_prompts(address: str, prompts: list[str], tokens: int, temperature: floa
         client.generate(prompts[0], max_tokens=4, temperature=0.0)  # warm-up
         for i, prompt in enumerate((*warmup, *prompts)):
             kwargs = dict(temperature=temperature, ignore_eos=True, max_tokens=tokens)
-            if temperature > 0:
-                kwargs.update(seed=1000 + i, wire_mode="sparse")
+            if temperature > 0:  # a measured prompt's seed does not depend on the warm-up
+                kwargs.update(seed=1000 + i - len(warmup) if i >= len(warmup) else 2000 + i, wire_mode="sparse")
             stats = client.generate(prompt, **kwargs).stats
             if i >= len(warmup):
                 rows.append(stats)
@@ -196,8 +196,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = json.loads(resources.files("specwire").joinpath("bench_prompts.json").read_text())
     prompts = {c: data[c][:args.per_category] for c in args.categories.split(",")}
-    warmup = {c: tuple(data[c][len(data[c]) - args.warmup:]) if args.warmup else () for c in prompts}
-    if any(set(warmup[c]) & set(prompts[c]) for c in prompts):
+    warmup = {c: tuple(data[c][len(data[c]) - args.warmup:]) if args.warmup else () for c in {*prompts, "code"}}
+    if any(args.per_category + args.warmup > len(data[c]) for c in warmup):
         parser.error("--per-category and --warmup overlap: the warm-up prompts would be measured")
     sections = args.sections.split(",")
     results: dict = {}
@@ -214,8 +214,7 @@ def main() -> int:
             if "rtt" in sections:
                 results["rtt"] = section_rtt(stack, v.address, [float(x) for x in args.rtts.split(",")],
                                              data["code"][:args.per_category], args.tokens, out / "logs",
-                                             tuple(data["code"][len(data["code"]) - args.warmup:])
-                                             if args.warmup else (), args.pipeline)
+                                             warmup["code"], args.pipeline)
                 print(table_rtt(results["rtt"]), flush=True)
     if "step" in sections:
         results["step"] = section_step_cost()

@@ -437,7 +437,8 @@ def test_the_draft_time_model_prices_rounds_as_they_took_and_learns_the_per_sequ
     for _ in range(30):  # rows cost nothing, more rows took less: never a negative term
         skew.observe(0.5, 1, 1)
         skew.observe(0.4, 1, 32)
-    assert min(skew.coefficients()) >= 0.0
+    a, b = skew.coefficients()
+    assert b == 0.0 and a == pytest.approx(0.45, rel=0.05)  # the per-step term alone
 
 
 def test_drafting_for_more_sequences_is_priced_by_its_rows():
@@ -481,27 +482,53 @@ def test_a_long_wait_for_a_long_drafting_round_is_not_a_quiet_spell():
     assert quiet.draft_idle_s is None
 
 
-def test_probes_stay_early_while_a_group_s_acceptance_rests_on_few_verdicts():
+def test_a_group_whose_acceptance_rests_on_few_verdicts_gets_probes_of_its_own():
     """One rejection of a fresh service's first, junk request held k at 0 at one stream until the second probe, 8
-    choices after the first. While the group's first position has fewer than min_evidence verdicts, probes come
-    every first_probe_every choices, and a group that arrives later is probed within as many; once judged, the
-    interval doubles as before."""
+    choices after the first. While a group's first position has fewer than min_evidence verdicts, its own sequences
+    get a probe every first_probe_every choices besides the probes of all, which back off as before; a group that
+    arrives is probed within as many, alone; a sequence that may not draft (cap 0) makes no group thin, and a group
+    whose probes never judge anything gets at most max_thin_probes."""
     from verifier_service.goodput import DraftLengthController
     from verifier_service.types import SeqKey
 
-    a, new = SeqKey(1, 1), SeqKey(2, 1)  # sequences of two Verify streams: two groups
+    a, new, silent, capped = SeqKey(1, 1), SeqKey(2, 1), SeqKey(3, 1), SeqKey(4, 1)  # four Verify streams
     c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512)
     c.observe_verification(a, 4, 0)
     probes = []
     for i in range(40):
-        if c.choose({a: 4}).draft_lengths[a]:
+        if c.choose({a: 4, capped: 0}).draft_lengths[a]:
             probes.append(i + 1)
             c.observe_verification(a, 1, 0)  # the probe's draft is rejected: k stays 0
-    # the group's counts decay a little at each verdict: below 4 until its sixth, so every 4th choice till then
-    assert probes[:5] == [4, 8, 12, 16, 20]
-    assert probes[5:] == [28]  # then twice as late at each probe
-    for _ in range(200):
-        c.choose({a: 4})
+    # all at 4, 12, 28 (twice as late each time: nothing drafted), the thin group's own at 8 and 16, until its
+    # (decaying) count of verdicts passed 4
+    assert probes == [4, 8, 12, 16, 28]
+    for _ in range(300):
+        c.choose({a: 4, capped: 0})
     assert c._probe_interval >= 128
-    lengths = [c.choose({a: 4, new: 4}) for _ in range(4)]
-    assert any(chosen.draft_lengths[new] for chosen in lengths)  # a new group: within 4 choices
+    chosen = [c.choose({a: 4, new: 4}).draft_lengths for _ in range(4)]
+    assert [lengths[new] for lengths in chosen] == [0, 0, 0, 1] and not any(lengths[a] for lengths in chosen)
+    silent_probes = sum(bool(c.choose({a: 4, silent: 4}).draft_lengths[silent]) for _ in range(100))
+    assert silent_probes == c.max_thin_probes  # its drafts never come back judged
+    assert capped.stream_id not in c._thin_probes
+
+
+def test_the_drafts_of_several_draft_processes_are_priced_as_drafted_side_by_side():
+    """Each Verify stream is a draft process with a batch of its own: 64 sequences over four of them wait about
+    as long as 16 in one, and draft as 16 would, where 64 in one process draft nothing (the rounds seen: 4 tokens
+    for 16 sequences in 0.6 s, for one in 0.25 s)."""
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.types import SeqKey
+
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.4 + 0.001 * n), probe_every=0)
+    c.acceptance.default_rate = 0.7
+    for _ in range(30):
+        c.observe_step(80, 0.5, 0.62)
+        c.observe_drafting(0.6, 4, True, 64)
+        c.observe_step(68, 0.5, 0.27)
+        c.observe_drafting(0.25, 4, True, 4)
+    one = {SeqKey(1, i): 4 for i in range(64)}
+    four = {SeqKey(1 + i % 4, i): 4 for i in range(64)}
+    sixteen = {SeqKey(1, i): 4 for i in range(16)}
+    assert sum(c.choose(one).draft_lengths.values()) == 0
+    per_sequence = sum(c.choose(sixteen).draft_lengths.values()) / 16
+    assert per_sequence > 0 and sum(c.choose(four).draft_lengths.values()) / 64 == pytest.approx(per_sequence, abs=1)

@@ -295,3 +295,31 @@ def test_the_engine_forgets_an_ended_sequences_next_block(pair):
     engine.submit(CloseCmd(key))  # cancelled halfway
     engine.step(None, frozenset())
     assert key not in engine._next_blocks
+
+
+def test_the_drafting_observed_is_the_slowest_draft_batch_with_its_own_rows():
+    """Blocks of one stream that carry the same draft_seconds came from one batch: the controller sees the slowest
+    batch's time, its longest block and the tokens it drafted (not another batch's of the same stream, nor other
+    streams' tokens), and a block without a model's time (an n-gram one) is not drafting."""
+    from types import SimpleNamespace
+
+    from verifier_service.engine import VerifierEngine
+
+    def block(stream: int, seq: int, k: int, seconds: float | None) -> SimpleNamespace:
+        return SimpleNamespace(proposal=ProposeCmd(SeqKey(stream, seq), 10, tuple(range(5, 5 + k)), None,
+                                                   draft_seconds=seconds))
+
+    seen = []
+
+    class Control:
+        max_draft_s = 5.0
+
+        def observe_drafting(self, *args) -> None:
+            seen.append(args)
+
+    verifications = [block(1, 1, 4, 0.3), block(1, 2, 2, 0.3), block(1, 3, 3, 0.1), block(2, 1, 4, 0.2),
+                     block(2, 2, 0, 0.9), block(3, 1, 6, None)]
+    VerifierEngine._observe_drafting(SimpleNamespace(verifications=verifications), Control())
+    assert seen == [(0.3, 4, True, 6)]
+    VerifierEngine._observe_drafting(SimpleNamespace(verifications=[block(1, 1, 2, 9.0)]), Control())
+    assert seen[-1] == (5.0, 2, True, 2)  # a claim counts at most max_draft_s

@@ -55,6 +55,7 @@ class _NextBlock:
     output: float  # expected tokens emitted
     positions: int  # model-drafted positions (0: none drafted by a model)
     cap: int | None  # its cap on the goodput choice; None: it follows no choice (fixed k)
+    drafted: int = 0  # model-drafted tokens (a tree's nodes)
 
 
 def _tree_depth_limit(loaded: LoadedModel) -> int | None:
@@ -222,7 +223,7 @@ class VerifierEngine:
                     other_tokens += block.tokens
                     other_output += block.output
                     other_longest = max(other_longest, block.positions)
-                    other_drafted += block.tokens - 1 if block.positions else 0
+                    other_drafted += block.drafted
         chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted)
                   if caps else None)
         if self.trial is not None:
@@ -283,29 +284,32 @@ class VerifierEngine:
                 gains = np.cumprod(control.acceptance.rates(key, k)) if k else ()
                 self._next_blocks[key] = _NextBlock(1 + k, 1.0 + float(np.sum(gains)), k, caps[key])
             else:
-                p = item.proposal
-                self._next_blocks[key] = _NextBlock(item.num_tokens, float(len(verdict.token_ids)),
-                                                    p.num_positions if p.draft_seconds is not None else 0, None)
+                p = item.proposal  # the next block as large as this one, without the prompt it may have carried
+                model = p.draft_seconds is not None
+                self._next_blocks[key] = _NextBlock(1 + p.num_draft_tokens, float(len(verdict.token_ids)),
+                                                    p.num_positions if model else 0, None,
+                                                    p.num_draft_tokens if model else 0)
 
     @staticmethod
     def _observe_drafting(scheduled: SchedulerOutput, control: DraftLengthController, *, prefill: bool = False) -> None:
-        """Proposal.draft_seconds of the blocks verified: per stream (one draft process) its batch's time, its
-        longest block and its drafted tokens; one phase waits for the slowest stream. A claim past max_draft_s
-        counts as that much. `prefill`: the step computed prompt chunks too (its wait and its time say nothing of
-        a verification's)."""
-        by_stream: dict[int, tuple[float, int, int]] = {}
+        """Proposal.draft_seconds of the blocks verified: per draft batch (the blocks of one stream that carry the
+        same time: one batch drafted them) its time, its longest block and its drafted tokens; one phase waits for
+        the slowest. A claim past max_draft_s counts as that much. `prefill`: the step computed prompt chunks too
+        (its wait and its time say nothing of a verification's)."""
+        by_batch: dict[tuple[int, float], tuple[float, int, int]] = {}
         for item in scheduled.verifications:
             p = item.proposal
             if p.draft_seconds is None or not p.num_draft_tokens:
                 continue
-            seconds, k, m = by_stream.get(p.key.stream_id, (0.0, 0, 0))
-            by_stream[p.key.stream_id] = (max(seconds, min(p.draft_seconds, control.max_draft_s)),
-                                          max(k, p.num_positions), m + p.num_draft_tokens)
+            batch = (p.key.stream_id, p.draft_seconds)
+            _, k, m = by_batch.get(batch, (0.0, 0, 0))
+            by_batch[batch] = (min(p.draft_seconds, control.max_draft_s), max(k, p.num_positions),
+                               m + p.num_draft_tokens)
         # the wait before the step is a plain round's when the step verified blocks and none drafted anything
         verified = scheduled.verifications
         drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
-        if by_stream:
-            seconds, longest, tokens = max(by_stream.values())  # the slowest stream's round
+        if by_batch:
+            seconds, longest, tokens = max(by_batch.values())  # the slowest batch
             control.observe_drafting(seconds, longest, drafted, tokens)
         else:
             control.observe_drafting(0.0, 0, drafted, 0)

@@ -15,8 +15,9 @@ maximise the expected verified tokens per second of the next step (goodput, as i
 
     goodput(k) = sum_i E_i(k_i) / t(sum_i (1 + k_i))      E_i(k) = 1 + sum_{j<=k} prod_{m<=j} alpha_{i,m}
 
-t also holds the verifier's wait for the next proposals, of which drafting the longest block is the part that
-k changes (the draft drafts its sequences' blocks in one batch). For a fixed number of drafted tokens M and a
+t also holds the verifier's wait for the next proposals, of which drafting is the part that k changes: the
+draft drafts its sequences' blocks in one batch, one step per token of the longest block L, each step over the
+sequences still drafting, M tokens in all (DraftTimeModel: a L + b M). For a fixed number of drafted tokens M and a
 bound L on the block length the numerator is largest when it takes the M largest marginal gains
 prod_{m<=j} alpha_{i,m}, j <= L, over all sequences (each sequence's gains fall with j), so the search runs over
 L and M: the best prefix of the merged, sorted marginal gains under each bound. Under heavy load t grows with
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -183,6 +185,12 @@ class DraftLengthController:
     may be a short request's rejection. Such a start held k at 0 for a whole first request at one stream, until the
     32nd choice probed. So the first probe comes after `first_probe_every` choices, and the interval doubles at
     each probe up to `probe_every` (further, up to `max_probe_every`, while nothing is drafted).
+
+    A group (one Verify stream's sequences) whose acceptance rests on fewer than `min_evidence` verdicts of its
+    first position gets probes of its own besides, its sequences only, every `first_probe_every` choices, at most
+    `max_thin_probes` (measured at one stream, default pair: one rejection of a fresh service's first, junk request
+    held k at 0 for 15 steps, until the second probe 8 choices after the first). A group whose probes never judge
+    anything (its drafts come back empty) stops getting them after those.
     Lives on the engine thread: no locks."""
 
     max_draft_tokens: int
@@ -191,10 +199,8 @@ class DraftLengthController:
     acceptance: AcceptanceTracker | None = None
     probe_every: int = 32
     first_probe_every: int = 4
-    # while a sequence's group has fewer verdicts than this on its first position, probes stay first_probe_every
-    # apart (measured at one stream, default pair: a first request's one rejection held k at 0 for 3 s, 15 steps,
-    # until the second probe, 8 choices after the first)
-    min_evidence: float = 4.0
+    min_evidence: float = 4.0  # a group's verdicts on its first position, below which it gets probes of its own
+    max_thin_probes: int = 8  # per group
     max_probe_every: int = 512
     max_probe_interval_s: float = 30.0
     # the step-time model and the acceptance are estimates: when a longer draft is within 3 % of the best
@@ -206,7 +212,7 @@ class DraftLengthController:
     # is a quiet spell only past max_idle_s plus twice the drafting it waited for (measured at 64 streams on 2
     # cores: waits of 2.6 s for rounds of 3 drafted tokens a sequence, which, taken for quiet spells, never
     # priced drafting)
-    max_draft_s: float = 10.0
+    max_draft_s: float = 5.0
     idle_s: float = 0.0  # moving average of the time between steps
     # the same, kept apart for steps whose blocks drafted something and steps whose blocks drafted nothing (None:
     # none seen yet); see idle_split
@@ -241,6 +247,8 @@ class DraftLengthController:
     _probe_interval: int = 0
     _drafted_since_probe: bool = False
     _last_probe: float | None = None  # time.monotonic() of the last probe
+    _until_thin_probe: int = 0  # choices before thin groups' next probe
+    _thin_probes: OrderedDict = field(default_factory=OrderedDict)  # group -> its probes while thin (the recent)
 
     def __post_init__(self) -> None:
         if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
@@ -248,6 +256,7 @@ class DraftLengthController:
                              f"({self.max_probe_every})")
         if self.first_probe_every < 1:
             raise ValueError(f"first_probe_every must be >= 1, got {self.first_probe_every}")
+        self._until_thin_probe = self.first_probe_every
         if self.acceptance is None:
             # the prior of a sequence is its Verify stream's (one draft process, one draft model)
             self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens), decay=0.95, prior_strength=4.0,
@@ -364,27 +373,47 @@ class DraftLengthController:
         pool = {**(away or {}), **caps}
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
+        # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
+        # wait for S of them is about the longest, priced as if the tokens were spread evenly over them
+        streams = max(1, len({self.acceptance.group_of(key) for key, cap in pool.items() if cap > 0}))
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
-                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
+                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
                                       other_drafted)
         if len(pool) > len(caps):
             chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
-        thin = any(self.acceptance.evidence(key) < self.min_evidence for key in caps)
-        if self._probes_now(any(chosen.draft_lengths.values()), thin):
-            lengths = {key: min(caps[key], k + 1) for key, k in chosen.draft_lengths.items()}
+        probed = set(caps) if self._probes_now(any(chosen.draft_lengths.values())) else self._thin_probe(caps)
+        if probed:
+            lengths = {key: min(caps[key], k + 1) if key in probed else k for key, k in chosen.draft_lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
         return chosen
 
-    def _probes_now(self, drafts: bool, thin: bool = False) -> bool:
-        """Counts a choice (`drafts`: it drafts anything; `thin`: a group's acceptance rests on few verdicts);
-        whether it is a probe."""
+    def _thin_probe(self, caps: dict[object, int]) -> set[object]:
+        """The keys a probe of the thin groups gives a token more now (none: not now)."""
+        if not self.probe_every:
+            return set()
+        group_of = self.acceptance.group_of
+        thin = {group_of(key) for key, cap in caps.items()
+                if cap > 0 and self.acceptance.evidence(key) < self.min_evidence
+                and self._thin_probes.get(group_of(key), 0) < self.max_thin_probes}
+        if not thin:
+            return set()
+        self._until_thin_probe -= 1
+        if self._until_thin_probe > 0:
+            return set()
+        self._until_thin_probe = self.first_probe_every
+        for group in thin:
+            self._thin_probes[group] = self._thin_probes.pop(group, 0) + 1
+        while len(self._thin_probes) > self.acceptance.max_groups:
+            self._thin_probes.popitem(last=False)
+        return {key for key in caps if group_of(key) in thin}
+
+    def _probes_now(self, drafts: bool) -> bool:
+        """Counts a choice (`drafts`: it drafts anything); whether it is a probe."""
         if not self.probe_every:
             return False
         if not self._probe_interval:
             self._probe_interval = self._until_probe = min(self.first_probe_every, self.probe_every)
-        if thin:  # a group that arrived since the last probe is judged within first_probe_every choices
-            self._until_probe = min(self._until_probe, self.first_probe_every)
         if drafts:
             self._drafted_since_probe = True
             if self._probe_interval > self.probe_every:  # drafting again: probe at the usual rate from here
@@ -397,9 +426,8 @@ class DraftLengthController:
         if self._until_probe > 0 and now - self._last_probe < self.max_probe_interval_s:
             return False
         self._last_probe = now
-        if thin:  # judge again soon: its next probe comes as early as a fresh controller's
-            self._probe_interval = min(self.first_probe_every, self.probe_every)
-        elif not self._drafted_since_probe:
+        self._until_thin_probe = self.first_probe_every  # a probe judged the thin groups too
+        if not self._drafted_since_probe:
             self._probe_interval = min(self.max_probe_every, 2 * self._probe_interval)
         elif self._probe_interval < self.probe_every:  # the first probes: towards the usual rate
             self._probe_interval = min(self.probe_every, 2 * self._probe_interval)
