@@ -239,6 +239,10 @@ class FixedAcceptance:
     def evidence(self, key) -> float:
         return float("inf")
 
+    @staticmethod
+    def group_of(key):
+        return key.stream_id
+
 
 def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_drafts(pair):
     """16 sequences, acceptance 0.5, a step of 0.5 s + 0.05 s per token: one token drafted per sequence pays

@@ -164,6 +164,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 RATIO_DRIFT = 0.98
 # steps verifying drafted blocks after which the last plain rounds' wait is taken as stale (idle_split)
 STALE_PLAIN_STEPS = 16
+MAX_THIN_GROUPS = 1024  # groups whose probes while thin are counted (the most recent)
 
 
 @dataclass
@@ -404,7 +405,7 @@ class DraftLengthController:
         self._until_thin_probe = self.first_probe_every
         for group in thin:
             self._thin_probes[group] = self._thin_probes.pop(group, 0) + 1
-        while len(self._thin_probes) > self.acceptance.max_groups:
+        while len(self._thin_probes) > MAX_THIN_GROUPS:
             self._thin_probes.popitem(last=False)
         return {key for key in caps if group_of(key) in thin}
 
