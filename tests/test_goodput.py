@@ -532,3 +532,15 @@ def test_the_drafts_of_several_draft_processes_are_priced_as_drafted_side_by_sid
     assert sum(c.choose(one).draft_lengths.values()) == 0
     per_sequence = sum(c.choose(sixteen).draft_lengths.values()) / 16
     assert per_sequence > 0 and sum(c.choose(four).draft_lengths.values()) / 64 == pytest.approx(per_sequence, abs=1)
+
+
+def test_a_draft_that_gains_less_than_the_tolerance_over_plain_decoding_is_not_taken():
+    """Where the best option drafts but plain decoding is within the tolerance of it (break-even under load), plain
+    decoding is taken, not the longest near draft: at 32 streams that took every sequence to k = 4 at once."""
+    step = model_of(lambda n: 0.02 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    cands = [Candidate(i, 4, (0.99, 0.9, 0.9, 0.9)) for i in range(32)]
+    exact = choose_draft_lengths(cands, step, tolerance=0.0)
+    assert 0 < exact.goodput / exact.plain_goodput < 1.03  # the best drafts, by less than 3 %
+    assert sum(choose_draft_lengths(cands, step, tolerance=0.03).draft_lengths.values()) == 0
+    idle = model_of(lambda n: 0.01 + 0.0001 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))  # drafting pays well
+    assert min(choose_draft_lengths(cands, idle, tolerance=0.03).draft_lengths.values()) >= 3
