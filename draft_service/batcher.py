@@ -24,6 +24,11 @@ log = structlog.get_logger(__name__)
 # forward's time grows with the sequences it feeds: 64 sequences' one new token each took 400 ms on 2 cores (64
 # streams, default pair), and a verdict that found such a forward running waited for the rest of it
 WARM_CHUNK_TOKENS = 16
+# a sequence is warmed once this many of its tokens wait to be fed: a forward's cost hardly grows with its tokens
+# at a few rows, and on a host it shares with the verifier each one slows the verifier's step (measured through
+# guidellm at one stream, default pair, 2 cores: plain steps of 230 to 290 ms beside a warming forward every
+# round, against about 200 ms without)
+WARM_MIN_TOKENS = 8
 # the longest a batch waits for the sequences whose verdicts are in (DueRounds), whatever the last batch took
 MAX_DUE_WAIT_S = 1.0
 
@@ -32,8 +37,9 @@ class DraftBatcher:
     """Batches concurrent draft requests: while one batch drafts, new requests queue for the next.
 
     While no drafting is waiting, the model's thread warms the sequences whose rounds draft nothing (k = 0: a
-    new sequence's first round, or the verifier's choice under load): it feeds their context, in forwards of at
-    most WARM_CHUNK_TOKENS, so the round that drafts again starts at once. Measured at 64 streams on 2 cores
+    new sequence's first round, or the verifier's choice under load) once WARM_MIN_TOKENS of their tokens wait:
+    it feeds their context, in forwards of at most WARM_CHUNK_TOKENS, so the round that drafts again starts at
+    once (or after a forward of fewer than WARM_MIN_TOKENS). Measured at 64 streams on 2 cores
     before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
     which the verifier waited. A sequence is warmed only between its proposal and its verdict: settle() before
     the sequence changes again ends its warming (waiting at most for the forward running).
@@ -113,9 +119,9 @@ class DraftBatcher:
         self._executor.shutdown(wait=True)
 
     def warm(self, seq: DraftSequence) -> None:
-        """Warm `seq` while the model's thread has nothing to draft (see the class); call settle() before the
-        sequence changes again."""
-        if seq.fork_from is None:
+        """Warm `seq` while the model's thread has nothing to draft (see the class), once WARM_MIN_TOKENS of its
+        tokens wait to be fed; call settle() before the sequence changes again."""
+        if seq.fork_from is None and seq.num_context - 1 - seq.num_cached >= WARM_MIN_TOKENS:
             self._warm[seq] = None
             self._wakeup.set()
 

@@ -20,7 +20,7 @@ from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
 from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
-from draft_service.batcher import WARM_CHUNK_TOKENS, DraftBatcher
+from draft_service.batcher import WARM_CHUNK_TOKENS, WARM_MIN_TOKENS, DraftBatcher
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftJob, DraftModel, Prefilling
 from draft_service.drafters import NgramDrafter
@@ -449,6 +449,11 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
             batcher.warm(other)
             await batcher.release(other)
             assert not batcher._warm
+            short = _batch((WARM_MIN_TOKENS,))[0]  # fewer than WARM_MIN_TOKENS to feed: not worth a forward
+            batcher.warm(short)
+            assert not batcher._warm
+            batcher.warm(_batch((WARM_MIN_TOKENS + 1,))[0])
+            assert batcher._warm
         finally:
             gate.set()
             await batcher.stop()
