@@ -27,7 +27,7 @@ WARM_CHUNK_TOKENS = 16
 # a sequence is warmed once this many of its tokens wait to be fed: a forward's cost hardly grows with its tokens
 # at a few rows, and on a host it shares with the verifier each one slows the verifier's step (measured through
 # guidellm at one stream, default pair, 2 cores: plain steps of 230 to 290 ms beside a warming forward every
-# round, against about 200 ms without)
+# round, against about 185 ms without)
 WARM_MIN_TOKENS = 8
 # the longest a batch waits for the sequences whose verdicts are in (DueRounds), whatever the last batch took
 MAX_DUE_WAIT_S = 1.0
