@@ -492,7 +492,8 @@ def test_a_group_whose_acceptance_rests_on_few_verdicts_gets_probes_of_its_own()
     from verifier_service.types import SeqKey
 
     a, new, silent, capped = SeqKey(1, 1), SeqKey(2, 1), SeqKey(3, 1), SeqKey(4, 1)  # four Verify streams
-    c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512)
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512,
+                              max_probe_interval_s=float("inf"))
     c.observe_verification(a, 4, 0)
     probes = []
     for i in range(40):
@@ -508,7 +509,7 @@ def test_a_group_whose_acceptance_rests_on_few_verdicts_gets_probes_of_its_own()
     chosen = [c.choose({a: 4, new: 4}).draft_lengths for _ in range(4)]
     assert [lengths[new] for lengths in chosen] == [0, 0, 0, 1] and not any(lengths[a] for lengths in chosen)
     silent_probes = sum(bool(c.choose({a: 4, silent: 4}).draft_lengths[silent]) for _ in range(100))
-    assert silent_probes == c.max_thin_probes  # its drafts never come back judged
+    assert silent_probes == c.max_thin_probes == c._thin_probes[silent.stream_id]  # never judged: 8 and no more
     assert capped.stream_id not in c._thin_probes
 
 
@@ -544,3 +545,15 @@ def test_a_draft_that_gains_less_than_the_tolerance_over_plain_decoding_is_not_t
     assert sum(choose_draft_lengths(cands, step, tolerance=0.03).draft_lengths.values()) == 0
     idle = model_of(lambda n: 0.01 + 0.0001 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))  # drafting pays well
     assert min(choose_draft_lengths(cands, idle, tolerance=0.03).draft_lengths.values()) >= 3
+
+
+def test_past_the_tolerance_the_choice_goes_at_most_a_token_a_sequence_beyond_the_best():
+    """Where plain decoding is just outside the tolerance of a best option drafting one token a sequence, the
+    choice is at most two a sequence, not the longest option within the tolerance (noise at the tolerance's edge
+    would swing the batch between plain decoding and k = 4)."""
+    step = model_of(lambda n: 0.03 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    cands = [Candidate(i, 4, (0.99, 0.9, 0.9, 0.9)) for i in range(32)]
+    exact = choose_draft_lengths(cands, step, tolerance=0.0)
+    assert 1.03 < exact.goodput / exact.plain_goodput < 1.05 and set(exact.draft_lengths.values()) == {1}
+    chosen = choose_draft_lengths(cands, step, tolerance=0.03)
+    assert sum(exact.draft_lengths.values()) < sum(chosen.draft_lengths.values()) <= 64

@@ -98,7 +98,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     and the other work's blocks draft nothing), in place of `idle_s` (None: the same). `step_ratios`: what a step
     that verifies nothing drafted, and one that verifies drafted tokens, takes against `step_time`'s prediction.
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
-    best goodput, plain decoding if it is one of them, else the one with the most drafted tokens is taken. Without a step observed yet every candidate gets
+    best goodput, plain decoding if it is one of them, else the one with the most drafted tokens, at most one a
+    candidate more than the best's, is taken. Without a step observed yet every candidate gets
     its cap.
 
     For a given total M of drafted tokens the step's tokens are fixed and the expected output is largest when it
@@ -155,7 +156,14 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         # reason to draft (measured at 32 streams, default pair, 2 cores: a best option drafting a little made
         # the longest near one, 4 tokens for each of 32 sequences, the choice; that round took 4.0 s for 149
         # tokens that plain rounds of 0.68 s give in 3.2 s)
-        pick = 0 if near[0] == 0 else int(near[np.lexsort((goodputs[near], m_all[near]))[-1]])
+        # Otherwise the longest near option, at most one token a sequence past the best: noise around the
+        # tolerance's edge then moves the batch a token at a time, not from plain decoding to the longest draft
+        if near[0] == 0:
+            pick = 0
+        else:
+            m_best = m_all[int(np.argmax(goodputs))]
+            near = near[m_all[near] <= m_best + base]
+            pick = int(near[np.lexsort((goodputs[near], m_all[near]))[-1]])
     else:
         pick = int(np.flatnonzero(goodputs >= best * (1 - 1e-9))[0])
     m, limit = int(m_all[pick]), int(bound_all[pick])
@@ -208,8 +216,9 @@ class DraftLengthController:
     max_thin_probes: int = 8  # per group
     max_probe_every: int = 512
     max_probe_interval_s: float = 30.0
-    # the step-time model and the acceptance are estimates: when a longer draft is within 3 % of the best
-    # goodput, it is taken (measured on 2 cores, the noise alone otherwise cut k = 4 to 2 or 3 on an idle verifier)
+    # the step-time model and the acceptance are estimates: when plain decoding is within 3 % of the best goodput
+    # it is taken, else a longer draft within 3 % of the best (measured on 2 cores, the noise alone otherwise cut
+    # k = 4 to 2 or 3 on an idle verifier; see choose_draft_lengths)
     tolerance: float = 0.03
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
@@ -387,19 +396,21 @@ class DraftLengthController:
                                       other_drafted)
         if len(pool) > len(caps):
             chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
-        probed = set(caps) if self._probes_now(any(chosen.draft_lengths.values())) else self._thin_probe(caps)
+        probed = (set(caps) if self._probes_now(any(chosen.draft_lengths.values()))
+                  else self._thin_probe(caps, chosen.draft_lengths))
         if probed:
             lengths = {key: min(caps[key], k + 1) if key in probed else k for key, k in chosen.draft_lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
         return chosen
 
-    def _thin_probe(self, caps: dict[object, int]) -> set[object]:
-        """The keys a probe of the thin groups gives a token more now (none: not now)."""
+    def _thin_probe(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
+        """The keys a probe of the thin groups gives a token more now (none: not now): groups with a sequence
+        the choice left below its cap (a probe changes nothing for the others, and is not counted)."""
         if not self.probe_every:
             return set()
         group_of = self.acceptance.group_of
         thin = {group_of(key) for key, cap in caps.items()
-                if cap > 0 and self.acceptance.evidence(key) < self.min_evidence
+                if chosen[key] < cap and self.acceptance.evidence(key) < self.min_evidence
                 and self._thin_probes.get(group_of(key), 0) < self.max_thin_probes}
         if not thin:
             return set()
