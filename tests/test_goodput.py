@@ -441,11 +441,9 @@ def test_the_draft_time_model_prices_rounds_as_they_took_and_learns_the_per_sequ
     assert b == 0.0 and a == pytest.approx(0.45, rel=0.05)  # the per-step term alone
 
 
-def test_drafting_for_more_sequences_is_priced_by_its_rows():
-    """The draft took 0.6 s for rounds of 4 tokens for 16 sequences and 0.25 s for one sequence's 4 (the probes):
-    a step of about 0.057 s plus 0.0058 s a row. For 16 sequences the choice is what the longest block alone
-    priced (0.15 s a token, whatever the sequences); for 64, whose rounds of 2 tokens each would take about 0.85
-    s, plain decoding, where the longest block alone priced them at 0.3 s and drafted 2 for each."""
+def _drafted_rounds_of_16_and_of_1():
+    """A controller on a nearly flat verifier (0.4 s + 1 ms a token) that saw rounds of 4 tokens for 16 sequences
+    (0.6 s) and for one (0.25 s) in turn, acceptance 0.7."""
     from verifier_service.goodput import DraftLengthController
 
     c = DraftLengthController(4, step_time=model_of(lambda n: 0.4 + 0.001 * n), probe_every=0)
@@ -455,6 +453,15 @@ def test_drafting_for_more_sequences_is_priced_by_its_rows():
         c.observe_drafting(0.6, 4, True, 64)
         c.observe_step(68, 0.5, 0.27)
         c.observe_drafting(0.25, 4, True, 4)
+    return c
+
+
+def test_drafting_for_more_sequences_is_priced_by_its_rows():
+    """The draft took 0.6 s for rounds of 4 tokens for 16 sequences and 0.25 s for one sequence's 4 (the probes):
+    a step of about 0.057 s plus 0.0058 s a row. For 16 sequences the choice is what the longest block alone
+    priced (0.15 s a token, whatever the sequences); for 64, whose rounds of 2 tokens each would take about 0.85
+    s, plain decoding, where the longest block alone priced them at 0.3 s and drafted 2 for each."""
+    c = _drafted_rounds_of_16_and_of_1()
     _, per_block, per_drafted, _ = c.idle_split()
     a, b = per_block / c.exposure, per_drafted / c.exposure
     assert a + 16 * b == pytest.approx(0.15, rel=0.1) and a + b == pytest.approx(0.0625, rel=0.2)
@@ -517,16 +524,9 @@ def test_the_drafts_of_several_draft_processes_are_priced_as_drafted_side_by_sid
     """Each Verify stream is a draft process with a batch of its own: 64 sequences over four of them wait about
     as long as 16 in one, and draft as 16 would, where 64 in one process draft nothing (the rounds seen: 4 tokens
     for 16 sequences in 0.6 s, for one in 0.25 s)."""
-    from verifier_service.goodput import DraftLengthController
     from verifier_service.types import SeqKey
 
-    c = DraftLengthController(4, step_time=model_of(lambda n: 0.4 + 0.001 * n), probe_every=0)
-    c.acceptance.default_rate = 0.7
-    for _ in range(30):
-        c.observe_step(80, 0.5, 0.62)
-        c.observe_drafting(0.6, 4, True, 64)
-        c.observe_step(68, 0.5, 0.27)
-        c.observe_drafting(0.25, 4, True, 4)
+    c = _drafted_rounds_of_16_and_of_1()
     one = {SeqKey(1, i): 4 for i in range(64)}
     four = {SeqKey(1 + i % 4, i): 4 for i in range(64)}
     sixteen = {SeqKey(1, i): 4 for i in range(16)}
