@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verifier_service.step_time import AcceptanceTracker, DraftTimeModel, StepTimeModel
+from verifier_service.step_time import AcceptanceTracker, DraftTimeModel, StepTimeModel, ema
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ class DraftLengthController:
         if idle_s is not None:
             self._step_idle_s = max(0.0, idle_s)  # observe_drafting tells a wait for drafting from a quiet spell
             idle = min(self._step_idle_s, self.max_idle_s)
-            self.idle_s = self.idle_decay * self.idle_s + (1 - self.idle_decay) * idle
+            self.idle_s = ema(self.idle_s, idle, self.idle_decay)
 
     def observe_drafting(self, seconds: float, longest_block: int, drafted: bool | None = None,
                          drafted_tokens: int | None = None) -> None:
@@ -303,39 +303,38 @@ class DraftLengthController:
         d = self.draft_decay
         seconds = min(seconds, self.max_draft_s)
         drafted_tokens = longest_block if drafted_tokens is None else drafted_tokens
-        self.mean_longest_k = d * self.mean_longest_k + (1 - d) * longest_block
-        self.mean_drafted_m = d * self.mean_drafted_m + (1 - d) * drafted_tokens
+        self.mean_longest_k = ema(self.mean_longest_k, longest_block, d)
+        self.mean_drafted_m = ema(self.mean_drafted_m, drafted_tokens, d)
         predicted, self._step_predicted = self._step_predicted, None
         if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
             ratio = min(2.0, max(0.5, predicted[1] / predicted[0]))
             a = self.idle_decay
             # the kind not seen drifts back to the model's own figure: its ratio may be stale
             if drafted:
-                self.draft_step_ratio = a * self.draft_step_ratio + (1 - a) * ratio
+                self.draft_step_ratio = ema(self.draft_step_ratio, ratio, a)
                 self.plain_step_ratio = 1.0 + RATIO_DRIFT * (self.plain_step_ratio - 1.0)
             else:
-                self.plain_step_ratio = a * self.plain_step_ratio + (1 - a) * ratio
+                self.plain_step_ratio = ema(self.plain_step_ratio, ratio, a)
                 self.draft_step_ratio = 1.0 + RATIO_DRIFT * (self.draft_step_ratio - 1.0)
         idle, self._step_idle_s = self._step_idle_s, None
         quiet = self.max_idle_s + (2 * seconds if drafted else 0.0)
         if drafted is not None and idle is not None and idle < quiet:
             self._steps_since_plain = 0 if not drafted else self._steps_since_plain + 1
             if not drafted:
-                self.plain_idle_s = idle if self.plain_idle_s is None else \
-                    self.idle_decay * self.plain_idle_s + (1 - self.idle_decay) * idle
+                self.plain_idle_s = ema(self.plain_idle_s, idle, self.idle_decay)
             elif self.draft_idle_s is None:
                 self.draft_idle_s, self.draft_longest_k = idle, float(longest_block)
                 self.draft_drafted_m = float(drafted_tokens)
             else:
-                self.draft_idle_s = self.idle_decay * self.draft_idle_s + (1 - self.idle_decay) * idle
-                self.draft_longest_k = d * self.draft_longest_k + (1 - d) * longest_block
-                self.draft_drafted_m = d * self.draft_drafted_m + (1 - d) * drafted_tokens
+                self.draft_idle_s = ema(self.draft_idle_s, idle, self.idle_decay)
+                self.draft_longest_k = ema(self.draft_longest_k, longest_block, d)
+                self.draft_drafted_m = ema(self.draft_drafted_m, drafted_tokens, d)
         if not (seconds > 0.0 and longest_block > 0):
             return
         self.draft_time.observe(seconds, longest_block, drafted_tokens)
         idle = self.idle_s if self.draft_idle_s is None else self.draft_idle_s
         waited = min(1.0, idle / seconds)
-        self.exposure = d * self.exposure + (1 - d) * waited
+        self.exposure = ema(self.exposure, waited, d)
 
     def idle_split(self) -> tuple[float, float, float, float | None]:
         """(idle seconds per step that no draft length changes, seconds each token of the longest block adds,
@@ -394,12 +393,10 @@ class DraftLengthController:
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
                                       other_drafted)
-        if len(pool) > len(caps):
-            chosen = dataclasses.replace(chosen, draft_lengths={key: chosen.draft_lengths[key] for key in caps})
-        probed = (set(caps) if self._probes_now(any(chosen.draft_lengths.values()))
-                  else self._thin_probe(caps, chosen.draft_lengths))
-        if probed:
-            lengths = {key: min(caps[key], k + 1) if key in probed else k for key, k in chosen.draft_lengths.items()}
+        lengths = {key: chosen.draft_lengths[key] for key in caps}
+        probed = set(caps) if self._probes_now(any(lengths.values())) else self._thin_probe(caps, lengths)
+        if probed or len(pool) > len(caps):
+            lengths = {key: min(caps[key], k + 1) if key in probed else k for key, k in lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
         return chosen
 

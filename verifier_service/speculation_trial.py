@@ -45,6 +45,8 @@ from enum import Enum
 
 import structlog
 
+from verifier_service.step_time import ema
+
 log = structlog.get_logger(__name__)
 
 
@@ -154,11 +156,9 @@ class SpeculationTrial:
     def _smooth(self, predicted_gain: float | None, mean_drafted: float | None) -> None:
         d = self.decay
         if predicted_gain is not None and predicted_gain > 0:
-            self.predicted_gain = predicted_gain if self.predicted_gain is None else (
-                d * self.predicted_gain + (1 - d) * predicted_gain)
+            self.predicted_gain = ema(self.predicted_gain, predicted_gain, d)
         if mean_drafted is not None:
-            self.mean_drafted = mean_drafted if self.mean_drafted is None else (
-                d * self.mean_drafted + (1 - d) * mean_drafted)
+            self.mean_drafted = ema(self.mean_drafted, mean_drafted, d)
 
     def _drafts(self) -> bool:
         return self.mean_drafted is not None and self.mean_drafted >= self.min_drafted

@@ -17,6 +17,11 @@ _BUCKETS: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 
                              1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
 
 
+def ema(old: float | None, new: float, decay: float) -> float:
+    """An exponential moving average's next value, decay * old + (1 - decay) * new; `new` where none is kept yet."""
+    return new if old is None else decay * old + (1 - decay) * new
+
+
 def _bucket(num_tokens: int) -> int:
     return min(bisect.bisect_left(_BUCKETS, num_tokens), len(_BUCKETS) - 1)
 
@@ -56,9 +61,8 @@ class StepTimeModel:
         if self._tokens[b] is None:
             self._tokens[b], self._seconds[b] = float(num_tokens), seconds
         else:
-            d = self.decay
-            self._tokens[b] = d * self._tokens[b] + (1 - d) * num_tokens
-            self._seconds[b] = d * self._seconds[b] + (1 - d) * seconds
+            self._tokens[b] = ema(self._tokens[b], num_tokens, self.decay)
+            self._seconds[b] = ema(self._seconds[b], seconds, self.decay)
 
     @property
     def ready(self) -> bool:
@@ -162,8 +166,8 @@ class DraftTimeModel:
         if self._step_s is None:
             self._step_s, self._rows = step, rows
         else:
-            self._step_s = d * self._step_s + (1 - d) * step
-            self._rows = d * self._rows + (1 - d) * rows
+            self._step_s = ema(self._step_s, step, d)
+            self._rows = ema(self._rows, rows, d)
         self._fit = None
 
     @property
