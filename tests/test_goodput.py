@@ -489,6 +489,36 @@ def test_a_long_wait_for_a_long_drafting_round_is_not_a_quiet_spell():
     assert quiet.draft_idle_s is None
 
 
+def test_a_probe_takes_a_few_sequences_in_turn():
+    """A probe of all 64 sequences held at k = 0 made the draft catch all of them up and draft for all of them (2 s
+    of the verifier waiting, at 64 streams on 2 cores). A probe takes max_probe_sequences of those below their cap,
+    the next ones at the next probe, until every one has had its turn; a sequence at its cap is never one; a batch
+    of at most that many is probed whole; a thin group's probe is bounded alike."""
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.types import SeqKey
+
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=2, max_probe_every=2,
+                              min_evidence=0.0, max_probe_interval_s=float("inf"))
+    caps = {SeqKey(1, i): 4 for i in range(10)} | {SeqKey(1, 99): 0}
+    probes = [p for p in (c.choose(caps).draft_lengths for _ in range(12)) if any(p.values())]
+    assert len(probes) == 6
+    picked = [{key for key, k in p.items() if k} for p in probes]
+    assert all(len(keys) == c.max_probe_sequences and set(probes[0].values()) == {0, 1} for keys in picked)
+    assert set().union(*picked[:3]) == set(caps) - {SeqKey(1, 99)}  # 4 + 4 + 2 (and 2 again): all ten in turn
+    assert picked[0] != picked[1] and all(p[SeqKey(1, 99)] == 0 for p in probes)
+    few = {SeqKey(1, i): 4 for i in range(3)}
+    assert any(set(c.choose(few).draft_lengths.values()) == {1} for _ in range(2))  # three: all of them
+    thin = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512,
+                                 max_probe_interval_s=float("inf"))
+    old = SeqKey(1, 0)
+    for _ in range(300):  # an old group, judged often: the probes of all back off
+        thin.observe_verification(old, 4, 4)
+        thin.choose({old: 4})
+    many = {SeqKey(2, i): 4 for i in range(64)}  # a new draft process with 64 sequences: thin
+    lengths = [thin.choose({old: 4} | many).draft_lengths for _ in range(thin.first_probe_every)]
+    assert [sum(p.values()) for p in lengths] == [0, 0, 0, thin.max_probe_sequences] and not lengths[3][old]
+
+
 def test_a_group_whose_acceptance_rests_on_few_verdicts_gets_probes_of_its_own():
     """One rejection of a fresh service's first, junk request held k at 0 at one stream until the second probe, 8
     choices after the first. While a group's first position has fewer than min_evidence verdicts, its own sequences
