@@ -492,31 +492,45 @@ def test_a_long_wait_for_a_long_drafting_round_is_not_a_quiet_spell():
 def test_a_probe_takes_a_few_sequences_in_turn():
     """A probe of all 64 sequences held at k = 0 made the draft catch all of them up and draft for all of them (2 s
     of the verifier waiting, at 64 streams on 2 cores). A probe takes max_probe_sequences of those below their cap,
-    the next ones at the next probe, until every one has had its turn; a sequence at its cap is never one; a batch
-    of at most that many is probed whole; a thin group's probe is bounded alike."""
+    those probed longest ago first whatever the order the steps list them in, groups before sequences; a sequence
+    at its cap is never one; a batch of at most that many is probed whole; thin groups' probes are bounded alike
+    and count only for the groups they took; nothing is probed where the choice is to be plain decoding."""
     from verifier_service.goodput import DraftLengthController
     from verifier_service.types import SeqKey
 
-    c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=2, max_probe_every=2,
-                              min_evidence=0.0, max_probe_interval_s=float("inf"))
-    caps = {SeqKey(1, i): 4 for i in range(10)} | {SeqKey(1, 99): 0}
-    probes = [p for p in (c.choose(caps).draft_lengths for _ in range(12)) if any(p.values())]
-    assert len(probes) == 6
-    picked = [{key for key, k in p.items() if k} for p in probes]
-    assert all(len(keys) == c.max_probe_sequences and set(probes[0].values()) == {0, 1} for keys in picked)
-    assert set().union(*picked[:3]) == set(caps) - {SeqKey(1, 99)}  # 4 + 4 + 2 (and 2 again): all ten in turn
-    assert picked[0] != picked[1] and all(p[SeqKey(1, 99)] == 0 for p in probes)
+    def controller(**kw):
+        return DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), **kw)
+
+    c = controller(probe_every=2, max_probe_every=2, min_evidence=0.0, max_probe_interval_s=float("inf"))
+    keys = [SeqKey(1, i) for i in range(10)]
+    picked = []
+    for i in range(12):
+        order = keys if i % 4 else keys[::-1]  # the steps list their sequences in another order now and then
+        lengths = c.choose({**dict.fromkeys(order, 4), SeqKey(1, 99): 0}).draft_lengths
+        if any(lengths.values()):
+            assert set(lengths.values()) == {0, 1} and lengths[SeqKey(1, 99)] == 0
+            picked.append({key for key, k in lengths.items() if k})
+    assert len(picked) == 6 and all(len(p) == c.max_probe_sequences for p in picked)
+    assert not picked[0] & picked[1] and len(picked[2] - picked[0] - picked[1]) == 2  # all ten by the third
+    assert picked[0] | picked[1] | picked[2] == set(keys)
     few = {SeqKey(1, i): 4 for i in range(3)}
     assert any(set(c.choose(few).draft_lengths.values()) == {1} for _ in range(2))  # three: all of them
-    thin = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=32, max_probe_every=512,
-                                 max_probe_interval_s=float("inf"))
+    mixed = {**{SeqKey(2, i): 4 for i in range(10)}, SeqKey(3, 0): 4}  # a stream of 10 and a stream of one
+    assert any(c.choose(mixed).draft_lengths[SeqKey(3, 0)] for _ in range(2))  # its first probe takes the one
+    assert not any(any(c.choose(mixed, probe=False).draft_lengths.values()) for _ in range(8))
+    c.forget(SeqKey(1, 0))
+    assert SeqKey(1, 0) not in c._probed_at
+
+    thin = controller(probe_every=32, max_probe_every=512, max_probe_interval_s=float("inf"))
     old = SeqKey(1, 0)
     for _ in range(300):  # an old group, judged often: the probes of all back off
         thin.observe_verification(old, 4, 4)
         thin.choose({old: 4})
-    many = {SeqKey(2, i): 4 for i in range(64)}  # a new draft process with 64 sequences: thin
-    lengths = [thin.choose({old: 4} | many).draft_lengths for _ in range(thin.first_probe_every)]
+    new = {SeqKey(g, i): 4 for g in range(2, 8) for i in range(2)}  # six new draft processes: thin
+    lengths = [thin.choose({old: 4} | new).draft_lengths for _ in range(thin.first_probe_every)]
     assert [sum(p.values()) for p in lengths] == [0, 0, 0, thin.max_probe_sequences] and not lengths[3][old]
+    took = {key.stream_id for key, k in lengths[3].items() if k}
+    assert len(took) == thin.max_probe_sequences and set(thin._thin_probes) == took  # one each, counted so
 
 
 def test_a_group_whose_acceptance_rests_on_few_verdicts_gets_probes_of_its_own():

@@ -224,8 +224,9 @@ class VerifierEngine:
                     other_output += block.output
                     other_longest = max(other_longest, block.positions)
                     other_drafted += block.drafted
-        chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted)
-                  if caps else None)
+        plain = self.trial is not None and self.trial.running is Arm.PLAIN  # its zeros would erase a probe
+        chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted,
+                                 probe=not plain) if caps else None)
         if self.trial is not None:
             gain = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:

@@ -186,14 +186,18 @@ class DraftLengthController:
     by choose_draft_lengths. A probe (every `probe_every`-th choice, sooner at first: below) gives a sequence one
     draft token more than chosen: a drafting round gets measured again, and a sequence held at k = 0 gets judged
     again, so neither a stale price nor a stale acceptance can hold k at 0 for good. A probe takes at most
-    `max_probe_sequences` of the sequences the choice left below their cap, in turn: at 16 and 64 streams (default
-    pair, 2 cores) a probe of every sequence made the draft catch all of them up and draft for all of them, and
-    the verifier waited 0.5 and 2 s where plain rounds wait 10 and 40 ms (a 6 % loss at 64 streams, 3 % at 16),
-    to learn what a few sequences' round measures as well: each drafted token's price, and acceptance.
+    `max_probe_sequences` of the sequences the choice left below their cap: the groups (draft processes) probed
+    longest ago first, and in a group its sequences probed longest ago, so every group and every sequence gets its
+    turn whatever the order of the steps' sequences. At 16 and 64 streams (default pair, 2 cores) a probe of every
+    sequence made the draft catch all of them up and draft for all of them, and the verifier waited 0.5 and 2 s
+    where plain rounds wait 10 and 40 ms (a 6 % loss at 64 streams, 3 % at 16), to learn what a few sequences'
+    round measures as well: each drafted token's price, and the group's acceptance. Under the speculation
+    trial's plain arm nothing is probed (its zeros would erase the probe, and use up the turns).
 
     A probe is dear where it matters least: under a load that holds every sequence at k = 0, the draft has not
-    fed the tokens verified since its last block, and one probe makes it catch all of them up at once (measured
-    at 32 streams on 2 cores: 2 to 4 s of the verifier waiting every 32 steps, 15 % of the output). So when no
+    fed the tokens verified since its last block, and a probe makes it catch its sequences up (measured at 32
+    streams on 2 cores, when a probe took every sequence: 2 to 4 s of the verifier waiting every 32 steps, 15 % of
+    the output; a probe of at most max_probe_sequences costs less, and is still a wait). So when no
     choice between two probes drafted anything, the next probe comes twice as late, up to `max_probe_every`
     choices and `max_probe_interval_s` seconds; a choice that drafts brings the interval back to `probe_every`.
 
@@ -204,8 +208,8 @@ class DraftLengthController:
     each probe up to `probe_every` (further, up to `max_probe_every`, while nothing is drafted).
 
     A group (one Verify stream's sequences) whose acceptance rests on fewer than `min_evidence` verdicts of its
-    first position gets probes of its own besides, its sequences only, every `first_probe_every` choices, at most
-    `max_thin_probes` (measured at one stream, default pair: one rejection of a fresh service's first, junk request
+    first position gets probes of its own besides, its sequences only (at most `max_probe_sequences` of them, one
+    group's first where several are thin), every `first_probe_every` choices, at most `max_thin_probes` (measured at one stream, default pair: one rejection of a fresh service's first, junk request
     held k at 0 for 15 steps, until the second probe 8 choices after the first). A group whose probes never judge
     anything (its drafts come back empty) stops getting them after those.
     Lives on the engine thread: no locks."""
@@ -267,7 +271,9 @@ class DraftLengthController:
     _drafted_since_probe: bool = False
     _last_probe: float | None = None  # time.monotonic() of the last probe
     _until_thin_probe: int = 0  # choices before thin groups' next probe
-    _probe_turn: int = 0  # where the next probe's sequences start among those below their cap
+    _probes: int = 0  # probes so far (regular and thin): the stamps below
+    _probed_at: dict = field(default_factory=dict)  # key -> the probe that took it last
+    _group_probed_at: OrderedDict = field(default_factory=OrderedDict)  # group -> the probe that took it last
     _thin_probes: OrderedDict = field(default_factory=OrderedDict)  # group -> its probes while thin (the recent)
 
     def __post_init__(self) -> None:
@@ -380,17 +386,19 @@ class DraftLengthController:
 
     def forget(self, key: object) -> None:
         self.acceptance.forget(key)
+        self._probed_at.pop(key, None)
 
     def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0,
                other_longest_block: int = 0, away: dict[object, int] | None = None,
-               other_drafted: int = 0) -> Allocation:
+               other_drafted: int = 0, probe: bool = True) -> Allocation:
         """The next draft length of each key in `caps` (its cap on k), for a step that also carries
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
         tokens, and whose drafts draft a block of `other_longest_block` tokens, `other_drafted` in all, whatever is
         chosen (fixed k).
         `away`: sequences of the same batch away at their drafts (key: cap), chosen for with these, so that the
         price is the whole batch's; only `caps`' lengths are returned, and only they count for the probes. The
-        allocation's goodput and expected tokens are the whole batch's."""
+        allocation's goodput and expected tokens are the whole batch's. `probe`: False where the choice will be
+        overridden by plain decoding (the speculation trial's plain arm): no probe is taken or counted."""
         pool = {**(away or {}), **caps}
         candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
@@ -402,21 +410,31 @@ class DraftLengthController:
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
                                       other_drafted)
         lengths = {key: chosen.draft_lengths[key] for key in caps}
-        probed = (self._probed(caps, lengths) if self._probes_now(any(lengths.values()))
-                  else self._thin_probe(caps, lengths))
+        probed: set[object] = set()
+        if probe:
+            probed = (self._probed(caps, lengths) if self._probes_now(any(lengths.values()))
+                      else self._thin_probe(caps, lengths))
         if probed or len(pool) > len(caps):
             lengths = {key: min(caps[key], k + 1) if key in probed else k for key, k in lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
         return chosen
 
     def _probed(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
-        """A probe's keys: at most max_probe_sequences of those the choice left below their cap, taking turns."""
+        """A probe's keys: at most max_probe_sequences of those the choice left below their cap, the groups probed
+        longest ago first, and in a group the sequences probed longest ago (never: first)."""
         below = [key for key, cap in caps.items() if chosen[key] < cap]
-        if len(below) <= self.max_probe_sequences:
-            return set(below)
-        start = self._probe_turn % len(below)
-        self._probe_turn = start + self.max_probe_sequences
-        return {below[(start + i) % len(below)] for i in range(self.max_probe_sequences)}
+        group_of, groups, keys = self.acceptance.group_of, self._group_probed_at, self._probed_at
+        self._probes += 1
+        picked: list[object] = []
+        for _ in range(min(len(below), self.max_probe_sequences)):
+            key = min((k for k in below if k not in picked),
+                      key=lambda k: (groups.get(group_of(k), -1), keys.get(k, -1)))
+            picked.append(key)
+            keys[key] = groups[group_of(key)] = self._probes
+            groups.move_to_end(group_of(key))
+        while len(groups) > MAX_THIN_GROUPS:
+            groups.popitem(last=False)
+        return set(picked)
 
     def _thin_probe(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
         """The keys a probe of the thin groups gives a token more now (none: not now): groups with a sequence
@@ -434,11 +452,12 @@ class DraftLengthController:
         if self._until_thin_probe > 0:
             return set()
         self._until_thin_probe = self.first_probe_every
-        for group in thin:
+        probed = self._probed({key: cap for key, cap in caps.items() if group_of(key) in thin}, chosen)
+        for group in {group_of(key) for key in probed}:  # only the groups a probe took count one more
             self._thin_probes[group] = self._thin_probes.pop(group, 0) + 1
         while len(self._thin_probes) > MAX_THIN_GROUPS:
             self._thin_probes.popitem(last=False)
-        return self._probed({key: cap for key, cap in caps.items() if group_of(key) in thin}, chosen)
+        return probed
 
     def _probes_now(self, drafts: bool) -> bool:
         """Counts a choice (`drafts`: it drafts anything); whether it is a probe."""
