@@ -20,7 +20,7 @@ from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
 from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
-from draft_service.batcher import WARM_CHUNK_TOKENS, WARM_MIN_TOKENS, DraftBatcher
+from draft_service.batcher import WARM_CHUNK_TOKENS, WARM_MIN_DRAFTING, WARM_MIN_TOKENS, DraftBatcher
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftJob, DraftModel, Prefilling
 from draft_service.drafters import NgramDrafter
@@ -456,6 +456,35 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
             assert batcher._warm
         finally:
             gate.set()
+            await batcher.stop()
+
+    asyncio.run(run())
+
+
+def test_warming_stops_while_the_rounds_hardly_draft():
+    """Under plain decoding (the verifier chose k = 0 for nearly every round) warming only slows the verifier on a
+    shared host: below WARM_MIN_DRAFTING of the recent rounds drafting, nothing is warmed; drafting rounds bring
+    it back."""
+    draft, _ = _draft_model(None)
+
+    async def run():
+        batcher = DraftBatcher(draft, ThreadPoolExecutor(1))
+        batcher.start()
+        try:
+            rounds = 0
+            while batcher.drafting_share >= WARM_MIN_DRAFTING:  # plain rounds, with nothing yet to warm
+                batcher.warm(_batch((1,))[0])
+                rounds += 1
+            assert 100 < rounds < 130  # about a hundred plain rounds in a row
+            seq = _batch((40,))[0]
+            batcher.warm(seq)
+            assert not batcher._warm  # plain decoding: not warmed
+            for _ in range(8):  # drafting again
+                await batcher.draft(DraftJob(_batch((12,))[0], 2))
+            batcher.warm(seq)
+            assert batcher._warm and batcher.drafting_share >= WARM_MIN_DRAFTING
+            await batcher.settle(seq)
+        finally:
             await batcher.stop()
 
     asyncio.run(run())
