@@ -29,14 +29,16 @@ WARM_CHUNK_TOKENS = 16
 # guidellm at one stream, default pair, 2 cores: plain steps of 230 to 290 ms beside a warming forward every
 # round, against about 185 ms without)
 WARM_MIN_TOKENS = 8
-# and only while at least this share of the recent rounds drafted (an average over rounds, of all this model's
-# sequences, decaying by DRAFTING_DECAY a round): below it the verifier decodes plainly and its drafting rounds
-# are probes of a few sequences, which catch up on what they need then. Through guidellm at 16 streams (default
-# pair, 2 cores, random prompts, drafts accepted 16 to 40 %) the verifier drafted in about 6 % of the rounds,
-# and its plain steps took 14 % longer and their sampling 20 % longer than k = 0 requests' (which never warm),
-# the draft's warming forwards (16 sequences' 64-token prompts, then 8 tokens each) beside them on the same cores
+# and only while at least this share of the recent rounds drafted (note_round: an average over the rounds of all
+# this model's sequences, over about DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more run): below it the
+# verifier decodes plainly and its drafting rounds are probes of a few sequences, which catch up on what they need
+# then. Through guidellm at 16 streams (default pair, 2 cores, random prompts, drafts accepted 16 to 40 %) the
+# verifier drafted in about 6 % of the rounds, and its plain steps took 14 % longer and their sampling 20 % longer
+# than k = 0 requests' (which never warm), the draft's warming forwards (16 sequences' 64-token prompts, then 8
+# tokens each) beside them on the same cores. With no generation running it starts over at 1 (idle_again):
+# the next burst arrives on a verifier that is not busy, where drafting pays and prompts are worth warming.
 WARM_MIN_DRAFTING = 0.1
-DRAFTING_DECAY = 0.98
+DRAFTING_WINDOW_ROUNDS = 50
 # the longest a batch waits for the sequences whose verdicts are in (DueRounds), whatever the last batch took
 MAX_DUE_WAIT_S = 1.0
 
@@ -74,7 +76,7 @@ class DraftBatcher:
         self._warm: dict[DraftSequence, None] = {}  # the sequences to warm, in order (compared by identity)
         self._warming: asyncio.Future | None = None  # done when the warming forward running now is
         self._warming_seqs: set[DraftSequence] = set()  # the ones it feeds
-        self.drafting_share = 1.0  # of the recent rounds (drafting jobs and warm() calls), those that drafted
+        self.drafting_share = 1.0  # of the recent rounds (note_round), those that drafted
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="draft-batcher")
@@ -131,8 +133,7 @@ class DraftBatcher:
     def warm(self, seq: DraftSequence) -> None:
         """Warm `seq` while the model's thread has nothing to draft (see the class), once WARM_MIN_TOKENS of its
         tokens wait to be fed and enough of the recent rounds drafted; call settle() before the sequence changes
-        again. Each call counts as a round that drafted nothing."""
-        self.drafting_share *= DRAFTING_DECAY
+        again."""
         if self.drafting_share < WARM_MIN_DRAFTING:
             return
         if seq.fork_from is None and seq.num_context - 1 - seq.num_cached >= WARM_MIN_TOKENS:
@@ -145,8 +146,17 @@ class DraftBatcher:
         while self._warming is not None and seq in self._warming_seqs:
             await asyncio.shield(self._warming)
 
+    def note_round(self, drafted: bool, running: int) -> None:
+        """One sequence's round (of a request that may draft) drafted something or not, with `running`
+        generations in all: the recent share of drafting rounds, which warming needs (WARM_MIN_DRAFTING)."""
+        rate = 1.0 / max(DRAFTING_WINDOW_ROUNDS, 4 * running)
+        self.drafting_share += rate * ((1.0 if drafted else 0.0) - self.drafting_share)
+
+    def idle_again(self) -> None:
+        """No generation runs: the next ones start as on a fresh service (see WARM_MIN_DRAFTING)."""
+        self.drafting_share = 1.0
+
     async def draft(self, job: DraftJob) -> Drafted:
-        self.drafting_share = DRAFTING_DECAY * self.drafting_share + (1.0 - DRAFTING_DECAY)
         future = asyncio.get_running_loop().create_future()
         self._pending.append((job, future))
         self._wakeup.set()

@@ -51,6 +51,15 @@ class Drafter(Protocol):
         """Ends warm(seq): nothing touches seq after this until it drafts."""
         ...
 
+    def note_round(self, drafted: bool, running: int) -> None:
+        """A round of a sequence that may draft drafted something (its block or a pipelined branch) or not, with
+        `running` generations in all; whether to warm follows the recent rounds (DraftBatcher.note_round)."""
+        ...
+
+    def idle_again(self) -> None:
+        """No generation runs any more."""
+        ...
+
     def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:
         """A verdict on seq's block: the tokens the verifier emitted for it (accepted, then corrected or bonus)."""
         ...
@@ -134,6 +143,12 @@ class ModelDrafter:
     async def settle(self, seq: DraftSequence) -> None:
         await self.batcher.settle(seq)
 
+    def note_round(self, drafted: bool, running: int) -> None:
+        self.batcher.note_round(drafted, running)
+
+    def idle_again(self) -> None:
+        self.batcher.idle_again()
+
 
 class NgramDrafter:
     """Prompt lookup: one-hot proposals, so sampled requests stay lossless without any q."""
@@ -163,6 +178,12 @@ class NgramDrafter:
         return None  # no model, no cache
 
     async def settle(self, seq: DraftSequence) -> None:
+        return None
+
+    def note_round(self, drafted: bool, running: int) -> None:
+        return None  # nothing to warm
+
+    def idle_again(self) -> None:
         return None
 
     def observe(self, seq: DraftSequence, block: DraftBlock, verified: tuple[int, ...]) -> None:

@@ -86,6 +86,7 @@ class Generator:
         self.metrics = metrics or DraftMetrics()
         self.due = due
         self._awaiting: set[int] = set()  # sequence ids whose generation waits for its verdict now
+        self._running = 0  # generations in progress
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
         self._recent_choice: int | None = None  # the verifier's last choice for any sequence (auto)
@@ -107,6 +108,7 @@ class Generator:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
+        self._running += 1
         outcome = "error"
         try:
             async for event in self._generate(req):
@@ -119,6 +121,9 @@ class Generator:
             raise
         finally:
             self.metrics.active.dec()
+            self._running -= 1
+            if not self._running:
+                self.drafter.idle_again()
             self.metrics.requests.labels(outcome=outcome).inc()
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
@@ -145,8 +150,11 @@ class Generator:
                 width = self.pipeline.width_for(k)
                 branches = await self.pipeline.draft_branches(seq, block, k, width, flight)
                 # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
-                # while the model has nothing to draft (never for k = 0 requests: they never draft)
+                # while the model has nothing to draft and recent rounds draft (never for k = 0 requests: they
+                # never draft, and are not counted)
                 warming = not block.num_draft_tokens and not branches and length.k > 0
+                if length.k > 0:
+                    self.drafter.note_round(not warming, self._running)
                 if warming:
                     self.drafter.warm(seq)
                 t_sent = time.perf_counter()

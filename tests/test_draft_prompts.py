@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,7 +21,13 @@ from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
 from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
-from draft_service.batcher import WARM_CHUNK_TOKENS, WARM_MIN_DRAFTING, WARM_MIN_TOKENS, DraftBatcher
+from draft_service.batcher import (
+    DRAFTING_WINDOW_ROUNDS,
+    WARM_CHUNK_TOKENS,
+    WARM_MIN_DRAFTING,
+    WARM_MIN_TOKENS,
+    DraftBatcher,
+)
 from draft_service.config import DraftConfig
 from draft_service.draft_model import DraftJob, DraftModel, Prefilling
 from draft_service.drafters import NgramDrafter
@@ -462,27 +469,39 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
 
 
 def test_warming_stops_while_the_rounds_hardly_draft():
-    """Under plain decoding (the verifier chose k = 0 for nearly every round) warming only slows the verifier on a
-    shared host: below WARM_MIN_DRAFTING of the recent rounds drafting, nothing is warmed; drafting rounds bring
-    it back."""
+    """Under plain decoding (the verifier chose k = 0 for nearly every round, drafting only to probe a few) warming
+    only slows the verifier on a shared host: below WARM_MIN_DRAFTING of the recent rounds drafting nothing is
+    warmed, above it warming goes on; the average spans DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more
+    run; with no generation running it starts over."""
     draft, _ = _draft_model(None)
+
+    def plain_rounds_until_off(batcher, running):
+        batcher.idle_again()
+        for rounds in range(1, 2000):
+            batcher.note_round(False, running)
+            if batcher.drafting_share < WARM_MIN_DRAFTING:
+                return rounds
+        return None
 
     async def run():
         batcher = DraftBatcher(draft, ThreadPoolExecutor(1))
         batcher.start()
         try:
-            rounds = 0
-            while batcher.drafting_share >= WARM_MIN_DRAFTING:  # plain rounds, with nothing yet to warm
-                batcher.warm(_batch((1,))[0])
-                rounds += 1
-            assert 100 < rounds < 130  # about a hundred plain rounds in a row
+            window = DRAFTING_WINDOW_ROUNDS
+            assert plain_rounds_until_off(batcher, 4) == math.ceil(math.log(0.1) / math.log(1 - 1 / window))
+            assert plain_rounds_until_off(batcher, 64) == math.ceil(math.log(0.1) / math.log(1 - 1 / 256))
             seq = _batch((40,))[0]
             batcher.warm(seq)
             assert not batcher._warm  # plain decoding: not warmed
-            for _ in range(8):  # drafting again
-                await batcher.draft(DraftJob(_batch((12,))[0], 2))
+            for every, warms in ((20, False), (5, True), (20, False)):  # probes: 1 round in 20 drafts; then 1 in 5
+                for i in range(400):
+                    batcher.note_round(i % every == 0, 4)
+                batcher.warm(seq)
+                assert bool(batcher._warm) == warms
+                await batcher.settle(seq)
+            batcher.idle_again()
             batcher.warm(seq)
-            assert batcher._warm and batcher.drafting_share >= WARM_MIN_DRAFTING
+            assert batcher._warm  # a fresh start
             await batcher.settle(seq)
         finally:
             await batcher.stop()
