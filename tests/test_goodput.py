@@ -342,6 +342,12 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     assert set(c.choose(caps).draft_lengths.values()) == {0}
     c.plain_idle_s = None  # one wait for both kinds of round
     assert set(c.choose(caps).draft_lengths.values()) == {1}
+    c.plain_idle_s = 0.02
+    for _ in range(10):  # plain steps the phase plan held 0.8 s for sequences away drafting: not plain's wait
+        c.observe_step(8, 0.58, 0.82, held_s=0.8)
+        c.observe_drafting(0.0, 0, False, 0)
+    assert c.plain_idle_s == pytest.approx(0.02, rel=0.01)
+    assert set(c.choose(caps).draft_lengths.values()) == {0}
 
 
 def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():

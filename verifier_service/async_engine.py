@@ -153,9 +153,9 @@ class AsyncEngine:
                 out.applied(n)
 
     async def run_step(self, max_verifications: int | None = None,
-                       awaited: frozenset[SeqKey] | None = None) -> StepResult:
+                       awaited: frozenset[SeqKey] | None = None, held_s: float = 0.0) -> StepResult:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.engine.step, max_verifications, awaited)
+        return await loop.run_in_executor(self._executor, self.engine.step, max_verifications, awaited, held_s)
 
     async def _wait_for_work(self) -> None:
         """Until something is submitted, or until the next idle sequence is due to time out."""
@@ -213,7 +213,7 @@ class AsyncEngine:
             if self.phases is not None:
                 self.phases.step_started()
             try:
-                result = await self.run_step(cap, awaited)
+                result = await self.run_step(cap, awaited, held)
             except Exception:  # a bug in a step must not take the server down silently
                 log.exception("engine_step_failed")
                 continue

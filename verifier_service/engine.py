@@ -116,10 +116,12 @@ class VerifierEngine:
 
     # -- called from the engine thread ------------------------------------------------------------------------
 
-    def step(self, max_verifications: int | None = None, awaited: Collection[SeqKey] | None = None) -> StepResult:
+    def step(self, max_verifications: int | None = None, awaited: Collection[SeqKey] | None = None,
+             held_s: float = 0.0) -> StepResult:
         """max_verifications: verify at most this many proposals (the phase plan, phases.py); the others wait
         for the next step. Prefill is not capped. awaited: the sequences away at their drafts that the phase plan
-        waits for (one phase; None: no plan), whose next blocks the goodput choice prices with this step's."""
+        waits for (one phase; None: no plan), whose next blocks the goodput choice prices with this step's.
+        held_s: how long the phase plan held this step for sequences still away (part of the wait before it)."""
         step_started = time.perf_counter()
         outcomes = self._apply_commands()
         outcomes.extend(self.admission.expired())
@@ -138,7 +140,7 @@ class VerifierEngine:
             item.seq.last_active = now
         stats = self._step_stats(scheduled, ran, verdicts)
         verdicts = self._choose_draft_lengths(scheduled, verdicts, stats, step_started,
-                                              awaited if max_verifications is None else None)
+                                              awaited if max_verifications is None else None, held_s)
         outcomes.extend(self._number(verdicts))
         return StepResult(outcomes, stats)
 
@@ -177,7 +179,7 @@ class VerifierEngine:
 
     def _choose_draft_lengths(self, scheduled: SchedulerOutput, verdicts: list[VerdictOut | ErrorOut],
                               stats: StepStats, step_started: float, awaited: Collection[SeqKey] | None = None,
-                              ) -> list[VerdictOut | ErrorOut]:
+                              held_s: float = 0.0) -> list[VerdictOut | ErrorOut]:
         """Goodput: the step's time and each verification's acceptance go into the controller, which then chooses
         the next draft length of every sequence that asked for one (Proposal.max_draft_tokens) and goes on. The
         step priced is this one's work again: those sequences' next blocks, plus the tokens of what follows no
@@ -191,7 +193,7 @@ class VerifierEngine:
         idle_s = None if self._last_step_end is None else max(0.0, step_started - self._last_step_end)
         since_last = now - (self._last_step_end if self._last_step_end is not None else step_started)
         self._last_step_end = now
-        control.observe_step(stats.num_tokens, stats.step_time_s, idle_s)
+        control.observe_step(stats.num_tokens, stats.step_time_s, idle_s, held_s)
         self._observe_drafting(scheduled, control, prefill=stats.num_prefill_tokens > 0)
         caps: dict[SeqKey, int] = {}
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)

@@ -244,6 +244,7 @@ class DraftLengthController:
     draft_drafted_m: float = 0.0  # and their drafted tokens
     plain_idle_s: float | None = None
     _step_idle_s: float | None = None  # the wait before the step observed last
+    _step_held_s: float = 0.0  # and the part of it the phase plan held the step for
     _steps_since_plain: int = 0  # steps that verified drafted blocks since the last that verified none
     # The step-time model learns from every step, prompt chunks included, by its tokens alone; a verification
     # step's tokens cost more (its attention reads each sequence's context, its sampling is per position, and a
@@ -290,14 +291,20 @@ class DraftLengthController:
             self.acceptance = AcceptanceTracker(max(1, self.max_draft_tokens), decay=0.95, prior_strength=4.0,
                                                 group_of=lambda key: getattr(key, "stream_id", None))
 
-    def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None) -> None:
+    def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None,
+                     held_s: float = 0.0) -> None:
         """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
-        first step)."""
+        first step), `held_s` of it held by the phase plan for sequences still away at their drafts: a wait a
+        plain round's proposal did not make (measured at 16 streams, default pair: a step of the 2 sequences
+        decoding plainly held 0.8 s for the 14 drafting, counted as plain decoding's wait it priced plain rounds
+        at 173 ms where they wait 10, and the batch drafted 4 tokens a sequence at a loss until the speculation
+        trial stopped it)."""
         # only a prediction from steps of its size says how the kind's steps differ (outside them it is a guess)
         self._step_predicted = (self.step_time.predict(num_tokens), seconds) \
             if self.step_time.ready and self.step_time.has_seen(num_tokens) else None
         self.step_time.observe(num_tokens, seconds)
         self._step_idle_s = None
+        self._step_held_s = max(0.0, held_s)
         if idle_s is not None:
             self._step_idle_s = max(0.0, idle_s)  # observe_drafting tells a wait for drafting from a quiet spell
             idle = min(self._step_idle_s, self.max_idle_s)
@@ -335,7 +342,7 @@ class DraftLengthController:
         if drafted is not None and idle is not None and idle < quiet:
             self._steps_since_plain = 0 if not drafted else self._steps_since_plain + 1
             if not drafted:
-                self.plain_idle_s = ema(self.plain_idle_s, idle, self.idle_decay)
+                self.plain_idle_s = ema(self.plain_idle_s, max(0.0, idle - self._step_held_s), self.idle_decay)
             elif self.draft_idle_s is None:
                 self.draft_idle_s, self.draft_longest_k = idle, float(longest_block)
                 self.draft_drafted_m = float(drafted_tokens)
