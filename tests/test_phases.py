@@ -504,12 +504,13 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair, wh
 
     target, _ = pair
     engine = build_engine(VerifierConfig(model=str(target), dtype="float64", block_size=4, max_draft_tokens=4))
-    real_step, caps, verified, awaits = engine.step, [], [], []
+    real_step, caps, verified, awaits, holds = engine.step, [], [], [], []
 
-    def step(max_verifications=None, awaited=None):
+    def step(max_verifications=None, awaited=None, held_s=0.0):
         caps.append(max_verifications)
         awaits.append(awaited)
-        result = real_step(max_verifications, awaited)
+        holds.append(held_s)
+        result = real_step(max_verifications, awaited, held_s)
         verified.append(sum(isinstance(o, VerdictOut) for o in result.outcomes))
         return result
 
@@ -535,6 +536,7 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair, wh
     assert 1 in caps  # the plan's cap reached the engine
     assert max(verified) == 1  # one verification per step, though both proposals came together
     assert all(isinstance(a, frozenset) for a in awaits) if whole_batch else set(awaits) == {None}
+    assert all(isinstance(h, float) and h >= 0.0 for h in holds)  # the plan's hold goes to the engine too
 
 
 def test_the_sequences_the_plan_waits_for_are_the_ones_it_has_not_given_up_on():

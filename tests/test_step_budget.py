@@ -148,12 +148,12 @@ def test_a_step_in_flight_when_its_stream_closes_does_not_bring_back_its_metric_
     entered, go, later = threading.Event(), threading.Event(), threading.Event()
     real_step, calls = engine.step, []
 
-    def step(max_verifications=None, awaited=None):  # the first step holds its result until the stream has closed
+    def step(max_verifications=None, awaited=None, held_s=0.0):  # the first step holds its result until the stream has closed
         calls.append(1)
         if len(calls) > 1:
             later.set()
-            return real_step(max_verifications, awaited)
-        result = real_step(max_verifications, awaited)
+            return real_step(max_verifications, awaited, held_s)
+        result = real_step(max_verifications, awaited, held_s)
         entered.set()
         go.wait(30)
         return result
