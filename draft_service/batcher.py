@@ -29,15 +29,18 @@ WARM_CHUNK_TOKENS = 16
 # guidellm at one stream, default pair, 2 cores: plain steps of 230 to 290 ms beside a warming forward every
 # round, against about 185 ms without)
 WARM_MIN_TOKENS = 8
-# and only while at least this share of the recent rounds drafted (note_round: an average over the rounds of all
-# this model's sequences, over about DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more run): below it the
-# verifier decodes plainly and its drafting rounds are probes of a few sequences, which catch up on what they need
-# then. Through guidellm at 16 streams (default pair, 2 cores, random prompts, drafts accepted 16 to 40 %) the
+# or, while fewer than this share of the recent rounds drafted (note_round: an average over the rounds of all this
+# model's sequences, over about DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more run), once
+# WARM_MIN_TOKENS_PLAIN wait: the verifier then decodes plainly and drafts to probe a few sequences, and warming
+# mostly slows it; but the catch-up a drafting round needs must stay bounded (with no warming at all, a choice to
+# draft 2 tokens for all 64 sequences at 64 streams, default pair, made the verifier wait 9.8 s while the draft
+# fed each sequence's 30 or so tokens). Through guidellm at 16 streams (default pair, 2 cores, random prompts, drafts accepted 16 to 40 %) the
 # verifier drafted in about 6 % of the rounds, and its plain steps took 14 % longer and their sampling 20 % longer
 # than k = 0 requests' (which never warm), the draft's warming forwards (16 sequences' 64-token prompts, then 8
 # tokens each) beside them on the same cores. With no generation running it starts over at 1 (idle_again):
 # the next burst arrives on a verifier that is not busy, where drafting pays and prompts are worth warming.
 WARM_MIN_DRAFTING = 0.1
+WARM_MIN_TOKENS_PLAIN = 32
 DRAFTING_WINDOW_ROUNDS = 50
 # the longest a batch waits for the sequences whose verdicts are in (DueRounds), whatever the last batch took
 MAX_DUE_WAIT_S = 1.0
@@ -47,8 +50,9 @@ class DraftBatcher:
     """Batches concurrent draft requests: while one batch drafts, new requests queue for the next.
 
     While no drafting is waiting, the model's thread warms the sequences whose rounds draft nothing (k = 0: a
-    new sequence's first round, or the verifier's choice under load) once WARM_MIN_TOKENS of their tokens wait,
-    while at least WARM_MIN_DRAFTING of the recent rounds drafted (under plain decoding it only slows the verifier):
+    new sequence's first round, or the verifier's choice under load) once WARM_MIN_TOKENS of their tokens wait
+    (WARM_MIN_TOKENS_PLAIN while fewer than WARM_MIN_DRAFTING of the recent rounds drafted: under plain decoding
+    warming mostly slows the verifier, but a drafting round's catch-up must stay bounded):
     it feeds their context, in forwards of at most WARM_CHUNK_TOKENS, so the round that drafts again starts at
     once (or after a forward of fewer than WARM_MIN_TOKENS). Measured at 64 streams on 2 cores
     before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
@@ -134,9 +138,8 @@ class DraftBatcher:
         """Warm `seq` while the model's thread has nothing to draft (see the class), once WARM_MIN_TOKENS of its
         tokens wait to be fed and enough of the recent rounds drafted; call settle() before the sequence changes
         again."""
-        if self.drafting_share < WARM_MIN_DRAFTING:
-            return
-        if seq.fork_from is None and seq.num_context - 1 - seq.num_cached >= WARM_MIN_TOKENS:
+        least = WARM_MIN_TOKENS if self.drafting_share >= WARM_MIN_DRAFTING else WARM_MIN_TOKENS_PLAIN
+        if seq.fork_from is None and seq.num_context - 1 - seq.num_cached >= least:
             self._warm[seq] = None
             self._wakeup.set()
 

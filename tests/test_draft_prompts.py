@@ -26,6 +26,7 @@ from draft_service.batcher import (
     WARM_CHUNK_TOKENS,
     WARM_MIN_DRAFTING,
     WARM_MIN_TOKENS,
+    WARM_MIN_TOKENS_PLAIN,
     DraftBatcher,
 )
 from draft_service.config import DraftConfig
@@ -470,8 +471,8 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
 
 def test_warming_stops_while_the_rounds_hardly_draft():
     """Under plain decoding (the verifier chose k = 0 for nearly every round, drafting only to probe a few) warming
-    only slows the verifier on a shared host: below WARM_MIN_DRAFTING of the recent rounds drafting nothing is
-    warmed, above it warming goes on; the average spans DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more
+    mostly slows the verifier on a shared host: below WARM_MIN_DRAFTING of the recent rounds drafting a sequence
+    is warmed only once WARM_MIN_TOKENS_PLAIN wait (a drafting round's catch-up stays bounded), above it as before; the average spans DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more
     run; with no generation running it starts over."""
     draft, _ = _draft_model(None)
 
@@ -490,9 +491,13 @@ def test_warming_stops_while_the_rounds_hardly_draft():
             window = DRAFTING_WINDOW_ROUNDS
             assert plain_rounds_until_off(batcher, 4) == math.ceil(math.log(0.1) / math.log(1 - 1 / window))
             assert plain_rounds_until_off(batcher, 64) == math.ceil(math.log(0.1) / math.log(1 - 1 / 256))
-            seq = _batch((40,))[0]
+            seq = _batch((WARM_MIN_TOKENS_PLAIN,))[0]  # fewer than WARM_MIN_TOKENS_PLAIN to feed
             batcher.warm(seq)
-            assert not batcher._warm  # plain decoding: not warmed
+            assert not batcher._warm  # plain decoding: not warmed yet
+            far = _batch((WARM_MIN_TOKENS_PLAIN + 1,))[0]
+            batcher.warm(far)
+            assert far in batcher._warm  # but a catch-up stays bounded
+            await batcher.settle(far)
             for every, warms in ((20, False), (5, True), (20, False)):  # probes: 1 round in 20 drafts; then 1 in 5
                 for i in range(400):
                     batcher.note_round(i % every == 0, 4)
