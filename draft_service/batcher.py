@@ -54,7 +54,7 @@ class DraftBatcher:
     (WARM_MIN_TOKENS_PLAIN while fewer than WARM_MIN_DRAFTING of the recent rounds drafted: under plain decoding
     warming mostly slows the verifier, but a drafting round's catch-up must stay bounded):
     it feeds their context, in forwards of at most WARM_CHUNK_TOKENS, so the round that drafts again starts at
-    once (or after a forward of fewer than WARM_MIN_TOKENS). Measured at 64 streams on 2 cores
+    once (or after a forward of fewer than WARM_MIN_TOKENS, or WARM_MIN_TOKENS_PLAIN). Measured at 64 streams on 2 cores
     before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
     which the verifier waited. A sequence is warmed only between its proposal and its verdict: settle() before
     the sequence changes again ends its warming (waiting at most for the forward running).
@@ -136,8 +136,8 @@ class DraftBatcher:
 
     def warm(self, seq: DraftSequence) -> None:
         """Warm `seq` while the model's thread has nothing to draft (see the class), once WARM_MIN_TOKENS of its
-        tokens wait to be fed and enough of the recent rounds drafted; call settle() before the sequence changes
-        again."""
+        tokens wait to be fed (WARM_MIN_TOKENS_PLAIN while the recent rounds hardly draft); call settle() before
+        the sequence changes again."""
         least = WARM_MIN_TOKENS if self.drafting_share >= WARM_MIN_DRAFTING else WARM_MIN_TOKENS_PLAIN
         if seq.fork_from is None and seq.num_context - 1 - seq.num_cached >= least:
             self._warm[seq] = None

@@ -150,8 +150,8 @@ class Generator:
                 width = self.pipeline.width_for(k)
                 branches = await self.pipeline.draft_branches(seq, block, k, width, flight)
                 # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
-                # while the model has nothing to draft and recent rounds draft (never for k = 0 requests: they
-                # never draft, and are not counted)
+                # while the model has nothing to draft, sooner while recent rounds draft (never for k = 0
+                # requests: they never draft, and are not counted)
                 warming = not block.num_draft_tokens and not branches and length.k > 0
                 if length.k > 0:
                     self.drafter.note_round(not warming, self._running)

@@ -343,11 +343,18 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     c.plain_idle_s = None  # one wait for both kinds of round
     assert set(c.choose(caps).draft_lengths.values()) == {1}
     c.plain_idle_s = 0.02
-    for _ in range(10):  # plain steps the phase plan held 0.8 s for sequences away drafting: not plain's wait
-        c.observe_step(8, 0.58, 0.82, held_s=0.8)
+    c.observe_step(16, 0.66, 0.6)
+    c.observe_drafting(0.2, 1, True, 8)
+    assert c._steps_since_plain == 1
+    for _ in range(10):  # plain steps the phase plan held 1.28 s for sequences away drafting: not plain's wait
+        c.observe_step(8, 0.58, 1.3, held_s=1.28)
         c.observe_drafting(0.0, 0, False, 0)
-    assert c.plain_idle_s == pytest.approx(0.02, rel=0.01)
+    assert c.plain_idle_s == pytest.approx(0.02, rel=0.01) and c._steps_since_plain == 0  # not a quiet spell
     assert set(c.choose(caps).draft_lengths.values()) == {0}
+    before = c.draft_idle_s
+    c.observe_step(16, 0.66, 0.9, held_s=0.3)  # a drafting step keeps its hold: it waited for its own drafts
+    c.observe_drafting(0.2, 1, True, 8)
+    assert c.draft_idle_s == pytest.approx(0.8 * before + 0.2 * 0.9, rel=0.01)
 
 
 def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():

@@ -148,6 +148,20 @@ def _one_phase_with_late_half(turnaround: float) -> tuple[PhasePlanner, float]:
     return planner, now
 
 
+def test_a_hold_waits_for_drafting_only_where_an_awaited_sequence_was_asked_to_draft():
+    """The goodput choice leaves a hold for drafting sequences out of plain decoding's wait, not a hold for
+    plain proposals alone (that one is plain decoding's own)."""
+    planner, _ = _one_phase_with_late_half(turnaround=0.1)
+    for key in KEYS[4:]:
+        planner._block_tokens[key] = 1  # asked for k = 0
+    assert not planner.awaits_drafting()
+    planner._block_tokens[KEYS[5]] = 3
+    assert planner.awaits_drafting()
+    planner._block_tokens[KEYS[0]] = 3  # back already: not awaited
+    planner._block_tokens[KEYS[5]] = 1
+    assert not planner.awaits_drafting()
+
+
 def test_a_step_waits_for_the_sequences_answered_with_it_when_they_are_due_before_the_saving():
     planner, sent = _one_phase_with_late_half(turnaround=0.1)
     now = sent + 0.05
@@ -520,6 +534,14 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair, wh
     async def scenario() -> list[list[VerdictOut]]:
         async_engine = AsyncEngine(engine, VerifierMetrics(), whole_batch_goodput=whole_batch)
         async_engine.phases.max_verifications = lambda: 1
+        planned_hold = async_engine._planned_hold
+
+        async def hold():  # the plan held 0.2 s, 0.123 of it for sequences asked to draft
+            held, cap = await planned_hold()
+            async_engine._held_for_drafts = 0.123
+            return 0.2, cap
+
+        async_engine._planned_hold = hold
         async_engine.start()
         stream_id, outbox = async_engine.open_stream()
         keys = [SeqKey(stream_id, i) for i in (1, 2)]
@@ -536,7 +558,7 @@ def test_the_engine_loop_steps_with_the_plans_cap_and_reports_its_holds(pair, wh
     assert 1 in caps  # the plan's cap reached the engine
     assert max(verified) == 1  # one verification per step, though both proposals came together
     assert all(isinstance(a, frozenset) for a in awaits) if whole_batch else set(awaits) == {None}
-    assert all(isinstance(h, float) and h >= 0.0 for h in holds)  # the plan's hold goes to the engine too
+    assert set(holds) == {0.123}  # the hold for drafting sequences goes to the engine (priced apart)
 
 
 def test_the_sequences_the_plan_waits_for_are_the_ones_it_has_not_given_up_on():

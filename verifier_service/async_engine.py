@@ -46,6 +46,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._executor = executor or compute_thread("verifier-engine")
         self._task: asyncio.Task | None = None
+        self._held_for_drafts = 0.0  # of the last hold, the seconds it waited for sequences asked to draft
         self._stopping = False
         self.draining = asyncio.Event()  # set once by drain(): no new sequence is admitted
         self._last_step_s = 0.0
@@ -184,10 +185,12 @@ class AsyncEngine:
 
     async def _planned_hold(self) -> tuple[float, int | None]:
         planner = self.phases
+        self._held_for_drafts = 0.0
         if planner is None or not (planner.num_present or self.engine.has_runnable_work()):
             return 0.0, None
         started = time.monotonic()
         planner.plan_phases(started)
+        drafting = planner.awaits_drafting()
         while not self._stopping:
             now = time.monotonic()
             decision = planner.hold(now, started)
@@ -201,6 +204,7 @@ class AsyncEngine:
         held = time.monotonic() - started
         if held > 0.0005:  # NOTE: below this, the loop's own turn: not a hold
             self.metrics.step_hold_seconds.observe(held)
+        self._held_for_drafts = held if drafting else 0.0
         return held, planner.max_verifications()
 
     async def _run(self) -> None:
@@ -213,7 +217,7 @@ class AsyncEngine:
             if self.phases is not None:
                 self.phases.step_started()
             try:
-                result = await self.run_step(cap, awaited, held)
+                result = await self.run_step(cap, awaited, self._held_for_drafts)
             except Exception:  # a bug in a step must not take the server down silently
                 log.exception("engine_step_failed")
                 continue

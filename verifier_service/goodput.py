@@ -294,8 +294,8 @@ class DraftLengthController:
     def observe_step(self, num_tokens: int, seconds: float, idle_s: float | None = None,
                      held_s: float = 0.0) -> None:
         """A step of `num_tokens` took `seconds`; `idle_s`: how long the verifier waited before it (None: the
-        first step), `held_s` of it held by the phase plan for sequences still away at their drafts: a wait a
-        plain round's proposal did not make (measured at 16 streams, default pair: a step of the 2 sequences
+        first step), `held_s` of it held by the phase plan for sequences still away drafting (a hold for plain
+        proposals alone is plain decoding's own wait, and not passed): a wait a plain round's proposal did not make (measured at 16 streams, default pair: a step of the 2 sequences
         decoding plainly held 0.8 s for the 14 drafting, counted as plain decoding's wait it priced plain rounds
         at 173 ms where they wait 10, and the batch drafted 4 tokens a sequence at a loss until the speculation
         trial stopped it)."""
@@ -338,11 +338,13 @@ class DraftLengthController:
                 self.plain_step_ratio = ema(self.plain_step_ratio, ratio, a)
                 self.draft_step_ratio = 1.0 + RATIO_DRIFT * (self.draft_step_ratio - 1.0)
         idle, self._step_idle_s = self._step_idle_s, None
+        if idle is not None and drafted is False:  # a plain step's own wait: without the hold for drafting others
+            idle = max(0.0, idle - self._step_held_s)
         quiet = self.max_idle_s + (2 * seconds if drafted else 0.0)
         if drafted is not None and idle is not None and idle < quiet:
             self._steps_since_plain = 0 if not drafted else self._steps_since_plain + 1
             if not drafted:
-                self.plain_idle_s = ema(self.plain_idle_s, max(0.0, idle - self._step_held_s), self.idle_decay)
+                self.plain_idle_s = ema(self.plain_idle_s, idle, self.idle_decay)
             elif self.draft_idle_s is None:
                 self.draft_idle_s, self.draft_longest_k = idle, float(longest_block)
                 self.draft_drafted_m = float(drafted_tokens)

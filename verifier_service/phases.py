@@ -232,6 +232,11 @@ class PhasePlanner:
             return frozenset()
         return frozenset(key for key, sent in self._awaited.items() if self._due(key, sent) is not None)
 
+    def awaits_drafting(self) -> bool:
+        """Whether a sequence the plan waits for was asked to draft: a hold then waits for drafting, which is no
+        part of plain decoding's own wait (a hold for plain proposals alone is)."""
+        return any(not self._asked_plain(key) for key in self._awaited)
+
     def replied(self, outcome: Outcome, now: float) -> None:
         """An outcome sent to an open stream: a verdict the sequence goes on from is awaited back, unless its
         next proposal is already in (pipelined drafting); an ended sequence is forgotten. A verdict of a proposal
