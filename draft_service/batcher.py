@@ -34,10 +34,10 @@ WARM_MIN_TOKENS = 8
 # WARM_MIN_TOKENS_PLAIN wait: the verifier then decodes plainly and drafts to probe a few sequences, and warming
 # mostly slows it; but the catch-up a drafting round needs must stay bounded (with no warming at all, a choice to
 # draft 2 tokens for all 64 sequences at 64 streams, default pair, made the verifier wait 9.8 s while the draft
-# fed each sequence's 30 or so tokens). Through guidellm at 16 streams (default pair, 2 cores, random prompts, drafts accepted 16 to 40 %) the
-# verifier drafted in about 6 % of the rounds, and its plain steps took 14 % longer and their sampling 20 % longer
-# than k = 0 requests' (which never warm), the draft's warming forwards (16 sequences' 64-token prompts, then 8
-# tokens each) beside them on the same cores. With no generation running it starts over at 1 (idle_again):
+# fed each sequence's 30 or so tokens). Through guidellm at 16 streams (default pair, 2 cores, random prompts,
+# drafts accepted 16 to 40 %) the verifier drafted in about 6 % of the rounds, and its plain steps took 14 % longer
+# and their sampling 20 % longer than k = 0 requests' (which never warm), the draft's warming forwards (16
+# sequences' 64-token prompts, then 8 tokens each) beside them on the same cores. With no generation running it starts over at 1 (idle_again):
 # the next burst arrives on a verifier that is not busy, where drafting pays and prompts are worth warming.
 WARM_MIN_DRAFTING = 0.1
 WARM_MIN_TOKENS_PLAIN = 32
@@ -54,8 +54,8 @@ class DraftBatcher:
     (WARM_MIN_TOKENS_PLAIN while fewer than WARM_MIN_DRAFTING of the recent rounds drafted: under plain decoding
     warming mostly slows the verifier, but a drafting round's catch-up must stay bounded):
     it feeds their context, in forwards of at most WARM_CHUNK_TOKENS, so the round that drafts again starts at
-    once (or after a forward of fewer than WARM_MIN_TOKENS, or WARM_MIN_TOKENS_PLAIN). Measured at 64 streams on 2 cores
-    before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
+    once (or after a forward of fewer than WARM_MIN_TOKENS, or WARM_MIN_TOKENS_PLAIN). Measured at 64 streams on 2
+    cores before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
     which the verifier waited. A sequence is warmed only between its proposal and its verdict: settle() before
     the sequence changes again ends its warming (waiting at most for the forward running).
 

@@ -121,7 +121,8 @@ class VerifierEngine:
         """max_verifications: verify at most this many proposals (the phase plan, phases.py); the others wait
         for the next step. Prefill is not capped. awaited: the sequences away at their drafts that the phase plan
         waits for (one phase; None: no plan), whose next blocks the goodput choice prices with this step's.
-        held_s: how long the phase plan held this step for sequences still away (part of the wait before it)."""
+        held_s: how long the phase plan held this step for sequences away drafting (part of the wait before it,
+        and no part of plain decoding's own)."""
         step_started = time.perf_counter()
         outcomes = self._apply_commands()
         outcomes.extend(self.admission.expired())
