@@ -101,17 +101,22 @@ class VerifierState:
     draining: bool = False
     gone: bool = False  # no longer in what the name resolves to
     num_sequences: int = 0  # this draft's sequences on it
-    placed_since_report: int = 0  # sequences placed here since its last report, which it did not count yet
+    # sequences placed here that it has not answered yet: a report may predate their opens (it is sent every
+    # LOAD_REPORT_INTERVAL_S), so they count on top of it until their first reply, after which every report
+    # counts them (the stream keeps order); counting them only until the next report lost them under a burst of
+    # opens, and the burst piled onto one verifier
+    unanswered: set[int] = field(default_factory=set)
     prefixes: OrderedDict[int, None] = field(default_factory=OrderedDict)
 
     def reported(self, load: VerifierLoad, draining: bool) -> None:
-        self.load, self.draining, self.placed_since_report = load, draining, 0
+        self.load, self.draining = load, draining
 
     def reset(self) -> None:
         """A new stream to it: what an earlier one reported is stale (a restarted verifier caches nothing). A
         draining flag stays until the new stream's first report (sent right after its welcome) clears it: a
         verifier reconnected to while it drains takes no sequence meanwhile."""
-        self.load, self.placed_since_report = None, 0
+        self.load = None
+        self.unanswered.clear()
         self.prefixes.clear()
 
     @property
@@ -119,7 +124,7 @@ class VerifierState:
         """Sequences it serves or queues, as best known now."""
         if self.load is None:
             return self.num_sequences
-        return self.load.num_running + 2 * self.load.num_waiting + self.placed_since_report
+        return self.load.num_running + 2 * self.load.num_waiting + len(self.unanswered)
 
     @property
     def kv_full(self) -> bool:
@@ -140,8 +145,12 @@ class VerifierState:
         while len(self.prefixes) > MAX_PREFIX_ENTRIES:
             self.prefixes.popitem(last=False)
 
-    def placed(self, hashes: list[int]) -> None:
-        self.placed_since_report += 1
+    def answered(self, seq_id: int) -> None:
+        """The verifier replied about the sequence (or it left): its reports from now on count it."""
+        self.unanswered.discard(seq_id)
+
+    def placed(self, seq_id: int, hashes: list[int]) -> None:
+        self.unanswered.add(seq_id)
         self.remember(hashes)
 
 

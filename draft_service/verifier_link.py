@@ -259,7 +259,7 @@ class VerifierLink:
                                                     cache_salt))
             except LinkDown:
                 continue
-            chosen.state.placed(hashes)
+            chosen.state.placed(seq_id, hashes)
             return
 
     def _refusal(self, started: VerifierIdentity | None) -> list[_Verifier]:
@@ -282,6 +282,7 @@ class VerifierLink:
         previous = self._placed.get(seq_id)
         if previous is not None and previous.address in self._verifiers:
             self._verifiers[previous.address].state.num_sequences -= 1
+            self._verifiers[previous.address].state.answered(seq_id)
         self._placed[seq_id] = _Placed(verifier.state.address, verifier.connection.num_connections)
         verifier.state.num_sequences += 1
         if previous is not None and previous.address != verifier.state.address:
@@ -345,6 +346,7 @@ class VerifierLink:
         placed = self._placed.pop(seq_id, None)
         if placed is not None and (verifier := self._verifiers.get(placed.address)) is not None:
             verifier.state.num_sequences -= 1
+            verifier.state.answered(seq_id)
             self._set_gauges()
         self._started_on.pop(seq_id, None)
         self._cache_salts.pop(seq_id, None)
@@ -370,6 +372,8 @@ class VerifierLink:
         placed = self._placed.get(seq_id)
         inbox = self._inboxes.get(seq_id)
         delivered = inbox is not None and placed is not None and placed.address == address  # not a verifier it left
+        if delivered and (verifier := self._verifiers.get(address)) is not None:
+            verifier.state.answered(seq_id)
         if delivered:
             inbox.put_nowait(event)
         if self.on_verdict is not None and isinstance(event, VerdictEvent) and event.finish_reason is None:

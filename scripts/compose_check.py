@@ -17,8 +17,9 @@
    - Prometheus scrapes the verifier (`up` is 1), and the verifier's metrics answer on the host's loopback (compose
      publishes metrics ports on 127.0.0.1 only);
    - the gateway answers /v1/completions with the drafts' token;
-   - `verifier` SIGKILLed while 4 streams generate through draft-a: each finishes identical to the target alone,
-     and draft-a's log shows its sequences moved to verifier-b;
+   - the verifier running most of 4 streams that generate through draft-a SIGKILLed (by load, draft-a may place
+     all on either): each finishes identical to the target alone, and draft-a's log shows its sequences moved to the
+     other verifier;
    - with draft-a killed, draft-b still serves.
 5. `compose down` removes every container, network and volume of the project, and the script checks none is left.
 
@@ -236,11 +237,21 @@ def generate(address: str, certs: Path, **kwargs) -> list[int]:
                                     **kwargs).token_ids)
 
 
+def running_sequences(metrics_port: int) -> int:
+    """The verifier's `specwire:num_requests_running` gauge, read from its metrics page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith("specwire:num_requests_running "):
+                return int(float(line.split()[1]))
+    raise AssertionError(f"no specwire:num_requests_running on the metrics page at port {metrics_port}")
+
+
 def kill_verifier_mid_generation(engine: Engine, stack: Stack, address: str, certs: Path, reference: list[int],
-                                 streams: int = 4) -> None:
-    """`streams` concurrent greedy generations through one draft (placed on both verifiers); once each has streamed
-    8 tokens, SIGKILL `verifier`: every one must finish identical to the target alone, its sequences moved to
-    verifier-b."""
+                                 metrics_ports: dict[str, int], streams: int = 4) -> tuple[str, dict[str, int]]:
+    """`streams` concurrent greedy generations through one draft; once each has streamed 8 tokens, SIGKILL the
+    verifier that runs the most of them (the draft places by load reports, which may put all on one: killing the
+    other would move nothing): every one must finish identical to the target alone, its sequences moved to the
+    other verifier. Returns the killed verifier and the sequences each ran at the kill."""
     import asyncio
 
     from common.security import read_token
@@ -264,13 +275,21 @@ def kill_verifier_mid_generation(engine: Engine, stack: Stack, address: str, cer
             tasks = [asyncio.create_task(one(i, client)) for i in range(streams)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in progressed)), 120)
             assert not any(t.done() for t in tasks), "a generation ended before the kill"
-            await asyncio.to_thread(run, [engine.docker, "kill", stack.container("verifier")], quiet=True)
+            running.update({name: await asyncio.to_thread(running_sequences, port)
+                            for name, port in metrics_ports.items()})
+            assert sum(running.values()) >= streams, f"the verifiers run fewer than {streams} sequences: {running}"
+            victim.append(max(running, key=running.__getitem__))
+            await asyncio.to_thread(run, [engine.docker, "kill", stack.container(victim[0])], quiet=True)
             return await asyncio.gather(*tasks)
 
+    running: dict[str, int] = {}
+    victim: list[str] = []
     outputs = asyncio.run(main())
     assert all(out == reference for out in outputs), f"outputs after the kill differ from the target alone: {outputs}"
     logs = stack.compose("logs", "draft-a", check=False).stdout
-    assert "sequence_failover" in logs, "no sequence moved from the killed verifier"
+    assert "sequence_failover" in logs, f"no sequence moved from the killed {victim[0]} (running: {running}):\n" + \
+        "\n".join(logs.splitlines()[-30:])
+    return victim[0], running
 
 
 def gateway_completion(port: int, certs: Path) -> str:
@@ -348,8 +367,11 @@ def main() -> int:
             text = gateway_completion(ports["GATEWAY"], certs)
             log(f"the gateway answers /v1/completions: {text!r}")
             long_reference = greedy_reference(models / "target", PROMPT, 64, _float32())
-            kill_verifier_mid_generation(engine, stack, f"127.0.0.1:{ports['DRAFT_A']}", certs, long_reference)
-            log("verifier killed mid-generation: 4 streams finished identical to the target alone on verifier-b")
+            killed, running = kill_verifier_mid_generation(
+                engine, stack, f"127.0.0.1:{ports['DRAFT_A']}", certs, long_reference,
+                {"verifier": ports["VERIFIER_METRICS"], "verifier-b": ports["VERIFIER_B_METRICS"]})
+            log(f"{killed} killed mid-generation (sequences running: {running}): 4 streams finished identical to "
+                "the target alone on the other verifier")
             run([engine.docker, "kill", stack.container("draft-a")], quiet=True)
             assert generate(f"127.0.0.1:{ports['DRAFT_B']}", certs) == reference
             log("draft-a killed: draft-b still serves")

@@ -76,11 +76,36 @@ def test_placement_takes_the_least_loaded_verifier_unless_another_caches_the_pre
 def test_sequences_placed_between_two_reports_spread():
     a, b = _state("a"), _state("b")
     picks = []
-    for _ in range(6):
+    for seq_id in range(6):
         state, _reason = choose([a, b], [], 10)
-        state.placed([])
+        state.placed(seq_id, [])
         picks.append(state.address)
     assert picks.count("a") == picks.count("b") == 3
+
+
+def test_a_report_sent_before_the_opens_arrived_does_not_forget_them():
+    """Reports come every 0.2 s: one the verifier sent before it read this draft's opens must not erase them, or a
+    burst of opens piles onto the verifier that reported last (the compose check once saw all 4 of its streams on
+    one of two verifiers). A sequence counts on top of the reports until its verifier answers about it."""
+    a, b = _state("a"), _state("b")
+    picks = []
+    for seq_id in range(6):
+        state, _reason = choose([a, b], [], 10)
+        state.placed(seq_id, [])
+        picks.append(state.address)
+        state.reported(VerifierLoad(0, 0, 0.0, 100), draining=False)  # sent before it read the open
+    assert picks.count("a") == picks.count("b") == 3
+    assert a.busy == b.busy == 3
+    # answered: the reports count them from now on
+    for seq_id in range(6):
+        (a if seq_id in a.unanswered else b).answered(seq_id)
+    assert a.busy == b.busy == 0
+    a.reported(VerifierLoad(3, 0, 0.0, 97), draining=False)
+    assert a.busy == 3
+    # a new stream to it: nothing from the old one counts
+    a.placed(9, [])
+    a.reset()
+    assert a.busy == a.num_sequences == 0
 
 
 class LoadReportingVerifier(verifier_pb2_grpc.VerifierServicer):
@@ -149,6 +174,31 @@ async def _two_verifiers(dns: bool = False):
         await link.close()
         await server1.stop(0)
         await server2.stop(0)
+
+
+def test_a_stale_report_leaves_an_open_counted_until_its_verifier_answers():
+    async def run() -> None:
+        async with _two_verifiers() as (one, two, address1, address2, link, metrics):
+            one.report()
+            two.report()
+            await until(lambda: all(v.state.load is not None for v in link._verifiers.values()))
+            first = await link.open([1, 2, 3], SAMPLING, retry_s=5)
+            servers = {address1: one, address2: two}
+            here = next(a for a, n in link.sequences_per_verifier().items() if n == 1)
+            servers[here].report()  # sent before it read the open
+            state = link._verifiers[here].state
+            await until(servers[here].outbox.empty)
+            await asyncio.sleep(0.2)  # read by the link
+            assert state.busy == 1
+            second = await link.open([4, 5, 6], SAMPLING, retry_s=5)
+            assert link.sequences_per_verifier() == {address1: 1, address2: 1}
+            # its verdict: the verifier's reports count it from now on
+            servers[here].verdict(first, [7])
+            await asyncio.wait_for(link.next_event(first), 5)
+            assert state.unanswered == set() and state.busy == 0
+            assert second in link._verifiers[next(a for a in servers if a != here)].state.unanswered
+
+    asyncio.run(run())
 
 
 def test_a_sequence_moves_when_its_verifier_goes_and_a_draining_verifier_takes_none():
