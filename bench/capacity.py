@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -118,9 +119,13 @@ def measure_mode(mode: str, target: Path, draft: Path, levels: list[int], prompt
             url = f"http://127.0.0.1:{vmetrics}/metrics"
             for c in levels:
                 before = _spec_counters(url)
+                cpu_before = _cpu_s(verifier.proc.pid), _cpu_s(d.proc.pid)
                 row = {"mode": mode, **asyncio.run(run_level(d.address, c, prompts, tokens, k, per_stream=per_stream,
                                                              min_requests=min_requests))}
                 after = _spec_counters(url)
+                # CPU seconds each service used in the level (both share the cores unless pinned)
+                row["verifier_cpu_s"] = _cpu_s(verifier.proc.pid) - cpu_before[0]
+                row["draft_cpu_s"] = _cpu_s(d.proc.pid) - cpu_before[1]
                 drafts = after["drafts"] - before["drafts"]
                 row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
                                                         if drafts else 0.0)
@@ -129,6 +134,12 @@ def measure_mode(mode: str, target: Path, draft: Path, levels: list[int], prompt
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of the process so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _spec_counters(url: str) -> dict[str, float]:

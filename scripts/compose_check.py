@@ -238,12 +238,14 @@ def generate(address: str, certs: Path, **kwargs) -> list[int]:
 
 
 def running_sequences(metrics_port: int) -> int:
-    """The verifier's `specwire:num_requests_running` gauge, read from its metrics page."""
+    """The sequences the verifier runs or queues (`specwire:num_requests_running` and `_waiting`), read from its
+    metrics page."""
+    names = ("specwire:num_requests_running", "specwire:num_requests_waiting")
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith("specwire:num_requests_running "):
-                return int(float(line.split()[1]))
-    raise AssertionError(f"no specwire:num_requests_running on the metrics page at port {metrics_port}")
+        found = {line.split()[0]: int(float(line.split()[1])) for line in reply.read().decode().splitlines()
+                 if line.split(" ", 1)[0] in names}
+    assert len(found) == len(names), f"the metrics page at port {metrics_port} lacks one of {names}"
+    return sum(found.values())
 
 
 def kill_verifier_mid_generation(engine: Engine, stack: Stack, address: str, certs: Path, reference: list[int],
@@ -279,6 +281,7 @@ def kill_verifier_mid_generation(engine: Engine, stack: Stack, address: str, cer
                             for name, port in metrics_ports.items()})
             assert sum(running.values()) >= streams, f"the verifiers run fewer than {streams} sequences: {running}"
             victim.append(max(running, key=running.__getitem__))
+            assert not any(t.done() for t in tasks), "a generation ended before the kill"
             await asyncio.to_thread(run, [engine.docker, "kill", stack.container(victim[0])], quiet=True)
             return await asyncio.gather(*tasks)
 
