@@ -29,18 +29,18 @@ WARM_CHUNK_TOKENS = 16
 # guidellm at one stream, default pair, 2 cores: plain steps of 230 to 290 ms beside a warming forward every
 # round, against about 185 ms without)
 WARM_MIN_TOKENS = 8
-# or, while fewer than this share of the recent rounds drafted (note_round: an average over the rounds of all this
-# model's sequences, over about DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more run), once
-# WARM_MIN_TOKENS_PLAIN wait: the verifier then decodes plainly and drafts to probe a few sequences, and warming
-# mostly slows it; but the catch-up a drafting round needs must stay bounded (with no warming at all, a choice to
-# draft 2 tokens for all 64 sequences at 64 streams, default pair, made the verifier wait 9.8 s while the draft
-# fed each sequence's 30 or so tokens). Through guidellm at 16 streams (default pair, 2 cores, random prompts,
-# drafts accepted 16 to 40 %) the verifier drafted in about 6 % of the rounds, and its plain steps took 14 % longer
-# and their sampling 20 % longer than k = 0 requests' (which never warm), the draft's warming forwards (16
-# sequences' 64-token prompts, then 8 tokens each) beside them on the same cores. With no generation running it starts over at 1 (idle_again):
-# the next burst arrives on a verifier that is not busy, where drafting pays and prompts are worth warming.
+# but not while fewer than this share of the recent rounds drafted (note_round: an average over the rounds of all
+# this model's sequences, over about DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more run): the verifier
+# then decodes plainly and drafts to probe a few sequences, and warming mostly slows it. Through guidellm at 16
+# streams (default pair, 2 cores, random prompts, drafts accepted 16 to 40 %) the verifier drafted in about 6 % of
+# the rounds, and its plain steps took 14 % longer and their sampling 20 % longer than k = 0 requests' (which never
+# warm), the draft's warming forwards (16 sequences' 64-token prompts, then 8 tokens each) beside them on the same
+# cores; warming once 32 tokens waited still cost the draft 35 CPU seconds in a 73 s level at 64 streams (default
+# pair, 2 cores) that drafted in 1 % of the rounds. A drafting round's catch-up stays bounded without it: a batch
+# defers the long ones (draft_model.CATCH_UP_BUDGET_TOKENS), and a deferred sequence is warmed whatever the share.
+# With no generation running the share starts over at 1 (idle_again): the next burst arrives on a verifier that is
+# not busy, where drafting pays and prompts are worth warming.
 WARM_MIN_DRAFTING = 0.1
-WARM_MIN_TOKENS_PLAIN = 32
 DRAFTING_WINDOW_ROUNDS = 50
 # the longest a batch waits for the sequences whose verdicts are in (DueRounds), whatever the last batch took
 MAX_DUE_WAIT_S = 1.0
@@ -51,10 +51,10 @@ class DraftBatcher:
 
     While no drafting is waiting, the model's thread warms the sequences whose rounds draft nothing (k = 0: a
     new sequence's first round, or the verifier's choice under load) once WARM_MIN_TOKENS of their tokens wait
-    (WARM_MIN_TOKENS_PLAIN while fewer than WARM_MIN_DRAFTING of the recent rounds drafted: under plain decoding
-    warming mostly slows the verifier, but a drafting round's catch-up must stay bounded):
+    (none while fewer than WARM_MIN_DRAFTING of the recent rounds drafted: under plain decoding warming mostly
+    slows the verifier; but always a sequence whose drafting was deferred for its catch-up, at once):
     it feeds their context, in forwards of at most WARM_CHUNK_TOKENS, so the round that drafts again starts at
-    once (or after a forward of fewer than WARM_MIN_TOKENS, or WARM_MIN_TOKENS_PLAIN). Measured at 64 streams on 2
+    once (or after a forward of fewer than WARM_MIN_TOKENS). Measured at 64 streams on 2
     cores before this: the draft prefilled 64 prompts only when the verifier first asked them to draft, 3 to 9 s in
     which the verifier waited. A sequence is warmed only between its proposal and its verdict: settle() before
     the sequence changes again ends its warming (waiting at most for the forward running).
@@ -80,6 +80,7 @@ class DraftBatcher:
         self._warm: dict[DraftSequence, None] = {}  # the sequences to warm, in order (compared by identity)
         self._warming: asyncio.Future | None = None  # done when the warming forward running now is
         self._warming_seqs: set[DraftSequence] = set()  # the ones it feeds
+        self._deferred: set[DraftSequence] = set()  # drafted nothing for their catch-up: warmed whatever the share
         self.drafting_share = 1.0  # of the recent rounds (note_round), those that drafted
 
     def start(self) -> None:
@@ -136,9 +137,14 @@ class DraftBatcher:
 
     def warm(self, seq: DraftSequence) -> None:
         """Warm `seq` while the model's thread has nothing to draft (see the class), once WARM_MIN_TOKENS of its
-        tokens wait to be fed (WARM_MIN_TOKENS_PLAIN while the recent rounds hardly draft); call settle() before
-        the sequence changes again."""
-        least = WARM_MIN_TOKENS if self.drafting_share >= WARM_MIN_DRAFTING else WARM_MIN_TOKENS_PLAIN
+        tokens wait to be fed (not while the recent rounds hardly draft, unless its drafting was deferred); call
+        settle() before the sequence changes again."""
+        if seq in self._deferred:
+            least = 1
+        elif self.drafting_share >= WARM_MIN_DRAFTING:
+            least = WARM_MIN_TOKENS
+        else:
+            return
         if seq.fork_from is None and seq.num_context - 1 - seq.num_cached >= least:
             self._warm[seq] = None
             self._wakeup.set()
@@ -171,6 +177,7 @@ class DraftBatcher:
         it after any batch still drafting them, so nothing they hold is left behind."""
         for seq in seqs:
             self._warm.pop(seq, None)
+            self._deferred.discard(seq)
         if seqs:
             await asyncio.shield(asyncio.get_running_loop().run_in_executor(self._executor, self.model.release,
                                                                             *seqs))
@@ -220,6 +227,10 @@ class DraftBatcher:
                 elif isinstance(result, ServiceError):  # that sequence's own failure (its KV can never fit)
                     f.set_exception(result)
                 else:
+                    if result.deferred:
+                        self._deferred.add(job[0].seq)
+                    else:  # caught up
+                        self._deferred.discard(job[0].seq)
                     f.set_result(dataclasses.replace(
                         result, block=dataclasses.replace(result.block, draft_seconds=self._last_batch_s)))
             self._batch_done()
@@ -246,5 +257,6 @@ class DraftBatcher:
         for seq, more in zip(seqs, left, strict=True):
             if not more:
                 self._warm.pop(seq, None)
+                self._deferred.discard(seq)
         if self._warm or self._pending:
             self._wakeup.set()

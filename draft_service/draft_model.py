@@ -44,6 +44,9 @@ class DraftJob:
     tree: TreeShape | None = None  # a token tree of this shape instead of a chain of k (draft_service.tree_drafting)
     calibration: Calibration = IDENTITY  # how the tree scores the draft's probabilities (tree_calibration)
     draws: DrawAcceptance = DrawAcceptance()  # how a sparse tree scores its draws (draw_acceptance)
+    # a round whose length the verifier chose (--speculation auto): it may draft nothing instead of a long catch-up
+    # (see CATCH_UP_BUDGET_TOKENS), which the verifier then decodes as a plain round
+    may_defer: bool = False
 
 
 # a token list continues the sequence's cache; a NodeFeed feeds tree nodes at their slots past growth.first (they
@@ -55,6 +58,7 @@ Feed = tuple[DraftSequence, "list[int] | tuple[TreeGrowth, NodeFeed]"]
 class Drafted:
     block: DraftBlock
     guess: int | None = None  # a guess_first job's guess; None: none (non-finite draft logits)
+    deferred: bool = False  # drafted nothing: its catch-up did not fit the batch's (CATCH_UP_BUDGET_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,22 @@ class Prefilling:
     next batch, and its future waits."""
 
     num_left: int  # tokens still to feed, the first drafting step's included
+
+
+def _deferred(jobs: list[DraftJob], pending: list[list[int]], num_steps: list[int]) -> set[int]:
+    """The deferrable jobs whose catch-up does not fit this batch's (see CATCH_UP_BUDGET_TOKENS). A job's catch-up
+    is what it feeds before its first drafting step (all but the last of `pending`); the others' long catch-ups
+    count first."""
+    catch_up = [len(p) - 1 if n and len(p) - 1 > CATCH_UP_FREE_TOKENS else 0
+                for p, n in zip(pending, num_steps, strict=True)]
+    left = CATCH_UP_BUDGET_TOKENS - sum(c for job, c in zip(jobs, catch_up, strict=True) if not job.may_defer)
+    deferred = set()
+    for i in sorted((i for i, job in enumerate(jobs) if job.may_defer and catch_up[i]), key=catch_up.__getitem__):
+        if catch_up[i] <= left:
+            left -= catch_up[i]
+        else:
+            deferred.add(i)
+    return deferred
 
 
 def _kv_full() -> ServiceError:
@@ -77,6 +97,16 @@ def _never_fits(num_tokens: int, capacity: int) -> ServiceError:
 
 
 KV_SHORT_LOG_INTERVAL_S = 10.0
+# A sequence the verifier asked to draft after rounds of plain decoding first feeds the draft every token it has
+# not seen (the draft warms sequences only while its rounds draft, draft_service.batcher): a drafting batch takes
+# the catch-ups of more than CATCH_UP_FREE_TOKENS tokens of its deferrable jobs, shortest first, while they sum to
+# at most CATCH_UP_BUDGET_TOKENS; the others draft nothing this round and are warmed meanwhile. Without a bound a
+# choice to draft for all 64 sequences at 64 streams (default pair, 2 cores) made the verifier wait 9.8 s while
+# the draft fed each one's 30 or so tokens; warming every sequence instead, in case it drafts, cost the draft 35
+# CPU seconds in a 73 s level in which the verifier chose drafts for 1 % of its rounds, on the cores the verifier
+# shares.
+CATCH_UP_FREE_TOKENS = 8
+CATCH_UP_BUDGET_TOKENS = 64
 
 
 class DraftModel:
@@ -128,9 +158,12 @@ class DraftModel:
         # cache indices written past the context: a chain's drafts but the last, a tree's fed nodes (TreeGrowth.feed)
         spans = [n - 1 if job.tree is None else lead[i] + job.tree.max_fed
                  for i, (job, n) in enumerate(zip(jobs, num_steps, strict=True))]
+        pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
+        deferred = _deferred(jobs, pending, num_steps)
+        for i in deferred:
+            num_steps[i] = 0  # nothing reserved, fed or drafted
         failed, short = self._reserve(jobs, num_steps, spans)
         growths: list[TreeGrowth | None] = [None] * len(jobs)
-        pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
         drafted: list[list[int]] = [[] for _ in jobs]
         alternatives: list[list[tuple[int, ...]]] = [[] for _ in jobs]
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
@@ -182,7 +215,8 @@ class DraftModel:
         if moves:  # every tree's at once
             self.runner.kv_cache.copy_slots(moves)
         return [failed[i] if i in failed else Prefilling(len(pending[i])) if i in prefilling else
-                Drafted(block, guess) for i, (block, guess) in enumerate(zip(blocks, guesses, strict=True))]
+                Drafted(block, guess, deferred=i in deferred)
+                for i, (block, guess) in enumerate(zip(blocks, guesses, strict=True))]
 
     def _grow(self, jobs: list[DraftJob], growths: list[TreeGrowth | None], trees: list[int], logits: torch.Tensor,
               rows: list[range], stopped: list[bool]) -> None:

@@ -214,7 +214,7 @@ class Generator:
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
         if length.follows_verifier and k == 0:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
-        return await self.drafter.draft(seq, k)
+        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier)
 
     def _record_round(self, stats: GenerationStats, length: RoundLength, seq: DraftSequence, block: DraftBlock,
                       verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float) -> None:

@@ -26,11 +26,10 @@ from draft_service.batcher import (
     WARM_CHUNK_TOKENS,
     WARM_MIN_DRAFTING,
     WARM_MIN_TOKENS,
-    WARM_MIN_TOKENS_PLAIN,
     DraftBatcher,
 )
 from draft_service.config import DraftConfig
-from draft_service.draft_model import DraftJob, DraftModel, Prefilling
+from draft_service.draft_model import CATCH_UP_BUDGET_TOKENS, CATCH_UP_FREE_TOKENS, DraftJob, DraftModel, Prefilling
 from draft_service.drafters import NgramDrafter
 from draft_service.due_rounds import DueRounds
 from draft_service.generation import Generator
@@ -469,11 +468,43 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
     asyncio.run(run())
 
 
+def test_a_drafting_batch_defers_the_long_catch_ups_of_rounds_the_verifier_chose():
+    """Rounds whose length the verifier chose (may_defer) draft nothing rather than feed more than the batch's
+    CATCH_UP_BUDGET_TOKENS of catch-up: the shortest catch-ups go first, a catch-up of at most CATCH_UP_FREE_TOKENS
+    never counts, other jobs' long catch-ups count first; a deferred sequence is fed nothing and holds no block,
+    and the others draft exactly what they would have."""
+    assert CATCH_UP_FREE_TOKENS < 19 and 19 + 29 <= CATCH_UP_BUDGET_TOKENS < 19 + 29 + 39
+    lens = (3, 50, 20, 40, 30)  # catch-ups 2 (free), 49, 19, 39, 29
+
+    def run(may_defer: bool, fixed: int | None = None):
+        draft, _ = _draft_model(None)
+        seqs = _batch(lens)
+        jobs = [DraftJob(s, 3, may_defer=may_defer) for s in seqs]
+        if fixed is not None:
+            jobs.append(DraftJob(_batch((fixed,))[0], 3))  # a fixed-k round: never deferred, its catch-up counts
+        out = _draft_all(draft, jobs)
+        return draft, seqs, out
+
+    reference = [d.block for d in run(False)[2]]
+    draft, seqs, out = run(True)
+    assert [d.deferred for d in out] == [False, True, False, True, False]
+    for seq, d, ref in zip(seqs, out, reference, strict=True):
+        if d.deferred:
+            assert d.block.num_draft_tokens == 0 and seq.num_cached == 0 and not draft.blocks.has(seq)
+        else:
+            assert d.block == ref
+    assert not any(d.deferred for d in run(False)[2])
+    # a fixed round's catch-up of 59 leaves room for no other long one
+    _, _, out = run(True, fixed=60)
+    assert [d.deferred for d in out] == [False, True, True, True, True, False]
+
+
 def test_warming_stops_while_the_rounds_hardly_draft():
     """Under plain decoding (the verifier chose k = 0 for nearly every round, drafting only to probe a few) warming
-    mostly slows the verifier on a shared host: below WARM_MIN_DRAFTING of the recent rounds drafting a sequence
-    is warmed only once WARM_MIN_TOKENS_PLAIN wait (a drafting round's catch-up stays bounded), above it as before; the average spans DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more
-    run; with no generation running it starts over."""
+    mostly slows the verifier on a shared host: below WARM_MIN_DRAFTING of the recent rounds drafting no sequence
+    is warmed but those whose drafting was deferred for their catch-up (at once, until caught up or drafted),
+    above it as before; the average spans DRAFTING_WINDOW_ROUNDS rounds, or 4 a sequence where more run; with no
+    generation running it starts over."""
     draft, _ = _draft_model(None)
 
     def plain_rounds_until_off(batcher, running):
@@ -491,13 +522,30 @@ def test_warming_stops_while_the_rounds_hardly_draft():
             window = DRAFTING_WINDOW_ROUNDS
             assert plain_rounds_until_off(batcher, 4) == math.ceil(math.log(0.1) / math.log(1 - 1 / window))
             assert plain_rounds_until_off(batcher, 64) == math.ceil(math.log(0.1) / math.log(1 - 1 / 256))
-            seq = _batch((WARM_MIN_TOKENS_PLAIN,))[0]  # fewer than WARM_MIN_TOKENS_PLAIN to feed
+            seq = _batch((WARM_MIN_TOKENS + 1,))[0]
             batcher.warm(seq)
-            assert not batcher._warm  # plain decoding: not warmed yet
-            far = _batch((WARM_MIN_TOKENS_PLAIN + 1,))[0]
+            assert not batcher._warm  # plain decoding: not warmed
+            far = _batch((100,))[0]
             batcher.warm(far)
-            assert far in batcher._warm  # but a catch-up stays bounded
+            assert not batcher._warm  # however far behind
+            # its drafting deferred for its catch-up: warmed now, until caught up
+            assert (await batcher.draft(DraftJob(far, 2, may_defer=True))).deferred
+            batcher.warm(far)
+            assert far in batcher._warm
+            for _ in range(400):
+                if far.num_cached == far.num_context - 1:
+                    break
+                await asyncio.sleep(0.01)
             await batcher.settle(far)
+            assert far.num_cached == far.num_context - 1 and far not in batcher._deferred
+            # deferred, then drafted before its warming caught it up: no longer warmed under plain decoding
+            again = _batch((100,))[0]
+            assert (await batcher.draft(DraftJob(again, 2, may_defer=True))).deferred
+            assert not (await batcher.draft(DraftJob(again, 2))).deferred
+            again.extend((5, 9))  # its verdict
+            again.roll_back()
+            batcher.warm(again)
+            assert not batcher._warm
             for every, warms in ((20, False), (5, True), (20, False)):  # probes: 1 round in 20 drafts; then 1 in 5
                 for i in range(400):
                     batcher.note_round(i % every == 0, 4)
