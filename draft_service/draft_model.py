@@ -70,16 +70,18 @@ class Prefilling:
     num_left: int  # tokens still to feed, the first drafting step's included
 
 
-def _deferred(jobs: list[DraftJob], pending: list[list[int]], num_steps: list[int]) -> set[int]:
+def _deferred(jobs: list[DraftJob], pending: list[list[int]], num_steps: list[int], fits: Callable[[int], bool]
+              ) -> set[int]:
     """The deferrable jobs whose catch-up does not fit this batch's (see CATCH_UP_BUDGET_TOKENS). A job's catch-up
     is what it feeds before its first drafting step (all but the last of `pending`); the others' long catch-ups
-    count first."""
+    count first. A job whose context the pool can never hold (`fits`) is not deferred: its round fails."""
     catch_up = [len(p) - 1 if n and len(p) - 1 > CATCH_UP_FREE_TOKENS else 0
                 for p, n in zip(pending, num_steps, strict=True)]
     left = CATCH_UP_BUDGET_TOKENS - sum(c for job, c in zip(jobs, catch_up, strict=True) if not job.may_defer)
     deferred = set()
-    for i in sorted((i for i, job in enumerate(jobs) if job.may_defer and catch_up[i]), key=catch_up.__getitem__):
-        if catch_up[i] <= left:
+    candidates = [i for i, job in enumerate(jobs) if job.may_defer and catch_up[i] and fits(job.seq.num_context)]
+    for taken, i in enumerate(sorted(candidates, key=catch_up.__getitem__)):
+        if taken < CATCH_UP_MIN_JOBS or catch_up[i] <= left:
             left -= catch_up[i]
         else:
             deferred.add(i)
@@ -99,14 +101,17 @@ def _never_fits(num_tokens: int, capacity: int) -> ServiceError:
 KV_SHORT_LOG_INTERVAL_S = 10.0
 # A sequence the verifier asked to draft after rounds of plain decoding first feeds the draft every token it has
 # not seen (the draft warms sequences only while its rounds draft, draft_service.batcher): a drafting batch takes
-# the catch-ups of more than CATCH_UP_FREE_TOKENS tokens of its deferrable jobs, shortest first, while they sum to
-# at most CATCH_UP_BUDGET_TOKENS; the others draft nothing this round and are warmed meanwhile. Without a bound a
+# the catch-ups of more than CATCH_UP_FREE_TOKENS tokens of its deferrable jobs, shortest first, the first
+# CATCH_UP_MIN_JOBS whatever their length (the verifier's probes of a few sequences: deferred, a probe would learn
+# nothing) and the others while all sum to at most CATCH_UP_BUDGET_TOKENS; the rest draft nothing this round and
+# are warmed meanwhile. Without a bound a
 # choice to draft for all 64 sequences at 64 streams (default pair, 2 cores) made the verifier wait 9.8 s while
 # the draft fed each one's 30 or so tokens; warming every sequence instead, in case it drafts, cost the draft 35
 # CPU seconds in a 73 s level in which the verifier chose drafts for 1 % of its rounds, on the cores the verifier
 # shares.
 CATCH_UP_FREE_TOKENS = 8
 CATCH_UP_BUDGET_TOKENS = 64
+CATCH_UP_MIN_JOBS = 4
 
 
 class DraftModel:
@@ -159,7 +164,8 @@ class DraftModel:
         spans = [n - 1 if job.tree is None else lead[i] + job.tree.max_fed
                  for i, (job, n) in enumerate(zip(jobs, num_steps, strict=True))]
         pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
-        deferred = _deferred(jobs, pending, num_steps)
+        deferred = _deferred(jobs, pending, num_steps,
+                             lambda n: self.blocks.blocks_for(n) <= self.blocks.num_blocks)
         for i in deferred:
             num_steps[i] = 0  # nothing reserved, fed or drafted
         failed, short = self._reserve(jobs, num_steps, spans)

@@ -29,7 +29,14 @@ from draft_service.batcher import (
     DraftBatcher,
 )
 from draft_service.config import DraftConfig
-from draft_service.draft_model import CATCH_UP_BUDGET_TOKENS, CATCH_UP_FREE_TOKENS, DraftJob, DraftModel, Prefilling
+from draft_service.draft_model import (
+    CATCH_UP_BUDGET_TOKENS,
+    CATCH_UP_FREE_TOKENS,
+    CATCH_UP_MIN_JOBS,
+    DraftJob,
+    DraftModel,
+    Prefilling,
+)
 from draft_service.drafters import NgramDrafter
 from draft_service.due_rounds import DueRounds
 from draft_service.generation import Generator
@@ -470,33 +477,39 @@ def test_the_batcher_warms_while_idle_and_settle_waits_for_the_forward():
 
 def test_a_drafting_batch_defers_the_long_catch_ups_of_rounds_the_verifier_chose():
     """Rounds whose length the verifier chose (may_defer) draft nothing rather than feed more than the batch's
-    CATCH_UP_BUDGET_TOKENS of catch-up: the shortest catch-ups go first, a catch-up of at most CATCH_UP_FREE_TOKENS
-    never counts, other jobs' long catch-ups count first; a deferred sequence is fed nothing and holds no block,
-    and the others draft exactly what they would have."""
-    assert CATCH_UP_FREE_TOKENS < 19 and 19 + 29 <= CATCH_UP_BUDGET_TOKENS < 19 + 29 + 39
-    lens = (3, 50, 20, 40, 30)  # catch-ups 2 (free), 49, 19, 39, 29
+    CATCH_UP_BUDGET_TOKENS of catch-up: the shortest catch-ups go first, the first CATCH_UP_MIN_JOBS of them
+    whatever their length (a probe), a catch-up of at most CATCH_UP_FREE_TOKENS never counts, other jobs' long
+    catch-ups count first; a deferred sequence is fed nothing and holds no block, and the others draft exactly
+    what they would have; a sequence the pool can never hold fails rather than being deferred."""
+    assert (CATCH_UP_FREE_TOKENS, CATCH_UP_BUDGET_TOKENS, CATCH_UP_MIN_JOBS) == (8, 64, 4)
 
-    def run(may_defer: bool, fixed: int | None = None):
+    def run(lens, may_defer: bool, fixed: int | None = None):
         draft, _ = _draft_model(None)
         seqs = _batch(lens)
         jobs = [DraftJob(s, 3, may_defer=may_defer) for s in seqs]
         if fixed is not None:
             jobs.append(DraftJob(_batch((fixed,))[0], 3))  # a fixed-k round: never deferred, its catch-up counts
-        out = _draft_all(draft, jobs)
-        return draft, seqs, out
+        return draft, seqs, _draft_all(draft, jobs)
 
-    reference = [d.block for d in run(False)[2]]
-    draft, seqs, out = run(True)
-    assert [d.deferred for d in out] == [False, True, False, True, False]
+    # catch-ups 8 (free), 49, 19, 39, 29, 59, 14: the 4 shortest long ones whatever the budget, no other
+    lens = (9, 50, 20, 40, 30, 60, 15)
+    reference = [d.block for d in run(lens, False)[2]]
+    draft, seqs, out = run(lens, True)
+    assert [d.deferred for d in out] == [False, True, False, False, False, True, False]
     for seq, d, ref in zip(seqs, out, reference, strict=True):
         if d.deferred:
             assert d.block.num_draft_tokens == 0 and seq.num_cached == 0 and not draft.blocks.has(seq)
         else:
             assert d.block == ref
-    assert not any(d.deferred for d in run(False)[2])
-    # a fixed round's catch-up of 59 leaves room for no other long one
-    _, _, out = run(True, fixed=60)
-    assert [d.deferred for d in out] == [False, True, True, True, True, False]
+    assert not any(d.deferred for d in run(lens, False)[2])
+    # catch-ups 11, 12, 13, 14, 14, 39: a fifth while the budget lasts (50 + 14 = 64)
+    lens = (12, 13, 14, 15, 15, 40)
+    assert [d.deferred for d in run(lens, True)[2]] == [False] * 5 + [True]
+    # a fixed round's catch-up of 59 counts first: no room for the fifth
+    assert [d.deferred for d in run(lens, True, fixed=60)[2]] == [False] * 4 + [True, True, False]
+    # a context the pool (256 blocks of 4) can never hold fails its round
+    out = run((12, 13, 14, 15, 1100), True)[2]
+    assert [d.deferred for d in out[:4]] == [False] * 4 and isinstance(out[4], ServiceError)
 
 
 def test_warming_stops_while_the_rounds_hardly_draft():
@@ -528,8 +541,15 @@ def test_warming_stops_while_the_rounds_hardly_draft():
             far = _batch((100,))[0]
             batcher.warm(far)
             assert not batcher._warm  # however far behind
-            # its drafting deferred for its catch-up: warmed now, until caught up
-            assert (await batcher.draft(DraftJob(far, 2, may_defer=True))).deferred
+            # its drafting deferred for its catch-up (4 shorter ones took the batch's): warmed now, until caught up
+            async def deferred(seq) -> bool:
+                shorter = _batch((20,) * CATCH_UP_MIN_JOBS)
+                drafted = await asyncio.gather(*(batcher.draft(DraftJob(s, 2, may_defer=True))
+                                                 for s in [*shorter, seq]))
+                await batcher.release(*shorter)
+                return drafted[-1].deferred
+
+            assert await deferred(far)
             batcher.warm(far)
             assert far in batcher._warm
             for _ in range(400):
@@ -540,7 +560,7 @@ def test_warming_stops_while_the_rounds_hardly_draft():
             assert far.num_cached == far.num_context - 1 and far not in batcher._deferred
             # deferred, then drafted before its warming caught it up: no longer warmed under plain decoding
             again = _batch((100,))[0]
-            assert (await batcher.draft(DraftJob(again, 2, may_defer=True))).deferred
+            assert await deferred(again)
             assert not (await batcher.draft(DraftJob(again, 2))).deferred
             again.extend((5, 9))  # its verdict
             again.roll_back()
