@@ -151,10 +151,15 @@ class Generator:
                 branches = await self.pipeline.draft_branches(seq, block, k, width, flight)
                 # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
                 # while the model has nothing to draft, sooner while recent rounds draft (never for k = 0
-                # requests: they never draft, and are not counted)
-                warming = not block.num_draft_tokens and not branches and length.k > 0
+                # requests: they never draft, and are not counted); not while the verifier chose 0 for it, which
+                # it mostly chooses again (at 64 streams, default pair, 2 cores, warming the prompts of a burst
+                # on the drafting share alone cost the draft 16 CPU seconds of a 73 s level that drafted in 1 %
+                # of its rounds): a probe, or a later choice to draft, catches it up (draft_model's bound)
+                drafted = bool(block.num_draft_tokens or branches)
+                chose_plain = length.follows_verifier and length.choice == 0
+                warming = not drafted and length.k > 0 and not chose_plain
                 if length.k > 0:
-                    self.drafter.note_round(not warming, self._running)
+                    self.drafter.note_round(drafted, self._running)
                 if warming:
                     self.drafter.warm(seq)
                 t_sent = time.perf_counter()

@@ -5,6 +5,7 @@ draft model in chunks of --max-num-batched-tokens without changing any sequence'
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import threading
@@ -42,7 +43,7 @@ from draft_service.due_rounds import DueRounds
 from draft_service.generation import Generator
 from draft_service.sequence import DraftSequence
 from draft_service.servicer import DraftServicer
-from draft_service.types import GenerationRequest, VerdictEvent, VerifierIdentity
+from draft_service.types import DraftBlock, GenerationRequest, VerdictEvent, VerifierIdentity
 
 from stacks import start_stack
 from tiny_models import build_model, greedy_continuation, make_text_pair, model_config
@@ -715,3 +716,47 @@ def test_a_generation_s_rounds_leave_the_due_set_and_an_ended_one_is_forgotten(h
         assert link.due_at_verdict == [1, 1, 1, 1, 0] and link.due_at_proposal == [0] * 5
     else:
         assert link.due_at_verdict == [1, 1, 1]
+
+
+class ChoosingVerifier(RoundsVerifier):
+    """RoundsVerifier whose verdicts carry the verifier's choice of the next block's length, from a script."""
+
+    def __init__(self, choices: list[int]) -> None:
+        super().__init__(len(choices))
+        self.choices = choices
+        self.on_verdict = lambda *_: None
+        self.due = DueRounds()
+
+    async def next_event(self, seq_id):
+        verdict = await super().next_event(seq_id)
+        return dataclasses.replace(verdict, next_draft_tokens=self.choices[self._round - 1])
+
+
+class UndraftingDrafter(NgramDrafter):
+    """Drafts nothing (as a deferred round does); records each round's note and the rounds it was asked to warm."""
+
+    def __init__(self) -> None:
+        self.rounds: list[bool] = []
+        self.warmed: list[int] = []
+
+    async def draft(self, seq, k, *, may_defer=False):
+        return DraftBlock((), None)
+
+    def note_round(self, drafted: bool, running: int) -> None:
+        self.rounds.append(drafted)
+
+    def warm(self, seq) -> None:
+        self.warmed.append(len(self.rounds))
+
+
+def test_a_round_the_verifier_chose_plain_is_not_warmed():
+    """Under --speculation auto a round that drafts nothing is warmed for the next only while the verifier's latest
+    choice for the sequence is not 0 (none yet, or a round that drafted nothing for another reason): it mostly
+    chooses 0 again. Every such round counts as one that did not draft."""
+    link = ChoosingVerifier([4, 0, 0, 3, 0])  # the choice each verdict carries, for the round after it
+    drafter = UndraftingDrafter()
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+    asyncio.run(asyncio.wait_for(_run(gen, prompt_token_ids=(1, 2, 3)), 10))
+    gen.prompts.close()
+    assert drafter.rounds == [False] * 5
+    assert drafter.warmed == [1, 2, 5]  # rounds 3 and 4 followed a choice of 0
