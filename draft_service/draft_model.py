@@ -135,6 +135,10 @@ class DraftModel:
             self.blocks.free(seq)
             seq.cached_token_ids.clear()
 
+    def _pool_holds(self, num_tokens: int) -> bool:
+        """Whether the whole pool can hold a sequence of num_tokens tokens at all."""
+        return self.blocks.blocks_for(num_tokens) <= self.blocks.num_blocks
+
     def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         """`seq` continues as `branch` (the pipelined guess that held): its cache blocks and cached tokens."""
         self.blocks.free(seq)
@@ -164,8 +168,7 @@ class DraftModel:
         spans = [n - 1 if job.tree is None else lead[i] + job.tree.max_fed
                  for i, (job, n) in enumerate(zip(jobs, num_steps, strict=True))]
         pending: list[list[int]] = [job.seq.context_ids[job.seq.num_cached:] for job in jobs]
-        deferred = _deferred(jobs, pending, num_steps,
-                             lambda n: self.blocks.blocks_for(n) <= self.blocks.num_blocks)
+        deferred = _deferred(jobs, pending, num_steps, self._pool_holds)
         for i in deferred:
             num_steps[i] = 0  # nothing reserved, fed or drafted
         failed, short = self._reserve(jobs, num_steps, spans)
@@ -331,7 +334,7 @@ class DraftModel:
             seq = jobs[i].seq
             if num_steps[i] == 0:
                 continue
-            if self.blocks.blocks_for(seq.num_context) > self.blocks.num_blocks:
+            if not self._pool_holds(seq.num_context):
                 failed[i] = _never_fits(seq.num_context, self.blocks.capacity_tokens)
                 continue
             copies = self.blocks.reserve(seq, seq.num_cached, seq.num_context + spans[i])

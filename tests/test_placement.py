@@ -73,13 +73,21 @@ def test_placement_takes_the_least_loaded_verifier_unless_another_caches_the_pre
     assert choose([e, f], [], 10)[0] is f
 
 
-def test_sequences_placed_between_two_reports_spread():
-    a, b = _state("a"), _state("b")
+def _place(a: VerifierState, b: VerifierState, n: int, *, stale_reports: bool = False) -> list[str]:
+    """Where n sequences placed one after another go; with stale_reports, each verifier chosen then reports a load
+    it measured before it read the open."""
     picks = []
-    for seq_id in range(6):
+    for seq_id in range(n):
         state, _reason = choose([a, b], [], 10)
         state.placed(seq_id, [])
         picks.append(state.address)
+        if stale_reports:
+            state.reported(VerifierLoad(0, 0, 0.0, 100), draining=False)
+    return picks
+
+
+def test_sequences_placed_between_two_reports_spread():
+    picks = _place(_state("a"), _state("b"), 6)
     assert picks.count("a") == picks.count("b") == 3
 
 
@@ -88,12 +96,7 @@ def test_a_report_sent_before_the_opens_arrived_does_not_forget_them():
     burst of opens piles onto the verifier that reported last (the compose check once saw all 4 of its streams on
     one of two verifiers). A sequence counts on top of the reports until its verifier answers about it."""
     a, b = _state("a"), _state("b")
-    picks = []
-    for seq_id in range(6):
-        state, _reason = choose([a, b], [], 10)
-        state.placed(seq_id, [])
-        picks.append(state.address)
-        state.reported(VerifierLoad(0, 0, 0.0, 100), draining=False)  # sent before it read the open
+    picks = _place(a, b, 6, stale_reports=True)
     assert picks.count("a") == picks.count("b") == 3
     assert a.busy == b.busy == 3
     # answered: the reports count them from now on
