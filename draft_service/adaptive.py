@@ -31,10 +31,11 @@ class AdaptiveDraftLength:
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
-    def observe(self, num_drafted: int, num_accepted: int, draft_s: float, wait_s: float) -> None:
+    def observe(self, num_drafted: int, num_accepted: int, draft_s: float | None, wait_s: float) -> None:
+        """draft_s: None where the round's drafting time was not a usual round's (its batch fed a catch-up)."""
         self.accepted = self.decay * self.accepted + num_accepted
         self.rejected = self.decay * self.rejected + (1.0 if num_accepted < num_drafted else 0.0)
-        if num_drafted:
+        if num_drafted and draft_s is not None:
             per_token = draft_s / num_drafted
             self.t_draft = per_token if self.t_draft is None else 0.7 * self.t_draft + 0.3 * per_token
         self.t_verify = wait_s if self.t_verify is None else 0.7 * self.t_verify + 0.3 * wait_s
@@ -118,7 +119,7 @@ class RoundLength:
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
         return k_round, (ask if self.follows_verifier else None)
 
-    def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float,
+    def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float | None,
                 wait_s: float) -> None:
         if self.follows_verifier:
             self.choice = next_draft_tokens

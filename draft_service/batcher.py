@@ -210,7 +210,10 @@ class DraftBatcher:
             t0 = time.perf_counter()
             try:
                 results = await loop.run_in_executor(self._executor, self.model.draft, [j for j, _ in jobs])
-                self._last_batch_s = time.perf_counter() - t0
+                batch_s = time.perf_counter() - t0
+                # a batch that fed a catch-up says little of the next one's time (coalesce, _await_due)
+                if not any(isinstance(r, Drafted) and r.block.catch_up_tokens for r in results):
+                    self._last_batch_s = batch_s
             except Exception as err:  # noqa: BLE001 - every waiting request learns of it
                 for _, f in jobs:
                     if not f.done():
@@ -232,7 +235,7 @@ class DraftBatcher:
                     else:  # caught up
                         self._deferred.discard(job[0].seq)
                     f.set_result(dataclasses.replace(
-                        result, block=dataclasses.replace(result.block, draft_seconds=self._last_batch_s)))
+                        result, block=dataclasses.replace(result.block, draft_seconds=batch_s)))
             self._batch_done()
             if carried:
                 self._pending = carried + self._pending

@@ -230,10 +230,12 @@ class Generator:
         self.drafter.observe(seq, block, verdict.token_ids)
         if stats.num_rounds == 1:
             stats.time_to_first_token_s = time.perf_counter() - t0
-        # a tree counts by its positions (its depth), as the length it was drafted for
-        length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, draft_s, wait_s)
+        # a tree counts by its positions (its depth), as the length it was drafted for; a round whose batch fed a
+        # catch-up first says nothing of drafting's usual time
+        own_draft_s = None if block.catch_up_tokens else draft_s
+        length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, own_draft_s, wait_s)
         if length.own and block.num_draft_tokens:  # a round that drafted nothing says nothing of drafting
-            self._pooled_own.observe(block.num_positions, verdict.num_accepted, draft_s, wait_s)
+            self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
         if length.choice is not None:
             self._recent_choice = length.choice
 

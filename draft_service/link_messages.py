@@ -30,6 +30,8 @@ def proposal_message(seq_id: int, start_position: int, block: DraftBlock, *, sen
     msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
     if block.draft_seconds is not None:
         msg.draft_seconds = block.draft_seconds
+    if block.catch_up_tokens:
+        msg.catch_up_tokens = block.catch_up_tokens
     if max_draft_tokens is not None:
         msg.max_draft_tokens = max_draft_tokens
     if send_draft_probs and block.draft_probs is not None:

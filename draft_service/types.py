@@ -27,6 +27,9 @@ class DraftBlock:
     # given their parents (what draft_service.tree_calibration learns from); not sent
     node_ranks: tuple[int, ...] | None = field(default=None, compare=False)
     node_probs: tuple[float, ...] | None = field(default=None, compare=False)
+    # context the batch that drafted it fed first, beyond a usual round's (Proposal.catch_up_tokens; 0: a usual
+    # round): its draft_seconds include feeding it
+    catch_up_tokens: int = field(default=0, compare=False)
 
     @property
     def num_draft_tokens(self) -> int:

@@ -513,6 +513,22 @@ def test_a_drafting_batch_defers_the_long_catch_ups_of_rounds_the_verifier_chose
     assert [d.deferred for d in out[:4]] == [False] * 4 and isinstance(out[4], ServiceError)
 
 
+def test_a_batch_that_fed_a_catch_up_marks_its_blocks():
+    """A drafting batch that fed more than CATCH_UP_FREE_TOKENS of context past what usual rounds feed (one token
+    each besides its last) puts that count on every block it drafted (their draft_seconds are mostly that
+    feeding, which the verifier must not price drafting from); a batch within it, and the same sequences' next
+    round, carry 0."""
+    draft, _ = _draft_model(None)
+    assert [d.block.catch_up_tokens for d in _draft_all(draft, [DraftJob(s, 3) for s in _batch((7, 5))])] == [0, 0]
+    seqs = _batch((8, 5))  # 6 + 3 past a usual round's
+    out = _draft_all(draft, [DraftJob(s, 3) for s in seqs])
+    assert [d.block.catch_up_tokens for d in out] == [9, 9]
+    for seq, d in zip(seqs, out, strict=True):  # its first draft accepted, then a corrected token
+        seq.extend((d.block.token_ids[0], (d.block.token_ids[1] + 1) % VOCAB))
+        seq.roll_back()
+    assert [d.block.catch_up_tokens for d in _draft_all(draft, [DraftJob(s, 3) for s in seqs])] == [0, 0]
+
+
 def test_warming_stops_while_the_rounds_hardly_draft():
     """Under plain decoding (the verifier chose k = 0 for nearly every round, drafting only to probe a few) warming
     mostly slows the verifier on a shared host: below WARM_MIN_DRAFTING of the recent rounds drafting no sequence

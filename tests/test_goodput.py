@@ -355,6 +355,13 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     c.observe_step(16, 0.66, 0.9, held_s=0.3)  # a drafting step keeps its hold: it waited for its own drafts
     c.observe_drafting(0.2, 1, True, 8)
     assert c.draft_idle_s == pytest.approx(0.8 * before + 0.2 * 0.9, rel=0.01)
+    # a step after the draft fed a catch-up first (Proposal.catch_up_tokens): its wait says nothing of drafting's
+    state = (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.draft_time.coefficients(),
+             c.exposure, c._steps_since_plain)
+    c.observe_step(16, 0.66, 2.5)
+    c.observe_drafting(0.0, 0, True, 0, caught_up=True)
+    assert (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.draft_time.coefficients(),
+            c.exposure, c._steps_since_plain) == state
 
 
 def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():

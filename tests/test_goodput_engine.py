@@ -4,6 +4,7 @@ caps, and that the controller forgets every ended sequence."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -318,8 +319,8 @@ def test_the_drafting_observed_is_the_slowest_draft_batch_with_its_own_rows():
     class Control:
         max_draft_s = 5.0
 
-        def observe_drafting(self, *args) -> None:
-            seen.append(args)
+        def observe_drafting(self, *args, **kwargs) -> None:
+            seen.append(args + ((kwargs,) if kwargs else ()))
 
     verifications = [block(1, 1, 4, 0.3), block(1, 2, 2, 0.3), block(1, 3, 3, 0.1), block(2, 1, 4, 0.2),
                      block(2, 2, 0, 0.9), block(3, 1, 6, None)]
@@ -327,3 +328,8 @@ def test_the_drafting_observed_is_the_slowest_draft_batch_with_its_own_rows():
     assert seen == [(0.3, 4, True, 6)]
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[block(1, 1, 2, 9.0)]), Control())
     assert seen[-1] == (5.0, 2, True, 2)  # a claim counts at most max_draft_s
+    # a step that verified a block drafted after a catch-up says nothing of drafting's time (nor of its wait)
+    caught_up = dataclasses.replace(block(2, 1, 4, 1.5).proposal, catch_up_tokens=30)
+    verifications[3] = SimpleNamespace(proposal=caught_up)
+    VerifierEngine._observe_drafting(SimpleNamespace(verifications=verifications), Control())
+    assert seen[-1] == (0.0, 0, True, 0, {"caught_up": True})

@@ -3,6 +3,8 @@ it verifies only half of the sequences, and that the engine's cap on a step's ve
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from common.errors import ErrorCode, ServiceError
@@ -496,6 +498,42 @@ def test_a_capped_step_verifies_the_others_first_in_the_next_and_outputs_do_not_
             pending.discard(v.key)
     assert served[0] | served[1] == set(prompts)  # those left out of a step go first in the next
     assert out == oracle
+
+
+def test_a_block_drafted_after_a_catch_up_teaches_the_plan_nothing_of_the_drafts_times():
+    """Proposal.catch_up_tokens: the round's time away and its draft_seconds are mostly the draft feeding tokens
+    it had not seen, not what its rounds take: neither its turnaround nor its compute is learnt from it. The
+    field crosses the wire as the draft sends it, and is unset for a usual round."""
+    from draft_service.link_messages import proposal_message
+    from draft_service.types import DraftBlock
+    from verifier_service.servicer import VerifierServicer
+
+    planner = _planner(0.5, 0.02)
+    now = _rounds(planner, KEYS, turnaround=0.2, draft_seconds=0.1)
+    times = planner._streams[1]
+
+    def learnt():
+        return [(a.mean, a.deviation) if a else None for a in (times.turnaround, times.compute, times.plain_turnaround)]
+
+    before = learnt()
+    for key in KEYS:
+        planner.replied(_verdict(key), now + 0.5)
+    for key in KEYS:
+        planner.submitted(dataclasses.replace(_propose(key, draft_seconds=2.5), catch_up_tokens=40), now + 3.5)
+    assert learnt() == before
+    for key in KEYS:  # the next usual round counts again
+        planner.replied(_verdict(key), now + 4.0)
+    for key in KEYS:
+        planner.submitted(_propose(key, draft_seconds=0.1), now + 4.4)
+    assert learnt()[0][0] > before[0][0]
+
+    limits = Limits(vocab_size=100, max_model_len=64, max_draft_tokens=4, max_q_support=16)
+    for catch_up in (0, 40):
+        block = DraftBlock((5, 6), None, draft_seconds=0.5, catch_up_tokens=catch_up)
+        msg = proposal_message(7, 10, block, send_draft_probs=False, assumed_token_ids=(), max_draft_tokens=4)
+        assert msg.propose.HasField("catch_up_tokens") == bool(catch_up)
+        cmd = VerifierServicer._proposal(msg.propose, 1, None, limits)
+        assert isinstance(cmd, ProposeCmd) and cmd.catch_up_tokens == catch_up and cmd.draft_seconds == 0.5
 
 
 def test_draft_seconds_must_be_a_finite_time():

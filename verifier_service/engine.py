@@ -299,7 +299,13 @@ class VerifierEngine:
         """Proposal.draft_seconds of the blocks verified: per draft batch (the blocks of one stream that carry the
         same time: one batch drafted them) its time, its longest block and its drafted tokens; one phase waits for
         the slowest. A claim past max_draft_s counts as that much. `prefill`: the step computed prompt chunks too
-        (its wait and its time say nothing of a verification's)."""
+        (its wait and its time say nothing of a verification's). A step that verified a block whose batch fed the
+        draft a catch-up first (Proposal.catch_up_tokens) says nothing of drafting's time or of the wait for it."""
+        verified = scheduled.verifications
+        drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
+        if any(item.proposal.catch_up_tokens for item in verified):
+            control.observe_drafting(0.0, 0, drafted, 0, caught_up=True)
+            return
         by_batch: dict[tuple[int, float], tuple[float, int, int]] = {}
         for item in scheduled.verifications:
             p = item.proposal
@@ -310,8 +316,6 @@ class VerifierEngine:
             by_batch[batch] = (min(p.draft_seconds, control.max_draft_s), max(k, p.num_positions),
                                m + p.num_draft_tokens)
         # the wait before the step is a plain round's when the step verified blocks and none drafted anything
-        verified = scheduled.verifications
-        drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
         if by_batch:
             seconds, longest, tokens = max(by_batch.values())  # the slowest batch
             control.observe_drafting(seconds, longest, drafted, tokens)

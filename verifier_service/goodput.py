@@ -311,7 +311,7 @@ class DraftLengthController:
             self.idle_s = ema(self.idle_s, idle, self.idle_decay)
 
     def observe_drafting(self, seconds: float, longest_block: int, drafted: bool | None = None,
-                         drafted_tokens: int | None = None) -> None:
+                         drafted_tokens: int | None = None, *, caught_up: bool = False) -> None:
         """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch, at most
         max_draft_s), its longest model-drafted block was `longest_block` tokens and it drafted `drafted_tokens`
         in all (None: `longest_block`; 0 and 0: nothing drafted, and the seconds are 0 too). Call it after
@@ -320,12 +320,12 @@ class DraftLengthController:
         verified none, or it computed prompt chunks too); the wait before it goes to the plain or the drafting
         rounds' average (idle_split), unless it was a quiet spell (past max_idle_s, and for a drafting round past
         that plus twice `seconds`: the verifier was idle, not waiting), and its time against the step-time
-        model's prediction to that kind's ratio (see `calibrate`)."""
+        model's prediction to that kind's ratio (see `calibrate`). `caught_up`: the draft fed a catch-up before
+        drafting some of the blocks (Proposal.catch_up_tokens): only the step's own time is learnt from, not the
+        drafting's nor the wait for it."""
         d = self.draft_decay
         seconds = min(seconds, self.max_draft_s)
         drafted_tokens = longest_block if drafted_tokens is None else drafted_tokens
-        self.mean_longest_k = ema(self.mean_longest_k, longest_block, d)
-        self.mean_drafted_m = ema(self.mean_drafted_m, drafted_tokens, d)
         predicted, self._step_predicted = self._step_predicted, None
         if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
             ratio = min(2.0, max(0.5, predicted[1] / predicted[0]))
@@ -338,6 +338,10 @@ class DraftLengthController:
                 self.plain_step_ratio = ema(self.plain_step_ratio, ratio, a)
                 self.draft_step_ratio = 1.0 + RATIO_DRIFT * (self.draft_step_ratio - 1.0)
         idle, self._step_idle_s = self._step_idle_s, None
+        if caught_up:
+            return
+        self.mean_longest_k = ema(self.mean_longest_k, longest_block, d)
+        self.mean_drafted_m = ema(self.mean_drafted_m, drafted_tokens, d)
         if idle is not None and drafted is False:  # a plain step's own wait: without the hold for drafting others
             idle = max(0.0, idle - self._step_held_s)
         quiet = self.max_idle_s + (2 * seconds if drafted else 0.0)

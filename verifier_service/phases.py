@@ -187,7 +187,9 @@ class PhasePlanner:
             sent = self._awaited.pop(key, None)
             expired = key in self._expired
             self._expired.discard(key)
-            if sent is not None:
+            # a block drafted after a catch-up (Proposal.catch_up_tokens) came late for that: not a usual round
+            usual = not command.catch_up_tokens
+            if sent is not None and usual:
                 plain = self._asked_plain(key)
                 due = times.due(sent, self.min_slack_s, plain=plain)
                 if not expired:  # one counted when it expired is not counted again
@@ -197,7 +199,7 @@ class PhasePlanner:
                 else:
                     times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
             self._block_tokens[key] = command.num_draft_tokens + 1
-            if command.draft_seconds is not None and command.num_draft_tokens:
+            if command.draft_seconds is not None and command.num_draft_tokens and usual:
                 times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
             self._forget(command.key)

@@ -43,6 +43,9 @@ class ProposeCmd:
     draft_seconds: float | None = None  # the draft's compute for the batch that drafted it (phases.py); None: unknown
     # a token tree: each draft token's parent among them (-1: the last verified token); None: a chain
     draft_parents: tuple[int, ...] | None = None
+    # context the draft's batch fed before drafting it, past a usual round's (Proposal.catch_up_tokens): its
+    # draft_seconds, and the wait for it, are mostly that; 0: a usual round
+    catch_up_tokens: int = 0
 
     @property
     def num_draft_tokens(self) -> int:

@@ -100,7 +100,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds", "draft_parents")
+    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds", "draft_parents", "catch_up_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,7 @@ class Proposal(_message.Message):
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -117,7 +118,8 @@ class Proposal(_message.Message):
     max_draft_tokens: int
     draft_seconds: float
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    catch_up_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ..., catch_up_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSequence(_message.Message):
     __slots__ = ("seq_id",)
