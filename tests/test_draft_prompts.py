@@ -765,6 +765,65 @@ class UndraftingDrafter(NgramDrafter):
         self.warmed.append(len(self.rounds))
 
 
+class CatchingUpDrafter(UndraftingDrafter):
+    """Drafts k tokens a round; its rounds in `slow` take `slow_s` and say their batch fed a catch-up first."""
+
+    def __init__(self, slow: set[int], slow_s: float) -> None:
+        super().__init__()
+        self.slow, self.slow_s, self.num_rounds = slow, slow_s, 0
+
+    async def draft(self, seq, k, *, may_defer=False):
+        self.num_rounds += 1
+        caught_up = self.num_rounds in self.slow
+        if caught_up:
+            await asyncio.sleep(self.slow_s)
+        return DraftBlock(tuple(range(5, 5 + k)), None, catch_up_tokens=20 if caught_up else 0)
+
+
+def test_the_own_cost_rule_learns_the_draft_time_from_usual_rounds_only():
+    """A round whose batch fed a catch-up first (DraftBlock.catch_up_tokens) took that long for the catch-up, not
+    for its drafts: the own-cost rule's draft time, and the process's pooled one, leave it out."""
+    drafter = CatchingUpDrafter({1, 3}, 0.3)
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, ChoosingVerifier([4] * 5),
+                    drafter)
+    gen.weighs_own_cost = True
+    asyncio.run(asyncio.wait_for(_run(gen, prompt_token_ids=(1, 2, 3)), 10))
+    gen.prompts.close()
+    assert drafter.num_rounds == 5
+    assert gen._pooled_own.t_draft is not None and gen._pooled_own.t_draft < 0.01  # 0.3 s / 4 tokens if counted
+
+
+class DeferralRecordingDrafter(UndraftingDrafter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.may_defer: list[bool] = []
+
+    async def draft(self, seq, k, *, may_defer=False):
+        self.may_defer.append(may_defer)
+        return DraftBlock((), None)
+
+
+@pytest.mark.parametrize("speculation, sampling, deferrable", [
+    ("auto", SamplingParams(temperature=0.0), True),
+    ("fixed", SamplingParams(temperature=0.0), False),
+    ("adaptive", SamplingParams(temperature=0.0), False),
+    # a seeded request under rejection sampling keeps the fixed k: its rounds must not move with the load
+    ("auto", SamplingParams(temperature=0.8, seed=5), False),
+])
+def test_only_rounds_whose_length_the_verifier_chose_may_be_deferred(speculation, sampling, deferrable):
+    drafter = DeferralRecordingDrafter()
+    gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation), BlockingTokenizer(), VOCAB,
+                    ChoosingVerifier([4] * 3), drafter)
+    req = GenerationRequest(sampling=sampling, prompt_text=None, prompt_token_ids=(1, 2, 3))
+
+    async def run():
+        return [event async for event in gen.generate(req)]
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    gen.prompts.close()
+    assert drafter.may_defer == [deferrable] * 3
+
+
 def test_a_round_the_verifier_chose_plain_is_not_warmed():
     """Under --speculation auto a round that drafts nothing is warmed for the next only while the verifier's latest
     choice for the sequence is not 0 (none yet, or a round that drafted nothing for another reason): it mostly
