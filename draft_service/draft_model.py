@@ -114,10 +114,11 @@ CATCH_UP_BUDGET_TOKENS = 64
 CATCH_UP_MIN_JOBS = 4
 # A batch that fed more than CATCH_UP_FREE_TOKENS of catch-up in all (past the one token a usual round may feed
 # besides its last) says so on its blocks (DraftBlock.catch_up_tokens): its time is mostly that feeding, and the
-# verifier prices drafting from the usual rounds' times (measured at 4 streams, default pair, 2 cores: the first
-# drafting round after the prompts, 4 sequences' 11 tokens each, kept the verifier 1.1 s against about 0.3 s for
-# a usual round, and priced so, drafting looked dear and the verifier chose plain rounds thereafter, drafting 0.2
-# tokens a verification where fixed k = 4 was 1.16x plain decoding)
+# verifier prices drafting from the usual rounds' times (measured at 4 streams, default pair, 2 cores, commit
+# cf8e9db: the first drafting round after the prompts, 4 sequences' 11 tokens each, kept the verifier 1.2 s
+# against 0.75 to 0.9 s for the drafting rounds after it; priced so, drafting looked dear and the verifier chose
+# plain rounds for the next 20 steps, where fixed k = 4 was 1.30x plain decoding in the same run). Deferred and
+# pool-short jobs' empty blocks carry it too: the step that verifies them waited for that batch as well.
 
 
 class DraftModel:

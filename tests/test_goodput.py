@@ -358,7 +358,7 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     # a step after the draft fed a catch-up first (Proposal.catch_up_tokens): its wait says nothing of drafting's
     state = (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.draft_time.coefficients(),
              c.exposure, c._steps_since_plain)
-    c.observe_step(16, 0.66, 2.5)
+    c.observe_step(16, 0.66, 0.6)  # a wait that counts (not a quiet spell) but for the catch-up
     c.observe_drafting(0.0, 0, True, 0, caught_up=True)
     assert (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.draft_time.coefficients(),
             c.exposure, c._steps_since_plain) == state

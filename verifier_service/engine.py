@@ -299,16 +299,18 @@ class VerifierEngine:
         """Proposal.draft_seconds of the blocks verified: per draft batch (the blocks of one stream that carry the
         same time: one batch drafted them) its time, its longest block and its drafted tokens; one phase waits for
         the slowest. A claim past max_draft_s counts as that much. `prefill`: the step computed prompt chunks too
-        (its wait and its time say nothing of a verification's). A step that verified a block whose batch fed the
-        draft a catch-up first (Proposal.catch_up_tokens) says nothing of drafting's time or of the wait for it."""
+        (its wait and its time say nothing of a verification's). A batch that fed the draft a catch-up first
+        (Proposal.catch_up_tokens) says nothing of drafting's time, and where it was the slowest (the one the step
+        waited for), neither does the wait: one stream's claim never hides another stream's slower batch."""
         verified = scheduled.verifications
         drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
-        if any(item.proposal.catch_up_tokens for item in verified):
-            control.observe_drafting(0.0, 0, drafted, 0, caught_up=True)
-            return
         by_batch: dict[tuple[int, float], tuple[float, int, int]] = {}
+        caught_up_s = -1.0  # the slowest catch-up batch's time (-1: none)
         for item in scheduled.verifications:
             p = item.proposal
+            if p.catch_up_tokens:
+                caught_up_s = max(caught_up_s, min(p.draft_seconds or 0.0, control.max_draft_s))
+                continue
             if p.draft_seconds is None or not p.num_draft_tokens:
                 continue
             batch = (p.key.stream_id, p.draft_seconds)
@@ -316,8 +318,11 @@ class VerifierEngine:
             by_batch[batch] = (min(p.draft_seconds, control.max_draft_s), max(k, p.num_positions),
                                m + p.num_draft_tokens)
         # the wait before the step is a plain round's when the step verified blocks and none drafted anything
-        if by_batch:
-            seconds, longest, tokens = max(by_batch.values())  # the slowest batch
+        slowest = max(by_batch.values(), default=None)
+        if caught_up_s >= 0.0 and (slowest is None or caught_up_s >= slowest[0]):
+            control.observe_drafting(0.0, 0, drafted, 0, caught_up=True)
+        elif slowest is not None:
+            seconds, longest, tokens = slowest
             control.observe_drafting(seconds, longest, drafted, tokens)
         else:
             control.observe_drafting(0.0, 0, drafted, 0)
