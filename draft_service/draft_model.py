@@ -88,6 +88,13 @@ def _deferred(jobs: list[DraftJob], pending: list[list[int]], num_steps: list[in
     return deferred
 
 
+def feeds_catch_up(jobs: list[DraftJob]) -> bool:
+    """Whether a batch of these jobs would feed more than CATCH_UP_FREE_TOKENS of catch-up in all (before any
+    deferral: the first CATCH_UP_MIN_JOBS are fed whatever their length)."""
+    return sum(max(0, job.seq.num_context - job.seq.num_cached - 2) for job in jobs
+               if job.seq is not None) > CATCH_UP_FREE_TOKENS
+
+
 def _kv_full() -> ServiceError:
     return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full (raise its "
                         "--kv-cache-memory)")

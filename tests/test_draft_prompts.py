@@ -34,6 +34,7 @@ from draft_service.draft_model import (
     CATCH_UP_BUDGET_TOKENS,
     CATCH_UP_FREE_TOKENS,
     CATCH_UP_MIN_JOBS,
+    Drafted,
     DraftJob,
     DraftModel,
     Prefilling,
@@ -619,6 +620,41 @@ def test_a_round_of_k_0_waiting_for_a_cancelled_batch_is_not_stuck_behind_warmin
             await batcher.stop()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("context, waits", [(3, True), (10, True), (11, False), (30, False)])
+def test_a_round_of_k_0_does_not_wait_for_a_batch_that_feeds_a_catch_up(context, waits):
+    """A round that drafts nothing proposes with its burst's drafting batch (wait_for_batch), but not when that
+    batch, running or about to, feeds more than CATCH_UP_FREE_TOKENS of catch-up first (a probe after plain
+    rounds: the verifier can step the plain sequences meanwhile)."""
+    release = threading.Event()
+
+    class SlowModel:
+        def draft(self, jobs):
+            release.wait(10)
+            return [Drafted(DraftBlock((1,), None)) for _ in jobs]
+
+    async def run() -> tuple[bool, bool]:
+        batcher = DraftBatcher(SlowModel(), ThreadPoolExecutor(1))
+        seq = _batch((context,))[0]  # nothing cached: context - 2 past a usual round's feed
+        try:
+            queued = asyncio.ensure_future(batcher.draft(DraftJob(seq, 2)))
+            await asyncio.sleep(0)
+            before_start = asyncio.ensure_future(batcher.wait_for_batch())  # its jobs wait: a batch to come
+            await asyncio.sleep(0.05)
+            batcher.start()
+            await asyncio.sleep(0.05)
+            while_running = asyncio.ensure_future(batcher.wait_for_batch())
+            await asyncio.sleep(0.1)
+            done = (before_start.done(), while_running.done())
+            release.set()
+            await asyncio.wait_for(asyncio.gather(queued, before_start, while_running), 10)
+            return done
+        finally:
+            release.set()
+            await batcher.stop()
+
+    assert asyncio.run(run()) == ((not waits), (not waits))
 
 
 def test_a_batch_waits_for_the_other_verdicts_of_its_step_and_drafts_them_together():
