@@ -101,9 +101,12 @@ class DraftBatcher:
         if not self._pending and self._batches_started == self._batches_done:
             await coalesce(min(0.002, 0.02 * self._last_batch_s))
         await self._await_due()
-        if self._catching_up or feeds_catch_up([job for job, _ in self._pending]):
+        if self._catching_up:
             return
+        pending = [job for job, f in self._pending if not f.cancelled()]
         target = self._batches_started + (1 if self._pending else 0)
+        if pending and feeds_catch_up(pending):
+            target = self._batches_started  # the batch drafting now, if any, not the catch-up to come
         if target <= self._batches_done:
             return
         future = asyncio.get_running_loop().create_future()
@@ -126,9 +129,13 @@ class DraftBatcher:
     def _batch_done(self) -> None:
         self._batches_done += 1
         self._catching_up = False
+        self._release_waiters(self._batches_done)
+
+    def _release_waiters(self, upto: int) -> None:
+        """Frees those waiting for a batch numbered at most `upto` (wait_for_batch)."""
         waiting = []
         for target, future in self._batch_waiters:
-            if target <= self._batches_done:
+            if target <= upto:
                 if not future.done():
                     future.set_result(None)
             else:
@@ -215,8 +222,11 @@ class DraftBatcher:
                 continue
             self._batches_started += 1
             t0 = time.perf_counter()
-            self._catching_up = feeds_catch_up([j for j, _ in jobs])
             try:
+                # a round of k = 0 that waits for this batch proposes now (wait_for_batch)
+                self._catching_up = feeds_catch_up([j for j, _ in jobs])
+                if self._catching_up:
+                    self._release_waiters(self._batches_started)
                 results = await loop.run_in_executor(self._executor, self.model.draft, [j for j, _ in jobs])
                 batch_s = time.perf_counter() - t0
                 # a batch that fed a catch-up says little of the next one's time (coalesce, _await_due)

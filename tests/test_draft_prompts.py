@@ -657,6 +657,61 @@ def test_a_round_of_k_0_does_not_wait_for_a_batch_that_feeds_a_catch_up(context,
     assert asyncio.run(run()) == ((not waits), (not waits))
 
 
+@pytest.mark.parametrize("queued_first", [False, True])
+def test_a_round_of_k_0_waits_for_the_usual_batch_running_but_not_for_a_catch_up_after_it(queued_first):
+    """A usual batch drafting now, a catch-up queued behind it: a round of k = 0 waits for the batch running, not
+    for the catch-up. Also when it queued for the next batch before that batch turned out to feed a catch-up
+    (`queued_first`: a usual job pending then, the catch-up's job arriving later): it is freed as that batch
+    starts."""
+    gates = [threading.Event(), threading.Event()]
+    started: list[int] = []
+
+    class GatedModel:
+        def draft(self, jobs):
+            n = len(started)
+            started.append(len(jobs))
+            gates[n].wait(10)
+            return [Drafted(DraftBlock((1,), None)) for _ in jobs]
+
+    async def until(condition) -> None:
+        for _ in range(200):
+            if condition():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("never")
+
+    async def run() -> None:
+        batcher = DraftBatcher(GatedModel(), ThreadPoolExecutor(1))
+        batcher.start()
+        usual, long_ = _batch((3, 3))[0], _batch((30,))[0]
+        try:
+            jobs = [asyncio.ensure_future(batcher.draft(DraftJob(_batch((3,))[0], 2)))]
+            await until(lambda: started == [1])  # a usual batch drafts
+            if queued_first:
+                jobs.append(asyncio.ensure_future(batcher.draft(DraftJob(usual, 2))))
+                await asyncio.sleep(0)
+            else:
+                jobs.append(asyncio.ensure_future(batcher.draft(DraftJob(long_, 2))))
+                await asyncio.sleep(0)
+            plain = asyncio.ensure_future(batcher.wait_for_batch())
+            if queued_first:
+                await asyncio.sleep(0)
+                jobs.append(asyncio.ensure_future(batcher.draft(DraftJob(long_, 2))))
+            await asyncio.sleep(0.1)
+            assert not plain.done()  # the usual batch running
+            gates[0].set()
+            await until(lambda: len(started) == 2)  # the catch-up drafts, held
+            await asyncio.wait_for(plain, 5)
+            gates[1].set()
+            await asyncio.wait_for(asyncio.gather(*jobs), 10)
+        finally:
+            for gate in gates:
+                gate.set()
+            await batcher.stop()
+
+    asyncio.run(run())
+
+
 def test_a_batch_waits_for_the_other_verdicts_of_its_step_and_drafts_them_together():
     """Three sequences answered by one verifier step (Verdict.step_verdicts 3): the first one's drafting job comes
     in before the others' verdicts have arrived. With DueRounds the batch waits, and all three draft in one batch
