@@ -356,12 +356,36 @@ def test_plain_decoding_is_priced_with_the_wait_of_rounds_that_draft_nothing():
     c.observe_drafting(0.2, 1, True, 8)
     assert c.draft_idle_s == pytest.approx(0.8 * before + 0.2 * 0.9, rel=0.01)
     # a step after the draft fed a catch-up first (Proposal.catch_up_tokens): its wait says nothing of drafting's
-    state = (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.draft_time.coefficients(),
-             c.exposure, c._steps_since_plain)
+    state = (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.exposure, c._steps_since_plain)
     c.observe_step(16, 0.66, 0.6)  # a wait that counts (not a quiet spell) but for the catch-up
-    c.observe_drafting(0.0, 0, True, 0, caught_up=True)
-    assert (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.draft_time.coefficients(),
-            c.exposure, c._steps_since_plain) == state
+    c.observe_drafting(0.5, 1, True, 8, catch_up_tokens=40)
+    assert (c.draft_idle_s, c.plain_idle_s, c.mean_longest_k, c.mean_drafted_m, c.exposure,
+            c._steps_since_plain) == state
+
+
+def test_a_catch_up_round_teaches_the_price_of_drafting_by_its_rows():
+    """Under auto, the drafting rounds after plain ones are catch-ups: the draft feeds every token verified since
+    its last block in its first step's rows. The draft here takes 70 ms a step and 6.5 ms a row. Its first round,
+    cold, took 0.7 s for 4 tokens of one sequence; then only probes come, 4 sequences' one token each after 24
+    tokens of catch-up (28 rows, 0.252 s). Learnt as rounds of 28 rows, a usual round of 4 tokens for 4 sequences
+    is priced near what it takes (0.38 s), and drafting wins; left out, the cold round's 1.75 s stays the price
+    (measured so at 4 streams, default pair, 2 cores: auto drafted 0.09 tokens a verification); learnt as rounds
+    of their 4 drafted rows alone, the price is 1.0 s."""
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.3 + 0.01 * n), probe_every=0)
+    c.acceptance.default_rate = 0.9
+    c.observe_step(5, 0.35, None)
+    c.observe_drafting(0.7, 4, True, 4)
+    cold = c.draft_time.predict(4, 16)
+    assert cold == pytest.approx(1.75, rel=0.05)
+    for _ in range(30):
+        c.observe_step(4, 0.34, 0.01)
+        c.observe_drafting(0.0, 0, False, 0)
+        c.observe_step(8, 0.38, 0.3)
+        c.observe_drafting(0.07 + 28 * 0.0065, 1, True, 4, catch_up_tokens=24)
+    assert 0.35 < c.draft_time.predict(4, 16) < 0.7
+    assert set(c.choose({i: 4 for i in range(4)}).draft_lengths.values()) == {4}
 
 
 def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():

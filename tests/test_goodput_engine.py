@@ -328,14 +328,20 @@ def test_the_drafting_observed_is_the_slowest_draft_batch_with_its_own_rows():
     assert seen == [(0.3, 4, True, 6)]
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[block(1, 1, 2, 9.0)]), Control())
     assert seen[-1] == (5.0, 2, True, 2)  # a claim counts at most max_draft_s
-    # a batch that fed a catch-up first says nothing of drafting's time, nor of the wait where the step waited
-    # for it (the slowest); a faster one leaves the others' slowest batch observed
+    # a batch that fed a catch-up first is observed with its catch-up where the step waited for it (the slowest);
+    # a faster one leaves the others' slowest batch observed
     def caught_up(seconds: float) -> SimpleNamespace:
         return SimpleNamespace(proposal=dataclasses.replace(block(2, 1, 4, seconds).proposal, catch_up_tokens=30))
 
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[*verifications[:3], caught_up(1.5)]), Control())
-    assert seen[-1] == (0.0, 0, True, 0, {"caught_up": True})
+    assert seen[-1] == (1.5, 4, True, 4, {"catch_up_tokens": 30})
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[*verifications[:3], caught_up(0.2)]), Control())
     assert seen[-1] == (0.3, 4, True, 6)
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[caught_up(0.2)]), Control())
-    assert seen[-1] == (0.0, 0, True, 0, {"caught_up": True})
+    assert seen[-1] == (0.2, 4, True, 4, {"catch_up_tokens": 30})
+    # its empty blocks (deferred for their own catch-up) belong to it too
+    deferred = SimpleNamespace(proposal=dataclasses.replace(block(2, 2, 0, 0.2).proposal, catch_up_tokens=30))
+    VerifierEngine._observe_drafting(SimpleNamespace(verifications=[deferred, caught_up(0.2)]), Control())
+    assert seen[-1] == (0.2, 4, True, 4, {"catch_up_tokens": 30})
+    VerifierEngine._observe_drafting(SimpleNamespace(verifications=[verifications[2], deferred]), Control())
+    assert seen[-1] == (0.2, 0, True, 0, {"catch_up_tokens": 30})  # the wait was for it, not for stream 1's

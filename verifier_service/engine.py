@@ -300,30 +300,28 @@ class VerifierEngine:
         same time: one batch drafted them) its time, its longest block and its drafted tokens; one phase waits for
         the slowest. A claim past max_draft_s counts as that much. `prefill`: the step computed prompt chunks too
         (its wait and its time say nothing of a verification's). A batch that fed the draft a catch-up first
-        (Proposal.catch_up_tokens) says nothing of drafting's time, and where it was the slowest (the one the step
-        waited for), neither does the wait: one stream's claim never hides another stream's slower batch."""
+        (Proposal.catch_up_tokens, the batch's total on each of its blocks) is observed with its catch-up, and
+        where it was the slowest (the one the step waited for), its wait is not a usual round's: one stream's
+        claim never hides another stream's slower batch."""
         verified = scheduled.verifications
         drafted = None if not verified or prefill else any(item.proposal.num_draft_tokens for item in verified)
-        by_batch: dict[tuple[int, float], tuple[float, int, int]] = {}
-        caught_up_s = -1.0  # the slowest catch-up batch's time (-1: none)
+        # (seconds, longest block, drafted tokens, catch-up tokens) per batch
+        by_batch: dict[tuple[int, float], tuple[float, int, int, int]] = {}
         for item in scheduled.verifications:
             p = item.proposal
-            if p.catch_up_tokens:
-                caught_up_s = max(caught_up_s, min(p.draft_seconds or 0.0, control.max_draft_s))
-                continue
-            if p.draft_seconds is None or not p.num_draft_tokens:
+            # a catch-up batch's empty blocks (deferred, pool-short) count: the step waited for that batch too
+            if p.draft_seconds is None or not (p.num_draft_tokens or p.catch_up_tokens):
                 continue
             batch = (p.key.stream_id, p.draft_seconds)
-            _, k, m = by_batch.get(batch, (0.0, 0, 0))
+            _, k, m, c = by_batch.get(batch, (0.0, 0, 0, 0))
             by_batch[batch] = (min(p.draft_seconds, control.max_draft_s), max(k, p.num_positions),
-                               m + p.num_draft_tokens)
+                               m + p.num_draft_tokens, max(c, p.catch_up_tokens))
         # the wait before the step is a plain round's when the step verified blocks and none drafted anything
         slowest = max(by_batch.values(), default=None)
-        if caught_up_s >= 0.0 and (slowest is None or caught_up_s >= slowest[0]):
-            control.observe_drafting(0.0, 0, drafted, 0, caught_up=True)
-        elif slowest is not None:
-            seconds, longest, tokens = slowest
-            control.observe_drafting(seconds, longest, drafted, tokens)
+        if slowest is not None:
+            seconds, longest, tokens, catch_up = slowest
+            control.observe_drafting(seconds, longest, drafted, tokens, **({"catch_up_tokens": catch_up}
+                                                                            if catch_up else {}))
         else:
             control.observe_drafting(0.0, 0, drafted, 0)
 
