@@ -120,12 +120,13 @@ CATCH_UP_FREE_TOKENS = 8
 CATCH_UP_BUDGET_TOKENS = 64
 CATCH_UP_MIN_JOBS = 4
 # A batch that fed more than CATCH_UP_FREE_TOKENS of catch-up in all (past the one token a usual round may feed
-# besides its last) says so on its blocks (DraftBlock.catch_up_tokens): its time is mostly that feeding, and the
-# verifier prices drafting from the usual rounds' times (measured at 4 streams, default pair, 2 cores, commit
-# cf8e9db: the first drafting round after the prompts, 4 sequences' 11 tokens each, kept the verifier 1.2 s
-# against 0.75 to 0.9 s for the drafting rounds after it; priced so, drafting looked dear and the verifier chose
-# plain rounds for the next 20 steps, where fixed k = 4 was 1.30x plain decoding in the same run). Deferred and
-# pool-short jobs' empty blocks carry it too: the step that verifies them waited for that batch as well.
+# besides its last) says how many on its blocks (DraftBlock.catch_up_tokens): its time is mostly that feeding,
+# and the verifier learns it as a round of that many rows more, not as a usual round, and not its wait (measured
+# at 4 streams, default pair, 2 cores, commit cf8e9db: the first drafting round after the prompts, 4 sequences'
+# 11 tokens each, kept the verifier 1.2 s against 0.75 to 0.9 s for the drafting rounds after it; priced as a
+# usual round, drafting looked dear and the verifier chose plain rounds for the next 20 steps, where fixed k = 4
+# was 1.30x plain decoding in the same run). Deferred and pool-short jobs' empty blocks carry it too: the step
+# that verifies them waited for that batch as well.
 
 
 class DraftModel:
@@ -192,9 +193,13 @@ class DraftModel:
         qs: list[list[SparseProbs]] = [[] for _ in jobs]
         guesses: list[int | None] = [None for _ in jobs]
         stopped = [n == 0 or i in failed or i in short for i, n in enumerate(num_steps)]
-        catch_up = sum(max(0, len(pending[i]) - 2) for i, s in enumerate(stopped) if not s)
-        catch_up = catch_up if catch_up > CATCH_UP_FREE_TOKENS else 0
+        to_feed = [len(p) for p in pending]
         prefilling = self._prefill([job.seq for job in jobs], pending, stopped)
+        # the rows fed beyond a usual round's (its last token and one more): a drafting job's catch-up, and the
+        # chunk a job still prefilling fed (it drafts nothing this time)
+        catch_up = sum(to_feed[i] - len(pending[i]) if i in prefilling else max(0, to_feed[i] - 2)
+                       for i, s in enumerate(stopped) if not s)
+        catch_up = catch_up if catch_up > CATCH_UP_FREE_TOKENS else 0
         for i in prefilling:
             stopped[i] = True
         for step in range(max(num_steps)):

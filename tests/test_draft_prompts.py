@@ -528,6 +528,14 @@ def test_a_batch_that_fed_a_catch_up_marks_its_blocks():
         seq.extend((d.block.token_ids[0], (d.block.token_ids[1] + 1) % VOCAB))
         seq.roll_back()
     assert [d.block.catch_up_tokens for d in _draft_all(draft, [DraftJob(s, 3) for s in seqs])] == [0, 0]
+    # a prompt fed in chunks: a batch counts the chunk it fed of a job still prefilling (which drafts nothing),
+    # not the whole prompt (the verifier learns the batch as a round of that many rows more)
+    draft, _ = _draft_model(16)
+    seqs = _batch((40, 5))
+    out = draft.draft([DraftJob(s, 3) for s in seqs])
+    assert isinstance(out[0], Prefilling) and out[1].block.catch_up_tokens == 16 + 3
+    (last,) = draft.draft([DraftJob(seqs[0], 3)])  # 16 more in a chunk, 8 in the first drafting step
+    assert last.block.token_ids and last.block.catch_up_tokens == 24 - 2
 
 
 def test_warming_stops_while_the_rounds_hardly_draft():

@@ -386,6 +386,17 @@ def test_a_catch_up_round_teaches_the_price_of_drafting_by_its_rows():
         c.observe_drafting(0.07 + 28 * 0.0065, 1, True, 4, catch_up_tokens=24)
     assert 0.35 < c.draft_time.predict(4, 16) < 0.7
     assert set(c.choose({i: 4 for i in range(4)}).draft_lengths.values()) == {4}
+    # a batch is learnt once (several steps may verify its blocks, each with its whole catch-up), and one of more
+    # rows than max_catch_up_rows (a prompt's, or a draft's claim) not at all
+    learnt = c.draft_time.predict(4, 16)
+    c.observe_drafting(1.0, 1, True, 4, catch_up_tokens=24, batch=(1, 1.0))
+    once = c.draft_time.predict(4, 16)
+    assert once > learnt
+    for i in range(20):
+        c.observe_drafting(1.0, 1, True, 4, catch_up_tokens=24, batch=(1, 1.0))
+        c.observe_drafting(5.0, 1, True, 4, catch_up_tokens=c.max_catch_up_rows + 1, batch=(1, 2.0 + i))
+    c.observe_drafting(0.0, 0, True, 0, catch_up_tokens=24, batch=(1, 9.0))  # nothing drafted: nothing to learn
+    assert c.draft_time.predict(4, 16) == once
 
 
 def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():

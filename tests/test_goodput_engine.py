@@ -334,14 +334,18 @@ def test_the_drafting_observed_is_the_slowest_draft_batch_with_its_own_rows():
         return SimpleNamespace(proposal=dataclasses.replace(block(2, 1, 4, seconds).proposal, catch_up_tokens=30))
 
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[*verifications[:3], caught_up(1.5)]), Control())
-    assert seen[-1] == (1.5, 4, True, 4, {"catch_up_tokens": 30})
+    assert seen[-1] == (1.5, 4, True, 4, {"catch_up_tokens": 30, "batch": (2, 1.5)})
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[*verifications[:3], caught_up(0.2)]), Control())
     assert seen[-1] == (0.3, 4, True, 6)
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[caught_up(0.2)]), Control())
-    assert seen[-1] == (0.2, 4, True, 4, {"catch_up_tokens": 30})
+    assert seen[-1] == (0.2, 4, True, 4, {"catch_up_tokens": 30, "batch": (2, 0.2)})
     # its empty blocks (deferred for their own catch-up) belong to it too
     deferred = SimpleNamespace(proposal=dataclasses.replace(block(2, 2, 0, 0.2).proposal, catch_up_tokens=30))
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[deferred, caught_up(0.2)]), Control())
-    assert seen[-1] == (0.2, 4, True, 4, {"catch_up_tokens": 30})
+    assert seen[-1] == (0.2, 4, True, 4, {"catch_up_tokens": 30, "batch": (2, 0.2)})
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[verifications[2], deferred]), Control())
-    assert seen[-1] == (0.2, 0, True, 0, {"catch_up_tokens": 30})  # the wait was for it, not for stream 1's
+    # the wait was for it, not for stream 1's
+    assert seen[-1] == (0.2, 0, True, 0, {"catch_up_tokens": 30, "batch": (2, 0.2)})
+    # claims past max_draft_s tie, whatever their blocks: the catch-up batch is the slowest among equals
+    VerifierEngine._observe_drafting(SimpleNamespace(verifications=[block(1, 1, 6, 9.0), caught_up(6.0)]), Control())
+    assert seen[-1] == (5.0, 4, True, 4, {"catch_up_tokens": 30, "batch": (2, 6.0)})

@@ -316,12 +316,13 @@ class VerifierEngine:
             _, k, m, c = by_batch.get(batch, (0.0, 0, 0, 0))
             by_batch[batch] = (min(p.draft_seconds, control.max_draft_s), max(k, p.num_positions),
                                m + p.num_draft_tokens, max(c, p.catch_up_tokens))
-        # the wait before the step is a plain round's when the step verified blocks and none drafted anything
-        slowest = max(by_batch.values(), default=None)
+        # the wait before the step is a plain round's when the step verified blocks and none drafted anything;
+        # the slowest by its time (claims past max_draft_s tie), a catch-up batch first among equals
+        slowest = max(by_batch.items(), key=lambda b: (b[1][0], b[1][3] > 0), default=None)
         if slowest is not None:
-            seconds, longest, tokens, catch_up = slowest
-            control.observe_drafting(seconds, longest, drafted, tokens, **({"catch_up_tokens": catch_up}
-                                                                            if catch_up else {}))
+            batch, (seconds, longest, tokens, catch_up) = slowest
+            control.observe_drafting(seconds, longest, drafted, tokens, **({"catch_up_tokens": catch_up,
+                                                                              "batch": batch} if catch_up else {}))
         else:
             control.observe_drafting(0.0, 0, drafted, 0)
 

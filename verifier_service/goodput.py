@@ -177,6 +177,7 @@ RATIO_DRIFT = 0.98
 # steps verifying drafted blocks after which the last plain rounds' wait is taken as stale (idle_split)
 STALE_PLAIN_STEPS = 16
 MAX_THIN_GROUPS = 1024  # groups whose probes while thin are counted (the most recent)
+MAX_CAUGHT_UP_BATCHES = 256  # catch-up batches remembered as learnt (the most recent)
 
 
 @dataclass
@@ -236,6 +237,12 @@ class DraftLengthController:
     # cores: waits of 2.6 s for rounds of 3 drafted tokens a sequence, which, taken for quiet spells, never
     # priced drafting)
     max_draft_s: float = 5.0
+    # a batch that fed a catch-up first is learnt as a round of that many rows more only up to this many (the
+    # draft's own budget for a drafting batch's catch-ups, draft_service.draft_model.CATCH_UP_BUDGET_TOKENS): a
+    # round of hundreds of rows is a prompt's, whose cost per row is not a drafting step's (a step over 1, 16, 32
+    # and 64 rows of the default draft, 2 cores: 70, 215, 284, 440 ms), and would outweigh the usual rounds in the
+    # fit; and the figure is the draft's own claim, which must not set every stream's price
+    max_catch_up_rows: int = 64
     idle_s: float = 0.0  # moving average of the time between steps
     # the same, kept apart for steps whose blocks drafted something and steps whose blocks drafted nothing (None:
     # none seen yet); see idle_split
@@ -276,6 +283,7 @@ class DraftLengthController:
     _probed_at: dict = field(default_factory=dict)  # key -> the probe that took it last
     _group_probed_at: OrderedDict = field(default_factory=OrderedDict)  # group -> the probe that took it last
     _thin_probes: OrderedDict = field(default_factory=OrderedDict)  # group -> its probes while thin (the recent)
+    _caught_up_batches: OrderedDict = field(default_factory=OrderedDict)  # catch-up batches learnt (the recent)
 
     def __post_init__(self) -> None:
         if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
@@ -311,7 +319,8 @@ class DraftLengthController:
             self.idle_s = ema(self.idle_s, idle, self.idle_decay)
 
     def observe_drafting(self, seconds: float, longest_block: int, drafted: bool | None = None,
-                         drafted_tokens: int | None = None, *, catch_up_tokens: int = 0) -> None:
+                         drafted_tokens: int | None = None, *, catch_up_tokens: int = 0,
+                         batch: object = None) -> None:
         """The drafting of the blocks the step just verified took `seconds` (the slowest stream's batch, at most
         max_draft_s), its longest model-drafted block was `longest_block` tokens and it drafted `drafted_tokens`
         in all (None: `longest_block`; 0 and 0: nothing drafted, and the seconds are 0 too). Call it after
@@ -322,8 +331,9 @@ class DraftLengthController:
         that plus twice `seconds`: the verifier was idle, not waiting), and its time against the step-time
         model's prediction to that kind's ratio (see `calibrate`). `catch_up_tokens`: the batch fed the draft that
         many tokens of context first (Proposal.catch_up_tokens), in its first step's rows: its time is learnt as a
-        round of `drafted_tokens` + `catch_up_tokens` rows (DraftTimeModel), and the wait for it says nothing of a
-        usual round's (nor of the share of drafting the verifier waits for).
+        round of `drafted_tokens` + `catch_up_tokens` rows (DraftTimeModel), once (`batch`: its identity; a batch
+        whose blocks several steps verify carries its whole catch-up on each) and only up to max_catch_up_rows;
+        the wait for it says nothing of a usual round's (nor of the share of drafting the verifier waits for).
 
         Measured at 4 streams (default pair, 2 cores, b8ba51b): with such rounds left out altogether, the verifier's
         only drafting rounds after the prompts were its probes, each a catch-up, so the price of drafting stayed
@@ -346,7 +356,12 @@ class DraftLengthController:
                 self.draft_step_ratio = 1.0 + RATIO_DRIFT * (self.draft_step_ratio - 1.0)
         idle, self._step_idle_s = self._step_idle_s, None
         if catch_up_tokens:
-            self.draft_time.observe(seconds, longest_block, drafted_tokens + catch_up_tokens)
+            if catch_up_tokens <= self.max_catch_up_rows and (batch is None or batch not in self._caught_up_batches):
+                self.draft_time.observe(seconds, longest_block, drafted_tokens + catch_up_tokens)
+            if batch is not None:
+                self._caught_up_batches[batch] = None
+                while len(self._caught_up_batches) > MAX_CAUGHT_UP_BATCHES:
+                    self._caught_up_batches.popitem(last=False)
             return
         self.mean_longest_k = ema(self.mean_longest_k, longest_block, d)
         self.mean_drafted_m = ema(self.mean_drafted_m, drafted_tokens, d)
