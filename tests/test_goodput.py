@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -558,6 +559,9 @@ def test_a_probe_takes_a_few_sequences_in_turn():
 
     c = controller(probe_every=2, max_probe_every=2, min_evidence=0.0, max_probe_interval_s=float("inf"))
     keys = [SeqKey(1, i) for i in range(10)]
+    few = {SeqKey(1, i): 4 for i in range(20, 23)}
+    for key in [*keys, *few]:  # each drafted last round: none needs a catch-up
+        c.observe_verification(key, 1, 0)
     picked = []
     for i in range(12):
         order = keys if i % 4 else keys[::-1]  # the steps list their sequences in another order now and then
@@ -568,9 +572,10 @@ def test_a_probe_takes_a_few_sequences_in_turn():
     assert len(picked) == 6 and all(len(p) == c.max_probe_sequences for p in picked)
     assert not picked[0] & picked[1] and len(picked[2] - picked[0] - picked[1]) == 2  # all ten by the third
     assert picked[0] | picked[1] | picked[2] == set(keys)
-    few = {SeqKey(1, i): 4 for i in range(3)}
     assert any(set(c.choose(few).draft_lengths.values()) == {1} for _ in range(2))  # three: all of them
     mixed = {**{SeqKey(2, i): 4 for i in range(10)}, SeqKey(3, 0): 4}  # a stream of 10 and a stream of one
+    for key in mixed:
+        c.observe_verification(key, 1, 0)
     assert any(c.choose(mixed).draft_lengths[SeqKey(3, 0)] for _ in range(2))  # its first probe takes the one
     assert not any(any(c.choose(mixed, probe=False).draft_lengths.values()) for _ in range(8))
     c.forget(SeqKey(1, 0))
@@ -656,3 +661,92 @@ def test_past_the_tolerance_the_choice_goes_at_most_a_token_a_sequence_beyond_th
     assert 1.03 < exact.goodput / exact.plain_goodput < 1.05 and set(exact.draft_lengths.values()) == {1}
     chosen = choose_draft_lengths(cands, step, tolerance=0.03)
     assert sum(exact.draft_lengths.values()) < sum(chosen.draft_lengths.values()) <= 64
+
+
+def test_a_probe_makes_the_draft_catch_up_at_most_one_sequence():
+    """At 16 streams, every sequence held at k = 0, a probe of 4 made the draft feed each one's missed tokens first:
+    those 4 missed 3 steps of the others, finished late in steps of 2 to 4, and auto gave 0.89x plain decoding. Of
+    a probe's sequences at most max_catch_up_probes are ones that drafted nothing for more than
+    catch_up_free_rounds verifications in a row (or never); the others probed drafted lately; the ones passed over
+    come first next time; sequences of a group whose evidence is thin (the probe is for it) count for none."""
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.types import SeqKey
+
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), probe_every=2, max_probe_every=2,
+                              min_evidence=0.0, max_probe_interval_s=float("inf"))
+    stale = [SeqKey(1, i) for i in range(6)]
+    fresh = [SeqKey(1, i) for i in range(6, 10)]
+    for key in stale + fresh:
+        c.observe_verification(key, 1, 0)
+    for key in stale:
+        for _ in range(c.catch_up_free_rounds + 1):
+            c.observe_verification(key, 0, 0)
+    c.observe_verification(fresh[0], 0, 0)  # one plain round since it drafted: still free
+    assert not c._needs_catch_up(fresh[0]) and c._needs_catch_up(stale[0]) and c._needs_catch_up(SeqKey(9, 9))
+    caps = dict.fromkeys(stale + fresh, 4)
+    picked = [p for p in (frozenset(k for k, n in c.choose(caps).draft_lengths.items() if n) for _ in range(12)) if p]
+    assert len(picked) == 6
+    assert all(len(p) == c.max_probe_sequences and len(p & set(stale)) == 1 for p in picked)
+    assert set().union(*picked) >= set(stale)  # in turn: every stale one within six probes
+    held = {SeqKey(2, i): 4 for i in range(16)}  # a batch all held at k = 0
+    for key in list(held)[8:]:  # half never drafted, half not for long
+        for _ in range(c.catch_up_free_rounds + 1):
+            c.observe_verification(key, 0, 0)
+    probes = [p for p in (frozenset(k for k, n in c.choose(held).draft_lengths.items() if n) for _ in range(8)) if p]
+    assert [len(p) for p in probes] == [1] * 4 and len(set(probes)) == 4
+    c.observe_verification(SeqKey(2, 8), 1, 1)  # it drafted: free again, and forgotten with its sequence
+    assert not c._needs_catch_up(SeqKey(2, 8)) and c._needs_catch_up(SeqKey(2, 9))
+    c.forget(SeqKey(2, 8))
+    assert SeqKey(2, 8) not in c._plain_rounds
+
+    thin = DraftLengthController(4, step_time=model_of(lambda n: 0.001 * n), max_probe_interval_s=float("inf"))
+    new = {SeqKey(3, i): 4 for i in range(8)}  # a new draft process: thin, never drafted
+    took = [k for _ in range(thin.first_probe_every) for k, n in thin.choose(new).draft_lengths.items() if n]
+    assert len(took) == thin.max_probe_sequences
+
+
+def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
+    """At 32 streams three sequences finishing turned the choice for the 29 left, all held at k = 0 for 25 rounds,
+    to 2 tokens each: the draft first fed them 64 rows it had missed, that round took 2.3 s where plain ones took
+    1.2, and the batch broke into fragments to its end. A sequence that would catch up carries its rows per round
+    (the tokens since its last block, or its context where it never drafted, over the rounds of drafting at its cap
+    that its tokens left take); they are priced as drafted tokens where it drafts, and such sequences draft only
+    where that beats holding them at k = 0 by more than the tolerance."""
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.types import SeqKey
+
+    step = model_of(lambda n: 0.5 + 0.004 * n)
+    args = dict(tolerance=0.03, idle_per_block_token=0.05, idle_per_drafted_token=0.005)
+    fresh = [Candidate(("fresh", i), 4, (0.9,) * 4) for i in range(4)]
+    held = [Candidate(("held", i), 4, (0.9,) * 4, catch_up_rows=30.0) for i in range(4)]
+    free = choose_draft_lengths([*fresh, *[dataclasses.replace(c, catch_up_rows=0.0) for c in held]], step, **args)
+    assert set(free.draft_lengths.values()) == {4}  # without a catch-up all draft
+    mixed = choose_draft_lengths([*fresh, *held], step, **args).draft_lengths
+    assert [mixed[c.key] for c in fresh] == [4] * 4 and [mixed[c.key] for c in held] == [0] * 4
+    cheap = [dataclasses.replace(c, catch_up_rows=0.5) for c in held]  # a little catch-up: worth it
+    assert set(choose_draft_lengths([*fresh, *cheap], step, **args).draft_lengths.values()) == {4}
+    dear = [dataclasses.replace(c, catch_up_rows=100.0) for c in held]
+    alone = choose_draft_lengths(dear, step, **args)  # held alone: plain decoding, and the price says why
+    assert set(alone.draft_lengths.values()) == {0}
+    assert set(choose_draft_lengths(held, step, **args).draft_lengths.values()) == {4}
+    rows = sum(c.catch_up_rows for c in dear)
+    assert choose_draft_lengths(dear, step, **{**args, "tolerance": 0.0}).goodput == pytest.approx(max(
+        alone.goodput, 4 * expected_tokens((0.9,) * 4, 4) / (step.predict(20) + 0.2 + 0.005 * (16 + rows))))
+
+    c = DraftLengthController(4, step_time=step)
+    new, drafting, plain, prompt = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3), SeqKey(1, 4)
+    for _ in range(3):  # its prompt's round and two more, none drafted
+        c.observe_verification(prompt, 0, 0)
+    assert c.catch_up_rows(prompt, (0.5, 0.5), 40, 35) == c.catch_up_rows(new, (0.5, 0.5), 40, 35) > 0
+    c.observe_verification(drafting, 4, 4)
+    c.observe_verification(plain, 4, 4)
+    for _ in range(9):
+        c.observe_verification(plain, 0, 0)
+    rates = (0.5, 0.5)  # a round at the cap yields 1.75 tokens
+    assert c.catch_up_rows(drafting, rates, 40, 35) == 0.0
+    assert c.catch_up_rows(plain, rates, 40, 35) == pytest.approx(10 / (35 / 1.75))  # 9 plain rounds, 1 more
+    assert c.catch_up_rows(new, rates, 40, 35) == pytest.approx(40 / (35 / 1.75))  # never drafted: its context
+    assert c.catch_up_rows(plain, rates, 40, 1) == 10.0  # its last round pays it all
+    assert c.catch_up_rows(plain, (), 40, 35) == 0.0  # a cap of 0: it drafts nothing
+    sizes = {new: (40, 35), drafting: (40, 35), plain: (40, 35)}
+    assert c.choose(dict.fromkeys(sizes, 2), sizes=sizes) is not None

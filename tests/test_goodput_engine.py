@@ -349,3 +349,21 @@ def test_the_drafting_observed_is_the_slowest_draft_batch_with_its_own_rows():
     # claims past max_draft_s tie, whatever their blocks: the catch-up batch is the slowest among equals
     VerifierEngine._observe_drafting(SimpleNamespace(verifications=[block(1, 1, 6, 9.0), caught_up(6.0)]), Control())
     assert seen[-1] == (5.0, 4, True, 4, {"catch_up_tokens": 30, "batch": (2, 6.0)})
+
+
+def test_the_engine_gives_the_choice_each_sequence_s_context_and_tokens_left(pair):
+    """What prices a sequence's catch-up (DraftLengthController.catch_up_rows): its context now and the tokens it
+    may still emit, for each sequence that asked for a choice."""
+    target, _ = pair
+    engine, _ = _engine(target, IDLE)
+    seen = []
+    choose = engine.goodput.choose
+    engine.goodput.choose = lambda *a, **kw: seen.append(dict(kw["sizes"])) or choose(*a, **kw)
+    n = 10
+    outputs, proposed, _ = _generate(engine, PROMPTS[:1], n, _oracle(target, n)[:1], ask=2)
+    (key,) = (SeqKey(1, 1),)
+    generated = 0
+    assert len(seen) >= 2
+    for sizes, k in zip(seen, proposed[key], strict=False):
+        generated += k + 1
+        assert sizes == {key: (len(PROMPTS[0]) + generated, n - generated)}

@@ -197,6 +197,7 @@ class VerifierEngine:
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s, held_s)
         self._observe_drafting(scheduled, control, prefill=stats.num_prefill_tokens > 0)
         caps: dict[SeqKey, int] = {}
+        sizes: dict[SeqKey, tuple[int, int]] = {}  # context and tokens it may still emit: its catch-up's price
         other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
         other_longest = 0  # their longest model-drafted block: drafted again whatever is chosen
@@ -217,6 +218,7 @@ class VerifierEngine:
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
             caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
+            sizes[seq.key] = (seq.num_tokens, room + 1)
         away_caps: dict[SeqKey, int] = {}
         if caps and awaited is not None:
             for key, block in self._away({item.seq.key for item in scheduled.scheduled}, awaited).items():
@@ -229,7 +231,7 @@ class VerifierEngine:
                     other_drafted += block.drafted
         plain = self.trial is not None and self.trial.running is Arm.PLAIN  # its zeros would erase a probe
         chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted,
-                                 probe=not plain) if caps else None)
+                                 probe=not plain, sizes=sizes) if caps else None)
         if self.trial is not None:
             gain = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:

@@ -45,6 +45,9 @@ class Candidate:
     key: object
     max_k: int
     rates: tuple[float, ...]
+    # rows the draft must feed before this sequence's first drafted token if it drafts (its catch-up), per round
+    # of drafting it has left (DraftLengthController.catch_up_rows): priced as drafted tokens when k > 0
+    catch_up_rows: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -106,21 +109,43 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     takes the M largest marginal gains; with the longest block priced as well, that holds for each bound L on
     the block length, so the search runs over L and M. Under bound L only the totals whose longest block is L
     are new (the others are the same prefixes as under a smaller bound), and each bound is one pass of array
-    arithmetic: the engine thread runs this after every step."""
+    arithmetic: the engine thread runs this after every step.
+
+    A candidate's catch-up rows (Candidate.catch_up_rows) are priced as drafted tokens once it drafts at all. The
+    search over prefixes of the gains then no longer finds the best of every allocation (a sequence's first gain
+    carries its rows), so it runs twice, once with the candidates that would catch up held at k = 0, and the
+    choice that lets them draft is taken only where it beats the other by more than `tolerance`: drafting for
+    them buys little over the others' drafting, and their catch-up is a cost the estimates may well get wrong."""
     cands = list(candidates)
     base = len(cands)
     if not step_time.ready:
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
+    args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
+            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted)
+    if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
+        return _search(cands, *args)
+    every = _search(cands, *args)
+    fresh = _search([dataclasses.replace(c, max_k=0) if c.catch_up_rows > 0 else c for c in cands], *args)
+    return every if every.goodput > fresh.goodput * (1 + tolerance) else fresh
+
+
+def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
+            idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
+            plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
+            other_drafted: int) -> Allocation:
+    """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
+    base = len(cands)
+    catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
     fixed_n = base + other_tokens
     start = float(base) + other_output
 
-    def cost(n: np.ndarray, longest: np.ndarray) -> np.ndarray:
+    def cost(n: np.ndarray, longest: np.ndarray, rows: np.ndarray) -> np.ndarray:
         block = np.maximum(longest, other_longest_block)
         idle = np.full(len(n), idle_s) if plain_idle_s is None else np.where(block > 0, idle_s, plain_idle_s)
         ratio = np.where(block > 0, step_ratios[1], step_ratios[0])
         drafting = idle_per_block_token * block + np.where(block > 0, idle_per_drafted_token
-                                                           * (n - fixed_n + other_drafted), 0.0)
+                                                           * (n - fixed_n + other_drafted + rows), 0.0)
         return np.where(n > 0, step_time.predict_many(n) * ratio + idle + drafting, 0.0)
 
     gains, index, position = _sorted_gains(cands)
@@ -129,6 +154,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     # per option: goodput, drafted tokens M, bound L, expected tokens, longest block; the first is M = 0
     ms, bounds, expected, longest = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.full(1, start)], \
         [np.zeros(1, np.int64)]
+    rows = [np.zeros(1)]  # per option, the catch-up rows of the sequences it drafts for
     for limit in limits:
         under = position < limit
         g, j = gains[under], position[under]
@@ -139,9 +165,10 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         bounds.append(np.full(int(new.sum()), limit))
         expected.append((start + np.cumsum(g))[new])
         longest.append(run_longest[new])
+        rows.append(np.cumsum(np.where(j == 0, catch_up[index[under]], 0.0))[new])
     m_all, bound_all = np.concatenate(ms), np.concatenate(bounds)
     expected_all, longest_all = np.concatenate(expected), np.concatenate(longest)
-    costs = cost(fixed_n + m_all, longest_all)
+    costs = cost(fixed_n + m_all, longest_all, np.concatenate(rows))
     goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
     best = goodputs.max()
     if tolerance > 0 and goodputs[0] < best:
@@ -224,6 +251,10 @@ class DraftLengthController:
     min_evidence: float = 4.0  # a group's verdicts on its first position, below which it gets probes of its own
     max_thin_probes: int = 8  # per group
     max_probe_sequences: int = 4
+    # of a probe's sequences (not a thin group's), at most this many may be ones the draft must catch up first (see
+    # _probed): one that drafted nothing in more than `catch_up_free_rounds` verifications in a row, or never
+    max_catch_up_probes: int = 1
+    catch_up_free_rounds: int = 1
     max_probe_every: int = 512
     max_probe_interval_s: float = 30.0
     # the step-time model and the acceptance are estimates: when plain decoding is within 3 % of the best goodput
@@ -284,6 +315,8 @@ class DraftLengthController:
     _group_probed_at: OrderedDict = field(default_factory=OrderedDict)  # group -> the probe that took it last
     _thin_probes: OrderedDict = field(default_factory=OrderedDict)  # group -> its probes while thin (the recent)
     _caught_up_batches: OrderedDict = field(default_factory=OrderedDict)  # catch-up batches learnt (the recent)
+    # key -> its verifications in a row that drafted nothing since one that drafted (None: none drafted yet)
+    _plain_rounds: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
@@ -293,6 +326,8 @@ class DraftLengthController:
             raise ValueError(f"first_probe_every must be >= 1, got {self.first_probe_every}")
         if self.max_probe_sequences < 1:
             raise ValueError(f"max_probe_sequences must be >= 1, got {self.max_probe_sequences}")
+        if self.max_catch_up_probes < 1:
+            raise ValueError(f"max_catch_up_probes must be >= 1, got {self.max_catch_up_probes}")
         self._until_thin_probe = self.first_probe_every
         if self.acceptance is None:
             # the prior of a sequence is its Verify stream's (one draft process, one draft model)
@@ -419,14 +454,49 @@ class DraftLengthController:
 
     def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
         self.acceptance.observe(key, num_drafted, num_accepted)
+        if num_drafted:
+            self._plain_rounds[key] = 0
+        elif key not in self._plain_rounds:
+            self._plain_rounds[key] = None  # never drafted: the draft has not fed its prompt
+        elif self._plain_rounds[key] is not None:
+            self._plain_rounds[key] += 1
 
     def forget(self, key: object) -> None:
         self.acceptance.forget(key)
         self._probed_at.pop(key, None)
+        self._plain_rounds.pop(key, None)
+
+    def _needs_catch_up(self, key: object) -> bool:
+        """Whether a draft for `key` now would first feed the draft the tokens verified since its last block: it
+        has not drafted for more than catch_up_free_rounds verifications (or ever; the draft warms no sequence
+        while its rounds draft nothing, draft_service.batcher)."""
+        rounds = self._plain_rounds.get(key)
+        return rounds is None or rounds > self.catch_up_free_rounds
+
+    def catch_up_rows(self, key: object, rates: tuple[float, ...], context: int, left: int) -> float:
+        """The rows the draft would feed before drafting for `key` (0 unless _needs_catch_up: the tokens verified
+        since its last block, or its whole context where it never drafted; the draft may have warmed some, which
+        the verifier cannot see), spread over the rounds of drafting at its cap (acceptance `rates`) that the
+        `left` tokens it may still emit take: paid once, it buys those rounds. Measured at 32 streams (default
+        pair, 2 cores), three sequences finishing turned the choice for the 29 left, every one held at k = 0 for
+        25 rounds, to 2 tokens each: the draft fed them 64 rows of catch-up first (deferring the rest), the round
+        took 2.3 s where plain ones took 1.2, and the batch broke into steps of 1 to 27 sequences to its end."""
+        if not rates or not self._needs_catch_up(key):
+            return 0.0
+        rounds = self._plain_rounds.get(key)
+        debt = context if rounds is None else min(context, rounds + 1)
+        per_round = 1.0 + float(np.sum(np.cumprod(rates)))
+        return debt / max(1.0, left / per_round)
+
+    def _costs_catch_up(self, key: object) -> bool:
+        """Whether a probe of `key` counts against max_catch_up_probes: it needs a catch-up, and its group's
+        acceptance rests on at least min_evidence verdicts (a thin group's is what a probe is for)."""
+        return self._needs_catch_up(key) and self.acceptance.evidence(key) >= self.min_evidence
 
     def choose(self, caps: dict[object, int], other_tokens: int = 0, other_output: float = 0.0,
                other_longest_block: int = 0, away: dict[object, int] | None = None,
-               other_drafted: int = 0, probe: bool = True) -> Allocation:
+               other_drafted: int = 0, probe: bool = True,
+               sizes: dict[object, tuple[int, int]] | None = None) -> Allocation:
         """The next draft length of each key in `caps` (its cap on k), for a step that also carries
         `other_tokens` of work that follows no choice (prefill, fixed-k verifications) and yields `other_output`
         tokens, and whose drafts draft a block of `other_longest_block` tokens, `other_drafted` in all, whatever is
@@ -434,9 +504,16 @@ class DraftLengthController:
         `away`: sequences of the same batch away at their drafts (key: cap), chosen for with these, so that the
         price is the whole batch's; only `caps`' lengths are returned, and only they count for the probes. The
         allocation's goodput and expected tokens are the whole batch's. `probe`: False where the choice will be
-        overridden by plain decoding (the speculation trial's plain arm): no probe is taken or counted."""
+        overridden by plain decoding (the speculation trial's plain arm): no probe is taken or counted.
+        `sizes`: per key of `caps`, (its context's tokens, the tokens it may still emit), whence its catch-up's rows
+        per round (catch_up_rows; a key without them has none)."""
         pool = {**(away or {}), **caps}
-        candidates = [Candidate(key, cap, tuple(self.acceptance.rates(key, cap))) for key, cap in pool.items()]
+        sizes = sizes or {}
+        candidates = []
+        for key, cap in pool.items():
+            rates = tuple(self.acceptance.rates(key, cap))
+            size = sizes.get(key) if key in caps else None
+            candidates.append(Candidate(key, cap, rates, self.catch_up_rows(key, rates, *size) if size else 0.0))
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
         # wait for S of them is about the longest, priced as if the tokens were spread evenly over them
@@ -457,14 +534,25 @@ class DraftLengthController:
 
     def _probed(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
         """A probe's keys: at most max_probe_sequences of those the choice left below their cap, the groups probed
-        longest ago first, and in a group the sequences probed longest ago (never: first)."""
+        longest ago first, and in a group the sequences probed longest ago (never: first). At most
+        max_catch_up_probes of them are sequences the draft must catch up first (_needs_catch_up), the others being
+        passed over, unless their group's evidence is thin (then the probe is for that evidence): such a sequence's proposal comes late (the draft
+        feeds its missed tokens first), misses the steps the others run meanwhile, and then lags them. Measured
+        at 16 streams (default pair, 2 cores, ae2b257), every sequence held at k = 0: a probe of 4 kept those 4
+        away for 3 steps of the 12 others (2.4 s) for a token each, they finished late, in steps of 2 to 4
+        sequences, and auto ran 56 steps and 45 s of forward passes where k = 0 ran 52 and 41 s (0.89x)."""
         below = [key for key, cap in caps.items() if chosen[key] < cap]
         group_of, groups, keys = self.acceptance.group_of, self._group_probed_at, self._probed_at
         self._probes += 1
         picked: list[object] = []
+        catch_ups = 0
         for _ in range(min(len(below), self.max_probe_sequences)):
-            key = min((k for k in below if k not in picked),
-                      key=lambda k: (groups.get(group_of(k), -1), keys.get(k, -1)))
+            fits = [k for k in below if k not in picked
+                    and (catch_ups < self.max_catch_up_probes or not self._costs_catch_up(k))]
+            if not fits:
+                break
+            key = min(fits, key=lambda k: (groups.get(group_of(k), -1), keys.get(k, -1)))
+            catch_ups += self._costs_catch_up(key)
             picked.append(key)
             keys[key] = groups[group_of(key)] = self._probes
             groups.move_to_end(group_of(key))
