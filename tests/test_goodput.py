@@ -689,7 +689,7 @@ def test_a_probe_makes_the_draft_catch_up_at_most_one_sequence():
     assert all(len(p) == c.max_probe_sequences and len(p & set(stale)) == 1 for p in picked)
     assert set().union(*picked) >= set(stale)  # in turn: every stale one within six probes
     held = {SeqKey(2, i): 4 for i in range(16)}  # a batch all held at k = 0
-    for key in list(held)[8:]:  # half never drafted, half not for long
+    for key in list(held)[8:]:  # half never judged, half judged in rounds that drafted nothing
         for _ in range(c.catch_up_free_rounds + 1):
             c.observe_verification(key, 0, 0)
     probes = [p for p in (frozenset(k for k, n in c.choose(held).draft_lengths.items() if n) for _ in range(8)) if p]
@@ -744,9 +744,22 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
         c.observe_verification(plain, 0, 0)
     rates = (0.5, 0.5)  # a round at the cap yields 1.75 tokens
     assert c.catch_up_rows(drafting, rates, 40, 35) == 0.0
-    assert c.catch_up_rows(plain, rates, 40, 35) == pytest.approx(10 / (35 / 1.75))  # 9 plain rounds, 1 more
-    assert c.catch_up_rows(new, rates, 40, 35) == pytest.approx(40 / (35 / 1.75))  # never drafted: its context
+    assert c.catch_up_rows(plain, rates, 40, 21) == pytest.approx(10 / (21 / 1.75))  # 9 plain rounds, 1 more
+    assert c.catch_up_rows(new, rates, 40, 21) == pytest.approx(40 / (21 / 1.75))  # never drafted: its context
     assert c.catch_up_rows(plain, rates, 40, 1) == 10.0  # its last round pays it all
     assert c.catch_up_rows(plain, (), 40, 35) == 0.0  # a cap of 0: it drafts nothing
-    sizes = {new: (40, 35), drafting: (40, 35), plain: (40, 35)}
-    assert c.choose(dict.fromkeys(sizes, 2), sizes=sizes) is not None
+    assert c.catch_up_rows(plain, rates, 4000, 4000) == pytest.approx(10 / c.catch_up_horizon)  # not 4000 / 1.75
+
+    import verifier_service.goodput as goodput
+    seen = []
+    real = goodput.choose_draft_lengths
+    goodput.choose_draft_lengths = lambda cands, *a: seen.append(list(cands)) or real(cands, *a)
+    try:
+        sizes = {new: (40, 35), drafting: (40, 35), plain: (40, 35)}
+        c.choose(dict.fromkeys(sizes, 2), sizes=sizes, away={SeqKey(1, 9): 2})
+    finally:
+        goodput.choose_draft_lengths = real
+    rows = {cand.key: cand.catch_up_rows for cand in seen[0]}
+    assert rows == {SeqKey(1, 9): 0.0, **{key: c.catch_up_rows(key, tuple(c.acceptance.rates(key, 2)), 40, 35)
+                                          for key in sizes}}
+    assert rows[new] > rows[plain] > rows[drafting] == 0.0

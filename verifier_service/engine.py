@@ -229,9 +229,11 @@ class VerifierEngine:
                     other_output += block.output
                     other_longest = max(other_longest, block.positions)
                     other_drafted += block.drafted
-        plain = self.trial is not None and self.trial.running is Arm.PLAIN  # its zeros would erase a probe
+        # the trial's plain arm: its zeros would erase a probe, and its own zeros are no catch-up to price (what the
+        # trial reads is whether speculation would draft; priced so, every sequence it held would stay held)
+        plain = self.trial is not None and self.trial.running is Arm.PLAIN
         chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted,
-                                 probe=not plain, sizes=sizes) if caps else None)
+                                 probe=not plain, sizes=None if plain else sizes) if caps else None)
         if self.trial is not None:
             gain = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:

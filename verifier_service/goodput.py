@@ -252,9 +252,14 @@ class DraftLengthController:
     max_thin_probes: int = 8  # per group
     max_probe_sequences: int = 4
     # of a probe's sequences (not a thin group's), at most this many may be ones the draft must catch up first (see
-    # _probed): one that drafted nothing in more than `catch_up_free_rounds` verifications in a row, or never
+    # _probed): one that drafted nothing in more than `catch_up_free_rounds` verifications in a row, or never (7: a
+    # debt of at most 8 tokens, the last drafted round's correction included, is what the draft feeds without
+    # calling it a catch-up, draft_model.CATCH_UP_FREE_TOKENS)
     max_catch_up_probes: int = 1
-    catch_up_free_rounds: int = 1
+    catch_up_free_rounds: int = 7
+    # the most rounds of drafting a catch-up's rows are spread over (catch_up_rows): the choice is made again every
+    # step, and a request's max_tokens (4096, say) says little of how long it runs or keeps drafting
+    catch_up_horizon: float = 16.0
     max_probe_every: int = 512
     max_probe_interval_s: float = 30.0
     # the step-time model and the acceptance are estimates: when plain decoding is within 3 % of the best goodput
@@ -477,7 +482,7 @@ class DraftLengthController:
         """The rows the draft would feed before drafting for `key` (0 unless _needs_catch_up: the tokens verified
         since its last block, or its whole context where it never drafted; the draft may have warmed some, which
         the verifier cannot see), spread over the rounds of drafting at its cap (acceptance `rates`) that the
-        `left` tokens it may still emit take: paid once, it buys those rounds. Measured at 32 streams (default
+        `left` tokens it may still emit take, at most catch_up_horizon: paid once, it buys those rounds. Measured at 32 streams (default
         pair, 2 cores), three sequences finishing turned the choice for the 29 left, every one held at k = 0 for
         25 rounds, to 2 tokens each: the draft fed them 64 rows of catch-up first (deferring the rest), the round
         took 2.3 s where plain ones took 1.2, and the batch broke into steps of 1 to 27 sequences to its end."""
@@ -486,7 +491,7 @@ class DraftLengthController:
         rounds = self._plain_rounds.get(key)
         debt = context if rounds is None else min(context, rounds + 1)
         per_round = 1.0 + float(np.sum(np.cumprod(rates)))
-        return debt / max(1.0, left / per_round)
+        return debt / min(max(1.0, left / per_round), self.catch_up_horizon)
 
     def _costs_catch_up(self, key: object) -> bool:
         """Whether a probe of `key` counts against max_catch_up_probes: it needs a catch-up, and its group's
@@ -546,13 +551,16 @@ class DraftLengthController:
         self._probes += 1
         picked: list[object] = []
         catch_ups = 0
+
+        def costs(k: object) -> bool:  # one the choice drafts for catches up whether probed or not
+            return not chosen[k] and self._costs_catch_up(k)
+
         for _ in range(min(len(below), self.max_probe_sequences)):
-            fits = [k for k in below if k not in picked
-                    and (catch_ups < self.max_catch_up_probes or not self._costs_catch_up(k))]
+            fits = [k for k in below if k not in picked and (catch_ups < self.max_catch_up_probes or not costs(k))]
             if not fits:
                 break
             key = min(fits, key=lambda k: (groups.get(group_of(k), -1), keys.get(k, -1)))
-            catch_ups += self._costs_catch_up(key)
+            catch_ups += costs(key)
             picked.append(key)
             keys[key] = groups[group_of(key)] = self._probes
             groups.move_to_end(group_of(key))
