@@ -44,6 +44,15 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
 
 
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (true/false), got {text!r}")
+
+
 def option(default: Any, help: str, *, parse: Any = None, choices: tuple[str, ...] | None = None,
            flag: str | None = None, show: Any = None) -> Any:
     """A config field that is also a CLI flag. `parse` reads the flag's text (default: the type of `default`;
@@ -78,9 +87,12 @@ class StaticForwardConfig:
     """The flags both model services share for static device buffers and CUDA/HIP graphs
     (common.static_forward)."""
 
-    cuda_graphs: bool = option(False, "on a GPU, capture the forward of decode-sized steps (every token's logits "
-                               "wanted, <= 16 tokens per sequence) as CUDA/HIP graphs at start-up, one per size "
-                               "bucket up to --cuda-graph-max-tokens, and replay them")
+    cuda_graphs: bool | None = option(None, "capture the forward of decode-sized steps (every token's logits "
+                                      "wanted, <= 16 tokens per sequence) as CUDA/HIP graphs at start-up, one per "
+                                      "size bucket up to --cuda-graph-max-tokens, and replay them; true/false; "
+                                      "unset: on for a CUDA GPU with the native implementation, off on ROCm (no "
+                                      "HIP GPU has run a capture yet), CPU and the transformers backend",
+                                      parse=parse_bool)
     cuda_graph_max_tokens: int = option(512, "largest decode-sized step run through static device buffers on the "
                                         "Triton path (with --cuda-graphs: the largest captured bucket)")
 
@@ -150,15 +162,6 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, default=None, type=s
         default = type(raw)
     shown = show(default) if show is not None and default is not None else default
     parser.add_argument(flag, default=default, type=type, help=f"{help} [env {env}; default {shown}]", **kwargs)
-
-
-def parse_bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected a boolean (true/false), got {text!r}")
 
 
 def parse_bytes(text: str) -> int:

@@ -103,3 +103,11 @@ def test_parse_bytes():
     assert parse_bytes("1GiB") == 1 << 30 and parse_bytes("512M") == 512 << 20 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError):
         parse_bytes("lots")
+
+
+@pytest.mark.parametrize("config_cls", [VerifierConfig, DraftConfig])
+def test_cuda_graphs_is_on_off_or_left_to_the_device(config_cls, monkeypatch):
+    assert _parse(config_cls, ["--model", "m"]).cuda_graphs is None  # unset: common.static_forward chooses
+    assert _parse(config_cls, ["--model", "m", "--cuda-graphs"]).cuda_graphs is True
+    assert _parse(config_cls, ["--model", "m", "--cuda-graphs", "false"]).cuda_graphs is False
+    assert _parse(config_cls, ["--model", "m"], monkeypatch, {"SPECWIRE_CUDA_GRAPHS": "0"}).cuda_graphs is False

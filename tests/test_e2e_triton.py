@@ -21,8 +21,10 @@ from tiny_models import build_model, greedy_continuation, make_text_pair, model_
 
 DEVICE = os.environ.get("SPECWIRE_TEST_DEVICE", "cpu")
 TRITON_ENV = {"SPECWIRE_KERNELS": "triton", **({"TRITON_INTERPRET": "1"} if DEVICE == "cpu" else {})}
-# bench/gpu_check.py runs the module a second time with graphs captured and replayed (a GPU only)
-GRAPHS = ["--cuda-graphs"] if os.environ.get("SPECWIRE_TEST_CUDA_GRAPHS") == "1" else []
+# bench/gpu_check.py runs the module twice on a GPU: eagerly (0) and with graphs captured and replayed (1); unset,
+# the services choose (graphs on a CUDA GPU, none on the CPU)
+GRAPHS = {"1": ["--cuda-graphs", "true"], "0": ["--cuda-graphs", "false"]}.get(
+    os.environ.get("SPECWIRE_TEST_CUDA_GRAPHS", ""), [])
 
 
 def _stack(target, draft, log_dir, *, k=4):
@@ -39,10 +41,21 @@ def triton_stack(models_dir):
     running.stack.stop()
 
 
+def _graphs_expected() -> bool:
+    """What the services were asked for, or by default would choose, on this device."""
+    from common.static_forward import graphs_by_default
+
+    chosen = os.environ.get("SPECWIRE_TEST_CUDA_GRAPHS", "")
+    if chosen in ("0", "1"):
+        return chosen == "1"
+    return graphs_by_default(torch.device(DEVICE), "native", hip=torch.version.hip is not None)
+
+
 def _assert_triton_ran(stack):
     for service in stack.stack.services:
         log = service.log_text()
         assert "must not run" not in log, log[-3000:]
+        assert ("graphs_captured" in log) == _graphs_expected(), log[-3000:]
     assert stack.metric("specwire_kv_blocks_used") == 0
     # decode-sized steps went through the static device buffers a graph replays (common.static_forward)
     assert stack.metric("specwire_static_steps_total") > 0

@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from common import paged_model, transformers_model
+from common import paged_model, static_forward, transformers_model
 from common.block_manager import BlockManager
 from common.kv_cache import KVCache
 from common.paged_model import ForwardBatch, PagedCausalLM, kv_cache_spec
-from common.static_forward import StaticForward, build_static_forward, graph_sizes
+from common.static_forward import StaticForward, build_static_forward, graph_sizes, graphs_by_default
 from common.transformers_model import ATTENTION_NAME, TransformersPagedLM, kv_cache_spec_by_probe, register_attention
 from kernels import kv_cache_write, platform
 
@@ -37,6 +37,28 @@ def test_graphs_need_a_gpu():
     runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 4, BLOCK), pack_weights=False)
     with pytest.raises(ValueError, match="--cuda-graphs needs a GPU"):
         build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=True)
+
+
+def test_graphs_are_on_by_default_on_a_cuda_gpu_with_the_native_implementation_only():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert graphs_by_default(cuda, "native", hip=False)
+    assert not graphs_by_default(cuda, "native", hip=True)  # ROCm: no HIP GPU has run a capture yet
+    assert not graphs_by_default(cuda, "transformers", hip=False)
+    assert not graphs_by_default(cpu, "native", hip=False)
+
+
+def test_an_unset_flag_asks_the_default_and_the_cpu_gets_no_graphs(monkeypatch):
+    monkeypatch.setattr(platform, "use_triton", lambda *t: True)
+    model = build_model(model_config("qwen2", VOCAB, eos_token_id=None), seed=1, dtype=torch.float32)
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 4, BLOCK), pack_weights=False)
+    static = build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None)
+    assert static is not None and static.graphs == {}
+    asked = []
+    monkeypatch.setattr(static_forward, "graphs_by_default", lambda *a, **kw: asked.append(a) or True)
+    with pytest.raises(ValueError, match="--cuda-graphs needs a GPU"):  # the default's answer is what is built
+        build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None)
+    assert asked == [(runner.device, "native")]
+    assert build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=False).graphs == {}
 
 
 def test_graphs_are_refused_on_the_transformers_backend(monkeypatch):
