@@ -7,7 +7,8 @@ Steps, each recorded in $OUT/gpu_check.json (or --out), and a table on stdout:
 1. the environment: torch, triton, device, platform;
 2. every kernel against its reference on the device, and the Philox generator bit for bit (bench/kernels.py);
 3. the end-to-end tests through both services on the device (tests/test_e2e_triton.py with SPECWIRE_TEST_DEVICE),
-   eagerly and again with --cuda-graphs, and a verifier that sizes its KV pool by --gpu-memory-utilization;
+   eagerly, with --cuda-graphs and with the flag unset (the default: graphs, which the test checks), and a
+   verifier that sizes its KV pool by --gpu-memory-utilization;
 4. a captured graph's replay against the eager step (logits, argmax, the KV it writes);
 5. kernel timings against the measured copy bandwidth (bench/kernels.py);
 6. verify-step timings of random-weight bf16 models shaped like Qwen2.5-1.5B and a 7B (Qwen2.5-7B): batch 1, 8,
@@ -52,6 +53,11 @@ def environment(device: str) -> dict:
         props = torch.cuda.get_device_properties(0)
         env.update(name=props.name, memory_gib=round(props.total_memory / 2**30, 1),
                    platform=f"HIP {torch.version.hip}" if torch.version.hip else f"CUDA {torch.version.cuda}")
+        try:  # the driver: nvidia-smi where there is one (ROCm has rocm-smi; not read)
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
     return env
 
 
@@ -72,14 +78,20 @@ def kernels(smoke: bool, out_dir: Path) -> dict:
     return results
 
 
-def end_to_end(out_dir: Path, *, graphs: bool = False) -> dict:
-    """tests/test_e2e_triton.py on the GPU: both services with --device cuda (and --cuda-graphs), greedy identity,
-    seeded reproducibility and the statistical test with its negative control."""
-    env = {**os.environ, "SPECWIRE_TEST_DEVICE": "cuda", "SPECWIRE_TEST_CUDA_GRAPHS": "1" if graphs else "0"}
+def end_to_end(out_dir: Path, *, graphs: bool | None = False) -> dict:
+    """tests/test_e2e_triton.py on the GPU: both services with --device cuda (--cuda-graphs false, true, or unset:
+    the default, which the test checks is graphs on CUDA), greedy identity, seeded reproducibility and the
+    statistical test with its negative control; with the captures each service logged."""
+    env = {**os.environ, "SPECWIRE_TEST_DEVICE": "cuda"}
     env.pop("TRITON_INTERPRET", None)
-    name = "e2e-graphs" if graphs else "e2e"
+    env.pop("SPECWIRE_TEST_CUDA_GRAPHS", None)
+    if graphs is not None:
+        env["SPECWIRE_TEST_CUDA_GRAPHS"] = "1" if graphs else "0"
+    name = {None: "e2e-default", True: "e2e-graphs", False: "e2e"}[graphs]
+    basetemp = out_dir / f"{name}-tmp"
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           str(ROOT / "tests" / "test_e2e_triton.py"), f"--junitxml={out_dir / (name + '.xml')}"]
+           str(ROOT / "tests" / "test_e2e_triton.py"), f"--junitxml={out_dir / (name + '.xml')}",
+           f"--basetemp={basetemp}"]
     t0 = time.perf_counter()
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     print(run.stdout[-3000:])
@@ -87,7 +99,13 @@ def end_to_end(out_dir: Path, *, graphs: bool = False) -> dict:
         raise CheckFailed(f"end-to-end tests ({name}) failed on the device:\n{run.stdout[-4000:]}\n{run.stderr[-2000:]}")
     if " skipped" in run.stdout:
         raise CheckFailed(f"an end-to-end test ({name}) skipped on the GPU")
-    return {"passed": True, "seconds": round(time.perf_counter() - t0, 1)}
+    captures = []
+    for log in sorted(basetemp.rglob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if '"graphs_captured"' in line:
+                event = json.loads(line[line.index("{"):])
+                captures.append({k: event.get(k) for k in ("service", "sizes", "seconds", "memory_bytes")})
+    return {"passed": True, "seconds": round(time.perf_counter() - t0, 1), "graphs_captured": captures}
 
 
 def gpu_pool_sizing(out_dir: Path) -> dict:
@@ -104,11 +122,13 @@ def gpu_pool_sizing(out_dir: Path) -> dict:
         service = stack.start("sizing-verifier", ["verifier", "--model", str(target), "--device", "cuda",
                                                   "--gpu-memory-utilization", "0.5"], log_dir=out_dir, timeout_s=180)
         log = service.log_text()
-    sizing = re.search(r"kv_cache_sizing.*", log)
+    sizing = re.search(r"\{[^\n]*\"kv_cache_sizing\"[^\n]*\}", log)
     blocks = re.search(r"num_blocks[\"=: ]+(\d+)", log)
     if not sizing or not blocks or int(blocks.group(1)) < 1:
         raise CheckFailed(f"the verifier did not size its pool from the GPU's memory:\n{log[-3000:]}")
-    return {"num_blocks": int(blocks.group(1)), "log": sizing.group(0)[:300]}
+    event = json.loads(sizing.group(0))
+    return {"num_blocks": int(blocks.group(1)), "budget_bytes": event.get("budget_bytes"),
+            "peak_bytes": event.get("peak_bytes"), "gpu_memory_utilization": event.get("gpu_memory_utilization")}
 
 
 def build_random_model(shape: tuple, device: str, dtype: torch.dtype):
@@ -290,6 +310,7 @@ def main() -> int:
             report["end_to_end"] = end_to_end(args.out)
             if not args.smoke:
                 report["end_to_end_graphs"] = end_to_end(args.out, graphs=True)
+                report["end_to_end_default"] = end_to_end(args.out, graphs=None)
         if not args.smoke:
             report["pool_sizing"] = gpu_pool_sizing(args.out)
             report["graph_replay"] = graph_replay("cuda")

@@ -220,22 +220,25 @@ class StaticForward:
                  memory_bytes=max(0, free_before - torch.cuda.mem_get_info(self.device)[0]))
 
 
-def graphs_by_default(device: torch.device, model_impl: str, *, hip: bool) -> bool:
-    """--cuda-graphs left unset: graphs on a CUDA GPU with the native implementation. The GPU check captured and
-    replayed them on an H200 (the replay's logits and KV equal to the eager step's, the end-to-end tests passed
-    with them) and a 7B-shaped verification step took 9 ms replayed against 31 ms eager at batch 1. Off on ROCm,
-    where no HIP GPU has run a capture yet, on the CPU and on the transformers backend (which refuses them)."""
-    return device.type == "cuda" and not hip and model_impl != "transformers"
+def graphs_by_default(device: torch.device, model_impl: str, *, hip: bool, triton: bool) -> bool:
+    """--cuda-graphs left unset: graphs on a CUDA GPU with the native implementation and the Triton kernels. The
+    GPU check captured and replayed them on an H200 (the replay's logits and KV equal to the eager step's, the
+    end-to-end tests passed with them) and a 7B-shaped verification step took 9 ms replayed against 31 ms eager at
+    batch 1. Off on ROCm, where no HIP GPU has run a capture yet, on the CPU, on the transformers backend (which
+    refuses them) and under SPECWIRE_KERNELS=reference (the static buffers feed the Triton kernels)."""
+    return device.type == "cuda" and not hip and triton and model_impl != "transformers"
 
 
 def build_static_forward(model: PagedCausalLM, *, max_tokens: int, max_model_len: int, block_size: int,
                          graphs: bool | None) -> StaticForward | None:
     """The static path where the Triton kernels run (a GPU, or SPECWIRE_KERNELS=triton); None on the CPU's
     torch path, whose attention reads host lists. Graphs asked for without a GPU are a clear error (raised by
-    StaticForward); None (the flag unset) chooses by graphs_by_default."""
+    StaticForward); None (the flag unset) chooses by graphs_by_default, and a capture that fails then (out of
+    memory, say) leaves the service on the static buffers without graphs, where one asked for stops it."""
     chosen = graphs is None
     if chosen:
-        graphs = graphs_by_default(model.device, getattr(model, "model_impl", "native"), hip=platform.is_rocm())
+        graphs = graphs_by_default(model.device, getattr(model, "model_impl", "native"), hip=platform.is_rocm(),
+                                   triton=platform.use_triton(model.embed_tokens.weight))
     if not graphs and not platform.use_triton(model.embed_tokens.weight):
         return None
     if getattr(model, "model_impl", "native") == "transformers":
@@ -250,7 +253,18 @@ def build_static_forward(model: PagedCausalLM, *, max_tokens: int, max_model_len
                      "output (a logit transform specwire does not know): every step takes the full forward")
             return None
     static = StaticForward(model, max_tokens=max_tokens, max_blocks_per_seq=-(-max_model_len // block_size),
-                           graphs=graphs)
+                           graphs=bool(graphs) and not chosen)
+    if graphs and chosen:
+        try:
+            static.capture()
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            static.graphs.clear()
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+                torch.cuda.empty_cache()
+            log.warning("graphs_not_captured", error=str(err)[:300], fallback="static buffers without graphs; "
+                        "--cuda-graphs false skips the capture, --cuda-graphs true makes its failure stop the service")
+            graphs = False
     log.info("static_forward", max_tokens=max_tokens, graphs=sorted(static.graphs) if graphs else None,
              graphs_by_default=chosen)
     return static

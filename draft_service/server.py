@@ -86,7 +86,8 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
     info = describe_device(device)
     log.info("draft_model", device=info.device, device_name=info.name, platform=info.platform, dtype=dtype,
              kv_blocks=num_blocks, capacity_tokens=num_blocks * config.block_size)
-    static = build_static_forward(runner, max_tokens=config.cuda_graph_max_tokens, max_model_len=loaded.max_model_len,
+    static = build_static_forward(runner, max_tokens=min(config.cuda_graph_max_tokens, config.max_num_batched_tokens),
+                                  max_model_len=loaded.max_model_len,
                                   block_size=config.block_size, graphs=config.cuda_graphs)
     model = DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support, static,
                        on_static_step=metrics.static_steps.inc if metrics else None,

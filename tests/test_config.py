@@ -111,3 +111,5 @@ def test_cuda_graphs_is_on_off_or_left_to_the_device(config_cls, monkeypatch):
     assert _parse(config_cls, ["--model", "m", "--cuda-graphs"]).cuda_graphs is True
     assert _parse(config_cls, ["--model", "m", "--cuda-graphs", "false"]).cuda_graphs is False
     assert _parse(config_cls, ["--model", "m"], monkeypatch, {"SPECWIRE_CUDA_GRAPHS": "0"}).cuda_graphs is False
+    # compose's way to unset a variable: the default stays the device's choice
+    assert _parse(config_cls, ["--model", "m"], monkeypatch, {"SPECWIRE_CUDA_GRAPHS": ""}).cuda_graphs is None

@@ -41,10 +41,11 @@ def test_graphs_need_a_gpu():
 
 def test_graphs_are_on_by_default_on_a_cuda_gpu_with_the_native_implementation_only():
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert graphs_by_default(cuda, "native", hip=False)
-    assert not graphs_by_default(cuda, "native", hip=True)  # ROCm: no HIP GPU has run a capture yet
-    assert not graphs_by_default(cuda, "transformers", hip=False)
-    assert not graphs_by_default(cpu, "native", hip=False)
+    assert graphs_by_default(cuda, "native", hip=False, triton=True)
+    assert not graphs_by_default(cuda, "native", hip=True, triton=True)  # ROCm: no HIP GPU has run a capture yet
+    assert not graphs_by_default(cuda, "transformers", hip=False, triton=True)
+    assert not graphs_by_default(cuda, "native", hip=False, triton=False)  # SPECWIRE_KERNELS=reference
+    assert not graphs_by_default(cpu, "native", hip=False, triton=True)
 
 
 def test_an_unset_flag_asks_the_default_and_the_cpu_gets_no_graphs(monkeypatch):
@@ -53,12 +54,39 @@ def test_an_unset_flag_asks_the_default_and_the_cpu_gets_no_graphs(monkeypatch):
     runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 4, BLOCK), pack_weights=False)
     static = build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None)
     assert static is not None and static.graphs == {}
-    asked = []
-    monkeypatch.setattr(static_forward, "graphs_by_default", lambda *a, **kw: asked.append(a) or True)
-    with pytest.raises(ValueError, match="--cuda-graphs needs a GPU"):  # the default's answer is what is built
-        build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None)
-    assert asked == [(runner.device, "native")]
+    asked, captured = [], []
+    monkeypatch.setattr(static_forward, "graphs_by_default", lambda *a, **kw: asked.append((a, kw)) or True)
+    monkeypatch.setattr(StaticForward, "capture", lambda self: captured.append(self))
+    static = build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None)
+    assert captured == [static]  # the default's answer is what is built
+    assert asked == [((runner.device, "native"), {"hip": platform.is_rocm(), "triton": True})]
     assert build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=False).graphs == {}
+    assert len(captured) == 1
+
+
+def test_a_default_capture_that_fails_leaves_the_static_buffers_and_an_asked_one_stops_the_service(monkeypatch):
+    monkeypatch.setattr(platform, "use_triton", lambda *t: True)
+    model = build_model(model_config("qwen2", VOCAB, eos_token_id=None), seed=1, dtype=torch.float32)
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 4, BLOCK), pack_weights=False)
+    monkeypatch.setattr(static_forward, "graphs_by_default", lambda *a, **kw: True)
+
+    def capture(self):
+        self.graphs[1] = "half-captured"
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(StaticForward, "capture", capture)
+    static = build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None)
+    assert static is not None and static.graphs == {}
+    with pytest.raises(ValueError, match="--cuda-graphs needs a GPU"):  # asked for: checked before any capture
+        build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=True)
+
+
+def test_the_reference_kernels_get_no_static_path_by_default(monkeypatch):
+    monkeypatch.setattr(platform, "use_triton", lambda *t: False)
+    model = build_model(model_config("qwen2", VOCAB, eos_token_id=None), seed=1, dtype=torch.float32)
+    runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 4, BLOCK), pack_weights=False)
+    monkeypatch.setattr(PagedCausalLM, "device", property(lambda self: torch.device("cuda", 0)))  # a GPU's model
+    assert build_static_forward(runner, max_tokens=8, max_model_len=64, block_size=BLOCK, graphs=None) is None
 
 
 def test_graphs_are_refused_on_the_transformers_backend(monkeypatch):
