@@ -136,11 +136,13 @@ def wait_started(address_or_port_file: str | Path, port: int | None, timeout_s: 
 
 
 def scrape_metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
-    """One sample of a Prometheus /metrics page: `name` with exactly `labels` (None: absent)."""
+    """One sample of a Prometheus /metrics page: `name` with exactly `labels`, in any order (None: absent)."""
     text = urllib.request.urlopen(url, timeout=5).read().decode()
-    selector = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-    m = re.search(rf"^{re.escape(name + selector)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else None
+    want = {(k, str(v)) for k, v in (labels or {}).items()}
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", text, re.M):
+        if set(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or "")) == want:
+            return float(m.group(2))
+    return None
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,

@@ -108,6 +108,41 @@ def test_seeded_sampling_is_reproducible_through_the_triton_path(triton_stack):
     _assert_triton_ran(triton_stack)
 
 
+def test_greedy_trees_equal_target_only_through_the_triton_path(triton_stack):
+    """Token trees through the kernels: the attention's ancestor masks, the tree verdict in the rejection sampler,
+    the accepted path's K and V moved after it; a second draft service drafting trees on the same verifier."""
+    from transformers import AutoTokenizer
+
+    from specwire.launch import scrape_metric
+
+    service, metrics = triton_stack.start_draft("tree-draft", ["--tree-branches", "3", "--tree-nodes", "16",
+                                                               "--speculation", "fixed"])
+    try:
+        tok = AutoTokenizer.from_pretrained(triton_stack.target_dir)
+        prompts = ["def fibonacci(n):", "The quick brown fox"]
+        n = 12
+
+        async def run_all():
+            async with specwire.AsyncClient(service.address) as client:
+                return await asyncio.gather(*[client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True,
+                                                              num_speculative_tokens=4) for p in prompts])
+
+        results = asyncio.run(run_all())
+        for prompt, result in zip(prompts, results, strict=True):
+            expected = greedy_continuation(triton_stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
+            assert result.token_ids == expected, prompt
+        assert sum(r.stats.num_accepted_tokens for r in results) > 0
+        branched = scrape_metric(metrics, "specwire_draft_tree_proposals_total", {"shape": "branched",
+                                                                                  "pipelined": "false"})
+        assert branched and branched > 0  # trees with alternatives were verified, not only chains
+        log = service.log_text()
+        assert "must not run" not in log, log[-3000:]
+    finally:
+        triton_stack.stop_service(service)
+    triton_stack.wait_for_metric("specwire_kv_blocks_used", 0)
+    _assert_triton_ran(triton_stack)
+
+
 @pytest.fixture(scope="module")
 def triton_stat_stack(models_dir):
     tok = word_tokenizer(STAT_VOCAB)

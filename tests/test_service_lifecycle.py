@@ -72,3 +72,18 @@ def test_verifiers_on_port_0_name_the_ports_they_bound(text_stack):
                     health_pb2.HealthCheckRequest(service="specwire.v1.Verifier"), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         assert all(s.error is None for s in services)
+
+
+def test_a_scraped_sample_is_found_by_its_labels_in_any_order(monkeypatch):
+    import io
+
+    from specwire import launch
+
+    page = ('# TYPE t_total counter\nt_total{pipelined="false",shape="branched"} 7.0\n'
+            't_total{pipelined="true",shape="branched"} 2.0\nplain 3.0\nplain_more 4.0\n')
+    monkeypatch.setattr(launch.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(page.encode()))
+    assert scrape_metric("u", "t_total", {"shape": "branched", "pipelined": "false"}) == 7.0
+    assert scrape_metric("u", "t_total", {"pipelined": "true", "shape": "branched"}) == 2.0
+    assert scrape_metric("u", "t_total", {"shape": "branched"}) is None  # exactly the labels given
+    assert scrape_metric("u", "plain") == 3.0
+    assert scrape_metric("u", "t_total") is None
