@@ -115,8 +115,14 @@ def test_greedy_trees_equal_target_only_through_the_triton_path(triton_stack):
 
     from specwire.launch import scrape_metric
 
-    service, metrics = triton_stack.start_draft("tree-draft", ["--tree-branches", "3", "--tree-nodes", "16",
-                                                               "--speculation", "fixed"])
+    services_before = list(triton_stack.stack.services)
+    try:
+        service, metrics = triton_stack.start_draft("tree-draft", ["--tree-branches", "3", "--tree-nodes", "16",
+                                                                   "--speculation", "fixed"])
+    except Exception:  # a draft that failed to start must not stay in the module's stack for the later tests
+        for started in [s for s in triton_stack.stack.services if s not in services_before]:
+            triton_stack.stop_service(started)
+        raise
     try:
         tok = AutoTokenizer.from_pretrained(triton_stack.target_dir)
         prompts = ["def fibonacci(n):", "The quick brown fox"]

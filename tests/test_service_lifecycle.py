@@ -80,7 +80,7 @@ def test_a_scraped_sample_is_found_by_its_labels_in_any_order(monkeypatch):
     from specwire import launch
 
     page = ('# TYPE t_total counter\nt_total{pipelined="false",shape="branched"} 7.0\n'
-            't_total{pipelined="true",shape="branched"} 2.0\nplain 3.0\nplain_more 4.0\n')
+            't_total{pipelined="true",shape="branched"} 2.0\nplain_more 4.0\nplain 3.0\n')
     monkeypatch.setattr(launch.urllib.request, "urlopen", lambda url, timeout: io.BytesIO(page.encode()))
     assert scrape_metric("u", "t_total", {"shape": "branched", "pipelined": "false"}) == 7.0
     assert scrape_metric("u", "t_total", {"pipelined": "true", "shape": "branched"}) == 2.0
