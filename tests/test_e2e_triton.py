@@ -21,8 +21,8 @@ from tiny_models import build_model, greedy_continuation, make_text_pair, model_
 
 DEVICE = os.environ.get("SPECWIRE_TEST_DEVICE", "cpu")
 TRITON_ENV = {"SPECWIRE_KERNELS": "triton", **({"TRITON_INTERPRET": "1"} if DEVICE == "cpu" else {})}
-# bench/gpu_check.py runs the module twice on a GPU: eagerly (0) and with graphs captured and replayed (1); unset,
-# the services choose (graphs on a CUDA GPU, none on the CPU)
+# bench/gpu_check.py runs the module three times on a GPU: eagerly (0), with graphs captured and replayed (1), and
+# unset, where the services choose (graphs on a CUDA GPU, none on the CPU)
 GRAPHS = {"1": ["--cuda-graphs", "true"], "0": ["--cuda-graphs", "false"]}.get(
     os.environ.get("SPECWIRE_TEST_CUDA_GRAPHS", ""), [])
 
@@ -60,25 +60,31 @@ def _assert_triton_ran(stack):
     assert stack.metric("specwire_draft_static_steps_total", draft=True) > 0
 
 
-def test_greedy_equals_target_only_through_the_triton_path(triton_stack):
+GREEDY_PROMPTS = ["def fibonacci(n):", "The quick brown fox"]
+
+
+def _assert_greedy_equals_target_only(stack, draft_address: str, ks: tuple[int, ...], n: int = 12) -> None:
+    """Every prompt at every k through `draft_address`, greedy: the target-only continuation, some drafts accepted."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(triton_stack.target_dir)
-    prompts = ["def fibonacci(n):", "The quick brown fox"]
-    n = 12
+    tok = AutoTokenizer.from_pretrained(stack.target_dir)
 
     async def run_all():
-        async with specwire.AsyncClient(triton_stack.draft) as client:
+        async with specwire.AsyncClient(draft_address) as client:
             return await asyncio.gather(*[client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True,
                                                           num_speculative_tokens=k)
-                                          for p in prompts for k in (1, 4)])
+                                          for p in GREEDY_PROMPTS for k in ks])
 
     results = asyncio.run(run_all())
-    for i, prompt in enumerate(prompts):
-        expected = greedy_continuation(triton_stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
-        for j, k in enumerate((1, 4)):
-            assert results[2 * i + j].token_ids == expected, f"prompt {prompt!r}, k={k}"
+    for i, prompt in enumerate(GREEDY_PROMPTS):
+        expected = greedy_continuation(stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
+        for j, k in enumerate(ks):
+            assert results[len(ks) * i + j].token_ids == expected, f"prompt {prompt!r}, k={k}"
     assert sum(r.stats.num_accepted_tokens for r in results) > 0
+
+
+def test_greedy_equals_target_only_through_the_triton_path(triton_stack):
+    _assert_greedy_equals_target_only(triton_stack, triton_stack.draft, (1, 4))
     _assert_triton_ran(triton_stack)
 
 
@@ -111,8 +117,6 @@ def test_seeded_sampling_is_reproducible_through_the_triton_path(triton_stack):
 def test_greedy_trees_equal_target_only_through_the_triton_path(triton_stack):
     """Token trees through the kernels: the attention's ancestor masks, the tree verdict in the rejection sampler,
     the accepted path's K and V moved after it; a second draft service drafting trees on the same verifier."""
-    from transformers import AutoTokenizer
-
     from specwire.launch import scrape_metric
 
     services_before = list(triton_stack.stack.services)
@@ -124,20 +128,7 @@ def test_greedy_trees_equal_target_only_through_the_triton_path(triton_stack):
             triton_stack.stop_service(started)
         raise
     try:
-        tok = AutoTokenizer.from_pretrained(triton_stack.target_dir)
-        prompts = ["def fibonacci(n):", "The quick brown fox"]
-        n = 12
-
-        async def run_all():
-            async with specwire.AsyncClient(service.address) as client:
-                return await asyncio.gather(*[client.generate(p, max_tokens=n, temperature=0.0, ignore_eos=True,
-                                                              num_speculative_tokens=4) for p in prompts])
-
-        results = asyncio.run(run_all())
-        for prompt, result in zip(prompts, results, strict=True):
-            expected = greedy_continuation(triton_stack.target_dir, tok.encode(prompt, add_special_tokens=False), n)
-            assert result.token_ids == expected, prompt
-        assert sum(r.stats.num_accepted_tokens for r in results) > 0
+        _assert_greedy_equals_target_only(triton_stack, service.address, (4,))
         branched = scrape_metric(metrics, "specwire_draft_tree_proposals_total", {"shape": "branched",
                                                                                   "pipelined": "false"})
         assert branched and branched > 0  # trees with alternatives were verified, not only chains
