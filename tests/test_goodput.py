@@ -748,7 +748,10 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     assert c.catch_up_rows(new, rates, 40, 21) == pytest.approx(40 / (21 / 1.75))  # never drafted: its context
     assert c.catch_up_rows(plain, rates, 40, 1) == 10.0  # its last round pays it all
     assert c.catch_up_rows(plain, (), 40, 35) == 0.0  # a cap of 0: it drafts nothing
-    assert c.catch_up_rows(plain, rates, 4000, 4000) == pytest.approx(10 / c.catch_up_horizon)  # not 4000 / 1.75
+    assert c.catch_up_rows(plain, rates, 4000, 4000) == pytest.approx(10 / (64 / 1.75))  # not 4000 / 1.75
+    # the horizon is in tokens: a low estimate of acceptance spreads the rows over more rounds, not over fewer
+    assert c.catch_up_rows(new, (0.1, 0.1), 40, 48) == pytest.approx(40 / (48 / 1.11))
+    assert c.catch_up_rows(new, (0.1, 0.1), 40, 4000) == pytest.approx(40 / (64 / 1.11))
 
     import verifier_service.goodput as goodput
     seen = []
