@@ -30,6 +30,17 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# the fewest rows a packed linear is called with (fewer are padded with zero rows, sliced off again): measured on
+# the 2-core AVX2 EPYC with 1 thread, oneDNN's path for 1 or 2 rows read a 1536x151936 fp32 lm_head at 83 ms, 4 rows
+# at 47 ms (1536x17920: 11.0 and 5.8 ms); with 2 threads 48 and 38 ms. A step of 1 token took 580 ms, one of 4 tokens
+# 389 (the default target, 128 tokens of context). Rows are computed independently, and 2 to 40 rows round alike.
+MIN_ROWS = 4
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class PackedLinear(torch.nn.Module):
     """y = x W^T + b for one or more concatenated nn.Linear layers, with W reordered for oneDNN."""
 
@@ -48,13 +59,15 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
         # NOTE: oneDNN takes another path for a single row, whose sums round differently from the same row in a
-        # batch (checked: 1 row differs, 2 to 40 rows agree bit for bit). One-row steps run as two identical rows,
-        # so a token's logits do not depend on whether it was decoded alone (k = 0) or verified in a block.
-        # Measured on 12 1536x8960 matrices: 9.20 ms for 1 row, 9.32 ms for 2 (bf16); 18.73 and 18.84 ms (fp32).
-        if x.shape[0] == 1:
-            return torch.ops.mkldnn._linear_pointwise(x.expand(2, -1).contiguous(), self.packed, self.bias, "none",
-                                                      [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # batch (checked: 1 row differs, 2 to 40 rows agree bit for bit), and its 2-row path is slow (MIN_ROWS).
+        # Fewer rows than MIN_ROWS run padded to MIN_ROWS, so a token's logits do not depend on whether it was
+        # decoded alone (k = 0) or verified in a block, and a step of one or two tokens is not the slowest one.
+        rows = x.shape[0]
+        if rows < MIN_ROWS:
+            padded = x.new_zeros(MIN_ROWS, x.shape[1])
+            padded[:rows] = x
+            return _onednn_linear(padded, self.packed, self.bias)[:rows]
+        return _onednn_linear(x, self.packed, self.bias)
 
 
 class Int8Linear(torch.nn.Module):

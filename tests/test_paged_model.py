@@ -136,5 +136,26 @@ def test_packed_linear_rows_do_not_depend_on_the_row_count(dtype):
     x = torch.randn(5, 1536).to(dtype)
     first = layer(x[:1])
     assert first.shape == (1, 8960)
-    for rows in (2, 3, 5):
+    for rows in (2, 3, 4, 5):
         assert torch.equal(layer(x[:rows])[:1], first), rows
+
+
+def test_packed_linear_runs_few_rows_padded(monkeypatch):
+    """Fewer rows than MIN_ROWS reach oneDNN padded (its 1- and 2-row paths are the slow ones), and come back as
+    many as went in, each row what it is in a larger batch."""
+    import common.cpu_linear as cpu_linear
+
+    if not cpu_linear.onednn_packs(torch.float32):
+        pytest.skip("oneDNN packs no float32 weights on this CPU")
+    seen = []
+    real = cpu_linear._onednn_linear
+    monkeypatch.setattr(cpu_linear, "_onednn_linear", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    torch.manual_seed(0)
+    layer = cpu_linear.PackedLinear(torch.nn.Linear(64, 48))
+    x = torch.randn(6, 64)
+    whole = layer(x)
+    for rows in (1, 2, 3):
+        out = layer(x[:rows])
+        assert out.shape == (rows, 48)
+        assert torch.equal(out, whole[:rows]), rows
+    assert seen == [6, 4, 4, 4]
