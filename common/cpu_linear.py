@@ -63,7 +63,7 @@ class PackedLinear(torch.nn.Module):
         # Fewer rows than MIN_ROWS run padded to MIN_ROWS, so a token's logits do not depend on whether it was
         # decoded alone (k = 0) or verified in a block, and a step of one or two tokens is not the slowest one.
         rows = x.shape[0]
-        if rows < MIN_ROWS:
+        if 0 < rows < MIN_ROWS:
             padded = x.new_zeros(MIN_ROWS, x.shape[1])
             padded[:rows] = x
             return _onednn_linear(padded, self.packed, self.bias)[:rows]

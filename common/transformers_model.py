@@ -202,7 +202,7 @@ def check_model(model: Any) -> None:
 
 class _PackedLinearModule(torch.nn.Module):
     """An nn.Linear's drop-in on CPU: its weight reordered once for oneDNN (common.cpu_linear.PackedLinear: several
-    times faster than aten for the few rows of a decoding step, and a one-row step computed as two rows, so a
+    times faster than aten for the few rows of a decoding step, and a step of fewer rows padded to MIN_ROWS, so a
     token's logits do not depend on the block it is verified in). Any leading dims, as nn.Linear takes."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:

@@ -749,9 +749,12 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     assert c.catch_up_rows(plain, rates, 40, 1) == 10.0  # its last round pays it all
     assert c.catch_up_rows(plain, (), 40, 35) == 0.0  # a cap of 0: it drafts nothing
     assert c.catch_up_rows(plain, rates, 4000, 4000) == pytest.approx(10 / (64 / 1.75))  # not 4000 / 1.75
-    # the horizon is in tokens: a low estimate of acceptance spreads the rows over more rounds, not over fewer
+    # the horizon is the longer of 64 tokens' rounds and 16 rounds: a low estimate of acceptance spreads the rows
+    # over more rounds, not over fewer, and a high one over no fewer than 16
     assert c.catch_up_rows(new, (0.1, 0.1), 40, 48) == pytest.approx(40 / (48 / 1.11))
     assert c.catch_up_rows(new, (0.1, 0.1), 40, 4000) == pytest.approx(40 / (64 / 1.11))
+    assert c.catch_up_rows(new, (1.0,) * 16, 40, 4000) == pytest.approx(40 / 16)
+    assert c.catch_up_rows(new, (1.0,) * 16, 40, 68) == pytest.approx(40 / 4)
 
     import verifier_service.goodput as goodput
     seen = []

@@ -108,7 +108,7 @@ def test_int8_quantization_is_refused_off_the_cpu_float_path():
 def test_a_token_computes_the_same_alone_or_inside_a_verification_block(quantization, dtype):
     """Greedy identity between k = 0 and k > 0 rests on this: a position's logits are bit for bit the same whether
     it is decoded alone (one row) or verified in a block of k + 1 rows. (Attention over exactly the keys a query
-    sees; a one-row linear run as two rows.)"""
+    sees; a linear of fewer rows than cpu_linear.MIN_ROWS run padded.)"""
     config = model_config("qwen2", 97, eos_token_id=None, hidden=256, heads=2, kv_heads=1, layers=2)
     model = build_model(config, seed=11, dtype=dtype)
     runner = PagedCausalLM(model, KVCache(kv_cache_spec(model), 16, 16), quantization=quantization)
@@ -133,11 +133,11 @@ def test_packed_linear_rows_do_not_depend_on_the_row_count(dtype):
 
     torch.manual_seed(0)
     layer = PackedLinear(torch.nn.Linear(1536, 8960).to(dtype))
-    x = torch.randn(5, 1536).to(dtype)
-    first = layer(x[:1])
-    assert first.shape == (1, 8960)
-    for rows in (2, 3, 4, 5):
-        assert torch.equal(layer(x[:rows])[:1], first), rows
+    x = torch.randn(40, 1536).to(dtype)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(40)])
+    assert alone.shape == (40, 8960)
+    for rows in (2, 3, 4, 5, 8, 17, 40):  # every row of a batch is what it is alone
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
 
 
 def test_packed_linear_runs_few_rows_padded(monkeypatch):

@@ -257,12 +257,13 @@ class DraftLengthController:
     # calling it a catch-up, draft_model.CATCH_UP_FREE_TOKENS)
     max_catch_up_probes: int = 1
     catch_up_free_rounds: int = 7
-    # the most tokens ahead whose rounds of drafting a catch-up's rows are spread over (catch_up_rows): the choice is
-    # made again every step, and a request's max_tokens (4096, say) says little of how long it runs or keeps
-    # drafting. In tokens, not rounds: a cap of 16 rounds (dbd2b56) bound where a sequence's first estimate of its
-    # acceptance was low, priced a new sequence's prompt over fewer rounds than its 48 tokens take, and cost about a
-    # tenth at 2 and 4 streams (default pair, 2 cores; docs/load.md)
-    catch_up_horizon: int = 64
+    # the rounds of drafting a catch-up's rows are spread over (catch_up_rows) are at most those of this many tokens
+    # ahead, or catch_up_horizon_rounds where those are more: the choice is made again every step, and a request's
+    # max_tokens (4096, say) says little of how long it runs or keeps drafting. A cap of 16 rounds alone (dbd2b56)
+    # bound where a sequence's first estimate of its acceptance was low: a new sequence's prompt was priced over
+    # fewer rounds than its 48 tokens take (no effect on throughput was measured; docs/benchmarks.md)
+    catch_up_horizon: float = 64.0
+    catch_up_horizon_rounds: float = 16.0
     max_probe_every: int = 512
     max_probe_interval_s: float = 30.0
     # the step-time model and the acceptance are estimates: when plain decoding is within 3 % of the best goodput
@@ -485,7 +486,8 @@ class DraftLengthController:
         """The rows the draft would feed before drafting for `key` (0 unless _needs_catch_up: the tokens verified
         since its last block, or its whole context where it never drafted; the draft may have warmed some, which
         the verifier cannot see), spread over the rounds of drafting at its cap (acceptance `rates`) that the
-        `left` tokens it may still emit take (at most catch_up_horizon of them): paid once, it buys those rounds.
+        `left` tokens it may still emit take (at most those of catch_up_horizon tokens, or catch_up_horizon_rounds):
+        paid once, it buys those rounds.
         Measured at 32 streams (default pair, 2 cores), three sequences finishing turned the choice for the 29 left, every one held at k = 0 for
         25 rounds, to 2 tokens each: the draft fed them 64 rows of catch-up first (deferring the rest), the round
         took 2.3 s where plain ones took 1.2, and the batch broke into steps of 1 to 27 sequences to its end."""
@@ -494,7 +496,8 @@ class DraftLengthController:
         rounds = self._plain_rounds.get(key)
         debt = context if rounds is None else min(context, rounds + 1)
         per_round = 1.0 + float(np.sum(np.cumprod(rates)))
-        return debt / max(1.0, min(left, self.catch_up_horizon) / per_round)
+        horizon = max(self.catch_up_horizon / per_round, self.catch_up_horizon_rounds)
+        return debt / max(1.0, min(left / per_round, horizon))
 
     def _costs_catch_up(self, key: object) -> bool:
         """Whether a probe of `key` counts against max_catch_up_probes: it needs a catch-up, and its group's
