@@ -64,8 +64,7 @@ class PackedLinear(torch.nn.Module):
         # decoded alone (k = 0) or verified in a block, and a step of one or two tokens is not the slowest one.
         rows = x.shape[0]
         if 0 < rows < MIN_ROWS:
-            padded = x.new_zeros(MIN_ROWS, x.shape[1])
-            padded[:rows] = x
+            padded = torch.nn.functional.pad(x, (0, 0, 0, MIN_ROWS - rows))
             return _onednn_linear(padded, self.packed, self.bias)[:rows]
         return _onednn_linear(x, self.packed, self.bias)
 

@@ -180,12 +180,19 @@ class RunningStack:
 
     def start_draft(self, name: str, extra: list[str] = (), *, verifier: str | None = None) -> tuple[Service, str]:
         """Another draft service on this stack's verifier (or on `verifier`, a proxy in front of it), with the
-        stack's draft arguments, its own metrics port and `extra`: (the service, its metrics URL)."""
+        stack's draft arguments, its own metrics port and `extra`: (the service, its metrics URL). One that fails
+        to start is stopped and leaves the stack, so a module's later tests do not run beside it."""
         metrics_port = free_port()
         args = [verifier if verifier and a == self.verifier else a for a in self.draft_args]
         i = args.index("--metrics-port")
         args[i + 1] = str(metrics_port)
-        service = self.stack.start(name, [*args, *extra], log_dir=self.log_dir, timeout_s=120, env=self.env)
+        before = list(self.stack.services)
+        try:
+            service = self.stack.start(name, [*args, *extra], log_dir=self.log_dir, timeout_s=120, env=self.env)
+        except Exception:
+            for started in [s for s in self.stack.services if s not in before]:
+                self.stop_service(started)
+            raise
         return service, f"http://127.0.0.1:{metrics_port}/metrics"
 
     def stop_service(self, service: Service) -> None:

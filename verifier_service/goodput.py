@@ -487,10 +487,10 @@ class DraftLengthController:
         since its last block, or its whole context where it never drafted; the draft may have warmed some, which
         the verifier cannot see), spread over the rounds of drafting at its cap (acceptance `rates`) that the
         `left` tokens it may still emit take (at most those of catch_up_horizon tokens, or catch_up_horizon_rounds):
-        paid once, it buys those rounds.
-        Measured at 32 streams (default pair, 2 cores), three sequences finishing turned the choice for the 29 left, every one held at k = 0 for
-        25 rounds, to 2 tokens each: the draft fed them 64 rows of catch-up first (deferring the rest), the round
-        took 2.3 s where plain ones took 1.2, and the batch broke into steps of 1 to 27 sequences to its end."""
+        paid once, it buys those rounds. Measured at 32 streams (default pair, 2 cores), three sequences finishing
+        turned the choice for the 29 left, every one held at k = 0 for 25 rounds, to 2 tokens each: the draft fed
+        them 64 rows of catch-up first (deferring the rest), the round took 2.3 s where plain ones took 1.2, and the
+        batch broke into steps of 1 to 27 sequences to its end."""
         if not rates or not self._needs_catch_up(key):
             return 0.0
         rounds = self._plain_rounds.get(key)
