@@ -222,6 +222,24 @@ def test_the_plain_arm_of_the_trial_sends_zero_and_the_output_stays_exact(pair):
     assert chosen[next(iter(chosen))][0] == 6
 
 
+def test_the_trial_is_given_the_predicted_plain_rate(pair):
+    """The trial compares what speculation measured with a token a sequence per predicted plain step: 1 / (the
+    model's time for a step of the batch's tokens, k = 0), with no idle time priced here."""
+    target, _ = pair
+    engine, _ = _engine(target, IDLE, speculation_trial=True)
+    seen = []
+    observe = engine.trial.observe
+
+    def spy(*args, **kwargs):
+        seen.append((args[2], kwargs["plain_rate"]))  # (running sequences, the rate)
+        return observe(*args, **kwargs)
+
+    engine.trial.observe = spy
+    _generate(engine, PROMPTS[:2], 8, _oracle(target, 8)[:2], ask=4)
+    rates = [rate for running, rate in seen if running == 2 and rate is not None]
+    assert rates and all(rate == pytest.approx(1.0 / IDLE.predict(2), rel=1e-6) for rate in rates)
+
+
 class FixedAcceptance:
     """Every sequence's drafts are accepted at `rate` per position, whatever the verdicts said."""
 

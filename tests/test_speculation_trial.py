@@ -11,11 +11,13 @@ STEP_S = 0.1
 
 def _run(trial: SpeculationTrial, rates: dict[Arm, float], seconds: float, *, num_running: int = 4,
          predicted_gain: float | None = 1.2, mean_drafted: float = 3.0, lag_steps: int = 1, noise: float = 0.0,
-         rng: random.Random | None = None, gap_every: int = 0, gap_s: float = 30.0) -> list[Arm]:
+         rng: random.Random | None = None, gap_every: int = 0, gap_s: float = 30.0,
+         plain_rate: float | None = None) -> list[Arm]:
     """Steps of STEP_S: each running sequence emits rates[arm] tokens per second (times 1 + noise * N(0, 1), per
     step) under the arm that was running `lag_steps` steps ago (a choice takes effect a round later); every
-    `gap_every`-th step comes after a gap of `gap_s` (a stalled client) in which nothing is emitted. Returns the
-    arm of every step."""
+    `gap_every`-th step comes after a gap of `gap_s` (a stalled client) in which nothing is emitted;
+    `plain_rate`: the controller's predicted plain rate a sequence, given with every step. Returns the arm of
+    every step."""
     rng = rng or random.Random(0)
     arms: list[Arm] = []
     history = [trial.running] * (lag_steps + 1)
@@ -27,7 +29,7 @@ def _run(trial: SpeculationTrial, rates: dict[Arm, float], seconds: float, *, nu
         carry -= emitted
         dt = STEP_S + (gap_s if gap_every and i % gap_every == gap_every - 1 else 0.0)
         running = trial.observe(dt, STEP_S, num_running, emitted, range(num_running),
-                                predicted_gain=predicted_gain, mean_drafted=mean_drafted)
+                                predicted_gain=predicted_gain, mean_drafted=mean_drafted, plain_rate=plain_rate)
         history.append(running)
         arms.append(running)
     return arms
@@ -45,6 +47,27 @@ def test_speculation_is_never_put_on_trial_where_the_model_expects_a_large_gain(
     trial = SpeculationTrial()
     arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 60, predicted_gain=2.0)
     assert set(arms) == {Arm.SPECULATE} and trial.num_trials == 0
+
+
+def test_no_challenge_while_speculation_measures_more_than_the_plain_model_predicts():
+    """The 4-stream case (default pair, 2 cores): speculation measured 3.85 tokens a second a sequence, plain
+    decoding 3.10, which the controller predicted; its predicted gain (1.28) is below challenge_below_gain, so
+    without the check every 4th window would run plain decoding."""
+    trial = SpeculationTrial()
+    arms = _run(trial, {Arm.SPECULATE: 3.85, Arm.PLAIN: 3.10}, 120, predicted_gain=1.28, plain_rate=3.10)
+    assert set(arms) == {Arm.SPECULATE} and trial.num_trials == 0
+
+
+def test_speculation_near_the_plain_model_is_still_challenged():
+    """Within the margin of the predicted plain rate, or below it (the model's plain steps slowed by the
+    drafting beside them: it predicts 2.5 where plain decoding gives 3.0), the trial runs, and plain decoding
+    takes over where it measures more."""
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 3.3, Arm.PLAIN: 3.1}, 60, predicted_gain=1.28, plain_rate=3.1)
+    assert trial.num_trials >= 1 and trial.incumbent is Arm.SPECULATE
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 240, plain_rate=2.5)
+    assert trial.incumbent is Arm.PLAIN and trial.num_switches == 1
 
 
 def test_no_trial_while_the_controller_drafts_nothing():

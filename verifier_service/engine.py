@@ -235,15 +235,19 @@ class VerifierEngine:
         chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted,
                                  probe=not plain, sizes=None if plain else sizes) if caps else None)
         if self.trial is not None:
-            gain = None
+            gain = plain_rate = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
                 gain = chosen.goodput / chosen.plain_goodput
+            if chosen is not None and chosen.plain_step_s > 0:
+                plain_rate = 1.0 / chosen.plain_step_s  # a token per sequence per plain step
             lengths = list(chosen.draft_lengths.values()) if chosen is not None else []
             arm = self.trial.observe(since_last, stats.step_time_s, len(self.scheduler.running),
                                      stats.num_emitted_tokens,
                                      [v.key for v in verdicts if isinstance(v, VerdictOut)],
                                      stats.num_prefill_tokens,
-                                     gain, sum(lengths) / len(lengths) if lengths else None)
+                                     predicted_gain=gain,
+                                     mean_drafted=sum(lengths) / len(lengths) if lengths else None,
+                                     plain_rate=plain_rate)
             stats.speculation_arm = arm.value
             if chosen is not None and arm is Arm.PLAIN:
                 chosen = dataclasses.replace(chosen, draft_lengths=dict.fromkeys(chosen.draft_lengths, 0))

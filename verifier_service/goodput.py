@@ -57,6 +57,7 @@ class Allocation:
     step_tokens: int  # tokens of the step that verifies them, the other work included
     predicted_step_s: float  # the step's predicted time plus the verifier's idle time per step
     plain_goodput: float = 0.0  # what the same step would yield per second with k = 0 for every candidate
+    plain_step_s: float = 0.0  # and that step's predicted time, the idle time included (0: no model yet)
 
     @property
     def goodput(self) -> float:
@@ -196,7 +197,8 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
     m, limit = int(m_all[pick]), int(bound_all[pick])
     counts = np.bincount(index[position < limit][:m], minlength=base)
     lengths = {c.key: int(counts[i]) for i, c in enumerate(cands)}
-    return Allocation(lengths, float(expected_all[pick]), fixed_n + m, float(costs[pick]), float(goodputs[0]))
+    return Allocation(lengths, float(expected_all[pick]), fixed_n + m, float(costs[pick]), float(goodputs[0]),
+                      float(costs[0]))
 
 
 # per step of the other kind, what is left of a step-time ratio's distance from 1 (DraftLengthController.calibrate)
