@@ -70,6 +70,19 @@ def test_speculation_near_the_plain_model_is_still_challenged():
     assert trial.incumbent is Arm.PLAIN and trial.num_switches == 1
 
 
+def test_windows_at_a_load_that_expected_a_large_gain_do_not_count_towards_a_challenge():
+    """A level of 1 or 2 streams (predicted gain 2x: no challenge) ran many windows; at the next level the
+    controller expects 1.2x: the incumbent runs its 4 windows there (4 s each here) before plain decoding
+    challenges it, not its first one, which a level's start holds down."""
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.0}, 60, predicted_gain=2.0)
+    assert trial.num_trials == 0
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.0}, 14, predicted_gain=1.2)
+    assert set(arms) == {Arm.SPECULATE}
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.0}, 30, predicted_gain=1.2)
+    assert Arm.PLAIN in arms
+
+
 def test_no_trial_while_the_controller_drafts_nothing():
     """Both arms are then plain decoding: a trial would only measure noise."""
     trial = SpeculationTrial()
@@ -166,7 +179,7 @@ def test_a_window_covers_every_sequence_it_verifies_twice():
     trial = SpeculationTrial()
     for i in range(8):
         assert trial._windows_done == 0, i
-        trial.observe(1.0, 1.0, 40, 40, range(8 * (i % 4), 8 * (i % 4) + 8))
+        trial.observe(1.0, 1.0, 40, 40, range(8 * (i % 4), 8 * (i % 4) + 8), predicted_gain=1.2, mean_drafted=3.0)
     assert trial._windows_done == 1 and trial._rates[trial._phase] == 8 * 40 / (8 * 40 * 1.0)
 
 

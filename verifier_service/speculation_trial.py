@@ -10,8 +10,8 @@ So the verifier runs speculation as one arm of a trial against plain decoding (k
 the verifier choose), on what it measures directly: tokens emitted per second per running sequence, over windows
 of at least `window_tokens` tokens and `min_window_s` seconds.
 
-- The arm in use (the incumbent) runs `ratio` windows, then the other arm runs one (the challenge), then the
-  incumbent one more (A-B-A: a load that drifts moves both incumbent windows). A challenger that beat both by
+- The arm in use (the incumbent) runs `ratio` windows in which it may be challenged (below), then the other arm
+  runs one (the challenge), then the incumbent one more (A-B-A: a load that drifts moves both incumbent windows). A challenger that beat both by
   `margin` is challenged again at once, after one more incumbent window, and takes over when it wins twice in a
   row (one window's noise does not switch the arm); when it lost to both by `clear_loss`, the ratio doubles (up
   to `max_ratio`), so a settled choice is questioned ever less often.
@@ -184,14 +184,20 @@ class SpeculationTrial:
     def _eager_to_speculate(self) -> bool:
         return self._drafts() and self.predicted_gain is not None and self.predicted_gain > self.challenge_below_gain
 
-    def _may_challenge(self, w: _Window) -> bool:
-        """Whether the incumbent, its window `w` just finished, is challenged now (its ratio of windows run)."""
+    def _challengeable(self) -> bool:
+        """Whether the incumbent may be challenged at all now (its windows count towards the ratio only then)."""
         if not self._drafts():
             return False  # the controller drafts (about) nothing: both arms are plain decoding
         if self.incumbent is Arm.PLAIN:
             return True
-        if self.predicted_gain is None or self.predicted_gain > self.challenge_below_gain:
+        return self.predicted_gain is not None and self.predicted_gain <= self.challenge_below_gain
+
+    def _may_challenge(self, w: _Window) -> bool:
+        """Whether the incumbent, its window `w` just finished, is challenged now (its ratio of windows run)."""
+        if not self._challengeable():
             return False
+        if self.incumbent is Arm.PLAIN:
+            return True
         rate, plain = w.rate, w.plain_rate
         beats = rate is not None and plain is not None and rate > plain * (1 + self.margin)
         if beats != self._beats_plain:  # logged when it starts or stops holding (it is checked every window)
@@ -215,7 +221,10 @@ class SpeculationTrial:
         self._window_s[self._phase] = w.seconds
         self._window = _Window(num_running)
         if self._phase is _Phase.INCUMBENT:
-            self._windows_done += 1
+            # only windows in which it could be challenged count: a load at which the controller expected a large
+            # gain (a stream or two) says nothing of the next, and would have its first window, at a level's
+            # start, challenged at once
+            self._windows_done += self._challengeable()
             if self._windows_done >= self.ratio and self._may_challenge(w):
                 self._begin(_Phase.CHALLENGE, self._other(self.incumbent), num_running)
         elif self._phase is _Phase.CHALLENGE:

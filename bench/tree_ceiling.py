@@ -1,0 +1,175 @@
+"""How many tokens a round any token tree of N nodes could take, against a chain of N, on the default pair.
+
+Greedy verification accepts a drafted path exactly while it is the target's greedy continuation, so what a round
+takes depends only on where the draft's guesses leave that continuation. This script generates the target's
+greedy continuation of each code prompt (transformers, float32, on the local model directory), feeds it to the
+draft in one forward (teacher forcing: the draft's distribution at each position given the true prefix, as the
+draft has it on the accepted path), and replays rounds of N verified draft tokens over it:
+
+- **chain**: the draft's argmax at each position; a round takes the drafts up to the first one that is not the
+  target's token, plus the target's own token (the correction or the bonus);
+- **oracle tree, B branches**: the best any tree of N nodes whose children are the draft's B likeliest tokens can
+  do, knowing the continuation: its nodes are the true path and, at each depth, the siblings the draft ranks
+  above the true token (they are in any tree that holds it when nodes are taken best-first by path
+  probability), so a round takes the true path while the target's token is among the draft's B likeliest and
+  those nodes fit in N.
+
+A tree the draft builds without knowing the continuation is at most the oracle's; the gap between the chain and
+the oracle is what trees can win at all on this pair. The draft's confidence where its argmax is right and where
+it is wrong says how well a tree built from its probabilities can place its branches.
+
+    python bench/tree_ceiling.py [--prompts 4] [--tokens 96] [--nodes 4,8,16] [--branches 2,3] [--out DIR]
+
+Prints markdown tables and writes tree_ceiling.json into --out. One process, no services: about 30 s a prompt
+of 96 tokens on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from importlib import resources
+from pathlib import Path
+
+TOP = 4  # the draft's likeliest tokens whose rank is kept (beyond them: rank TOP, never in a tree of B <= TOP)
+
+
+def ranks_and_confidence(target_dir: Path, draft_dir: Path, prompts: list[str], tokens: int,
+                         threads: int) -> list[dict]:
+    """Per prompt: the target's greedy continuation, the rank of each of its tokens in the draft's distribution
+    given the true prefix (0: the draft's argmax; TOP: not among its TOP likeliest) and the draft's top-1 and top-2
+    probabilities there."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.bfloat16).eval()
+    out = []
+    for text in prompts:
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            full = target.generate(ids, max_new_tokens=tokens, do_sample=False, top_k=None, top_p=None,
+                                   temperature=None, min_new_tokens=tokens)
+            logits = draft(full).logits[0].float()
+        n_prompt = ids.shape[1]
+        cont = full[0, n_prompt:].tolist()
+        probs = torch.softmax(logits[n_prompt - 1:n_prompt - 1 + len(cont)], -1)
+        top = torch.topk(probs, TOP, -1)
+        ranks = []
+        for j, token in enumerate(cont):
+            hit = (top.indices[j] == token).nonzero().flatten().tolist()
+            ranks.append(hit[0] if hit else TOP)
+        out.append({"prompt_tokens": n_prompt, "continuation": cont, "ranks": ranks,
+                    "p1": top.values[:, 0].tolist(), "p2": top.values[:, 1].tolist()})
+    return out
+
+
+def chain_rounds(ranks: list[int], n: int) -> int:
+    """Rounds a chain of n drafts takes over the continuation."""
+    start = rounds = 0
+    while start < len(ranks):
+        accepted = 0
+        while accepted < n and start + accepted < len(ranks) and ranks[start + accepted] == 0:
+            accepted += 1
+        start += accepted + 1
+        rounds += 1
+    return rounds
+
+
+def oracle_tree_rounds(ranks: list[int], n: int, branches: int) -> int:
+    """Rounds the best tree of n nodes, at most `branches` children a node (the draft's likeliest), takes: the true
+    path while its token is among them and the path with the siblings ranked above it fits in n nodes."""
+    start = rounds = 0
+    while start < len(ranks):
+        accepted = nodes = 0
+        while start + accepted < len(ranks):
+            rank = ranks[start + accepted]
+            if rank >= branches or nodes + 1 + rank > n:
+                break
+            nodes += 1 + rank
+            accepted += 1
+        start += accepted + 1
+        rounds += 1
+    return rounds
+
+
+def summarize(per_prompt: list[dict], sizes: list[int], branches: list[int]) -> dict:
+    rows = []
+    for n in sizes:
+        chain = [len(p["ranks"]) / chain_rounds(p["ranks"], n) for p in per_prompt]
+        row = {"N": n, "chain": chain, "chain_median": statistics.median(chain)}
+        for b in branches:
+            tree = [len(p["ranks"]) / oracle_tree_rounds(p["ranks"], n, b) for p in per_prompt]
+            row[f"oracle_b{b}"] = tree
+            row[f"oracle_b{b}_median"] = statistics.median(tree)
+        rows.append(row)
+    right = [p1 for p in per_prompt for r, p1 in zip(p["ranks"], p["p1"], strict=True) if r == 0]
+    wrong = [p1 for p in per_prompt for r, p1 in zip(p["ranks"], p["p1"], strict=True) if r > 0]
+    wrong_ranks = [r for p in per_prompt for r in p["ranks"] if r > 0]
+    return {"sizes": rows, "right": len(right), "wrong": len(wrong),
+            "p1_right": _quantiles(right), "p1_wrong": _quantiles(wrong),
+            "wrong_by_rank": {str(r): wrong_ranks.count(r) for r in range(1, TOP + 1)}}
+
+
+def _quantiles(values: list[float]) -> list[float]:
+    if not values:
+        return []
+    values = sorted(values)
+    return [round(values[int(q * (len(values) - 1))], 3) for q in (0.1, 0.25, 0.5, 0.75, 0.9)]
+
+
+def tables(summary: dict, branches: list[int]) -> str:
+    head = "| N | chain tokens/round | " + " | ".join(f"oracle tree B = {b} | ratio" for b in branches) + " |"
+    lines = [head, "|" + "---|" * (2 + 2 * len(branches))]
+    for row in summary["sizes"]:
+        cells = [str(row["N"]), f"{row['chain_median']:.2f}"]
+        for b in branches:
+            value = row[f"oracle_b{b}_median"]
+            cells += [f"{value:.2f}", f"{value / row['chain_median']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    by_rank = summary["wrong_by_rank"]
+    lines += ["", f"The draft's argmax was the target's token at {summary['right']} positions and not at "
+              f"{summary['wrong']} (the target's token its 2nd / 3rd / 4th likeliest / beyond: "
+              f"{' / '.join(str(by_rank[str(r)]) for r in range(1, TOP + 1))}).",
+              f"Its top-1 probability (10th, 25th, 50th, 75th, 90th percentiles) where right: "
+              f"{summary['p1_right']}; where wrong: {summary['p1_wrong']}."]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=".models", help="directory with target/ and draft/")
+    parser.add_argument("--prompts", type=int, default=4, help="the first N code prompts (as bench/trees.py)")
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--nodes", default="4,8,16")
+    parser.add_argument("--branches", default="2,3")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.nodes.split(",")]
+    branches = [int(x) for x in args.branches.split(",")]
+    if any(b < 1 or b > TOP for b in branches):
+        parser.error(f"--branches must be in [1, {TOP}]")
+    data = json.loads(resources.files("specwire").joinpath("bench_prompts.json").read_text())
+    models = Path(args.models)
+    per_prompt = ranks_and_confidence(models / "target", models / "draft", data["code"][:args.prompts],
+                                      args.tokens, args.threads)
+    summary = summarize(per_prompt, sizes, branches)
+    text = tables(summary, branches)
+    sys.stdout.write(f"code prompts 1 to {args.prompts}, {args.tokens} tokens, greedy, medians over prompts\n\n"
+                     f"{text}\n")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tree_ceiling.json").write_text(json.dumps({"args": vars(args), "summary": summary,
+                                                           "per_prompt": per_prompt}, indent=1))
+        (out / "tree_ceiling.md").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
