@@ -1,4 +1,4 @@
-"""How many tokens a round any token tree of N nodes could take, against a chain of N, on the default pair.
+"""How many tokens a round a token tree of N nodes could take, against a chain of N, on the default pair.
 
 Greedy verification accepts a drafted path exactly while it is the target's greedy continuation, so what a round
 takes depends only on where the draft's guesses leave that continuation. This script generates the target's
@@ -8,13 +8,18 @@ draft has it on the accepted path), and replays rounds of N verified draft token
 
 - **chain**: the draft's argmax at each position; a round takes the drafts up to the first one that is not the
   target's token, plus the target's own token (the correction or the bonus);
-- **oracle tree, B branches**: the best any tree of N nodes whose children are the draft's B likeliest tokens can
-  do, knowing the continuation: its nodes are the true path and, at each depth, the siblings the draft ranks
-  above the true token (they are in any tree that holds it when nodes are taken best-first by path
-  probability), so a round takes the true path while the target's token is among the draft's B likeliest and
-  those nodes fit in N.
 
-A tree the draft builds without knowing the continuation is at most the oracle's; the gap between the chain and
+Both verify N draft tokens a round (N + 1 target rows); a tree's drafting differs (its N nodes in about as many
+draft rows over fewer, wider steps), which this leaves out. The target runs in transformers (float32) and the
+draft teacher-forced in one bfloat16 forward, so near-ties may fall otherwise than in the services.
+- **oracle tree, B branches**: the most a tree of N nodes can take whose nodes' children are the draft's
+  likeliest tokens, in order, at most B (as specwire's greedy trees are, best-first by path probability, or a
+  static top-k tree): it must hold the true path and, at each depth, the siblings the draft ranks above the true
+  token (they share its parent and score higher), so a round takes the true path while the target's token is
+  among the draft's B likeliest and those nodes fit in N. The oracle knows the continuation; a tree of any other
+  shape (a child that is not among its parent's likeliest) is not bounded by it.
+
+A tree the draft builds without knowing the continuation takes at most the oracle's; the gap between the chain and
 the oracle is what trees can win at all on this pair. The draft's confidence where its argmax is right and where
 it is wrong says how well a tree built from its probabilities can place its branches.
 
@@ -39,8 +44,8 @@ TOP = 4  # the draft's likeliest tokens whose rank is kept (beyond them: rank TO
 def ranks_and_confidence(target_dir: Path, draft_dir: Path, prompts: list[str], tokens: int,
                          threads: int) -> list[dict]:
     """Per prompt: the target's greedy continuation, the rank of each of its tokens in the draft's distribution
-    given the true prefix (0: the draft's argmax; TOP: not among its TOP likeliest) and the draft's top-1 and top-2
-    probabilities there."""
+    given the true prefix (0: the draft's argmax; TOP: not among its TOP likeliest) and the draft's top-1
+    probability there."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,8 +68,7 @@ def ranks_and_confidence(target_dir: Path, draft_dir: Path, prompts: list[str], 
         for j, token in enumerate(cont):
             hit = (top.indices[j] == token).nonzero().flatten().tolist()
             ranks.append(hit[0] if hit else TOP)
-        out.append({"prompt_tokens": n_prompt, "continuation": cont, "ranks": ranks,
-                    "p1": top.values[:, 0].tolist(), "p2": top.values[:, 1].tolist()})
+        out.append({"prompt_tokens": n_prompt, "continuation": cont, "ranks": ranks, "p1": top.values[:, 0].tolist()})
     return out
 
 
@@ -106,6 +110,7 @@ def summarize(per_prompt: list[dict], sizes: list[int], branches: list[int]) -> 
             tree = [len(p["ranks"]) / oracle_tree_rounds(p["ranks"], n, b) for p in per_prompt]
             row[f"oracle_b{b}"] = tree
             row[f"oracle_b{b}_median"] = statistics.median(tree)
+            row[f"oracle_b{b}_ratio_median"] = statistics.median(t / c for t, c in zip(tree, chain, strict=True))
         rows.append(row)
     right = [p1 for p in per_prompt for r, p1 in zip(p["ranks"], p["p1"], strict=True) if r == 0]
     wrong = [p1 for p in per_prompt for r, p1 in zip(p["ranks"], p["p1"], strict=True) if r > 0]
@@ -123,13 +128,13 @@ def _quantiles(values: list[float]) -> list[float]:
 
 
 def tables(summary: dict, branches: list[int]) -> str:
-    head = "| N | chain tokens/round | " + " | ".join(f"oracle tree B = {b} | ratio" for b in branches) + " |"
-    lines = [head, "|" + "---|" * (2 + 2 * len(branches))]
+    head = "| N | chain tokens/round | " + " | ".join(f"oracle tree B = {b} | ratio | per prompt" for b in branches) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(branches))]
     for row in summary["sizes"]:
         cells = [str(row["N"]), f"{row['chain_median']:.2f}"]
         for b in branches:
             value = row[f"oracle_b{b}_median"]
-            cells += [f"{value:.2f}", f"{value / row['chain_median']:.2f}x"]
+            cells += [f"{value:.2f}", f"{value / row['chain_median']:.2f}x", f"{row[f'oracle_b{b}_ratio_median']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     by_rank = summary["wrong_by_rank"]
     lines += ["", f"The draft's argmax was the target's token at {summary['right']} positions and not at "
@@ -160,7 +165,8 @@ def main() -> int:
                                       args.tokens, args.threads)
     summary = summarize(per_prompt, sizes, branches)
     text = tables(summary, branches)
-    sys.stdout.write(f"code prompts 1 to {args.prompts}, {args.tokens} tokens, greedy, medians over prompts\n\n"
+    sys.stdout.write(f"code prompts 1 to {args.prompts}, {args.tokens} tokens, greedy; medians over prompts (ratio: of "
+                     f"the medians; per prompt: the median of each prompt's ratio)\n\n"
                      f"{text}\n")
     if args.out:
         out = Path(args.out)

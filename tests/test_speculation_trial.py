@@ -70,6 +70,44 @@ def test_speculation_near_the_plain_model_is_still_challenged():
     assert trial.incumbent is Arm.PLAIN and trial.num_switches == 1
 
 
+def test_a_plain_prediction_that_is_too_low_holds_off_a_challenge_for_max_ratio_windows_at_most():
+    """The case the trial is for, with the exemption fooled: the controller predicts plain decoding at 1.7 tokens a
+    second a sequence (its plain figure learnt from slower steps), speculation measures 2.0, plain decoding
+    would give 3.0. After max_ratio exempt windows a challenge runs all the same; what plain decoding measured
+    there (and its first win) lift the figure, and plain decoding takes over."""
+    trial = SpeculationTrial()
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 200, plain_rate=1.7)
+    assert set(arms) == {Arm.SPECULATE}  # 4 s windows: exempt meanwhile
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 200, plain_rate=1.7)
+    assert trial.incumbent is Arm.PLAIN and trial.num_switches == 1
+
+
+def test_what_plain_decoding_measured_at_the_same_load_overrides_a_lower_prediction():
+    trial = SpeculationTrial()
+    trial._plain_measured = (3.0, 4)
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 30, plain_rate=1.7)
+    assert Arm.PLAIN in arms
+    trial = SpeculationTrial()
+    trial._plain_measured = (3.0, 16)  # at another load it says nothing
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 30, plain_rate=1.7)
+    assert set(arms) == {Arm.SPECULATE}
+
+
+def test_a_first_win_waiting_for_its_second_is_never_exempted():
+    trial = SpeculationTrial()
+    trial._won_once = True
+    arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 30, plain_rate=1.7)
+    assert Arm.PLAIN in arms
+
+
+def test_plain_decoding_in_place_is_challenged_whatever_the_plain_figure():
+    """The exemption is speculation's: plain decoding that measures more than its predicted figure is still
+    challenged by speculation, which wins here."""
+    trial = SpeculationTrial(incumbent=Arm.PLAIN, running=Arm.PLAIN)
+    _run(trial, {Arm.SPECULATE: 3.0, Arm.PLAIN: 2.0}, 120, plain_rate=1.0)
+    assert trial.incumbent is Arm.SPECULATE
+
+
 def test_windows_at_a_load_that_expected_a_large_gain_do_not_count_towards_a_challenge():
     """A level of 1 or 2 streams (predicted gain 2x: no challenge) ran many windows; at the next level the
     controller expects 1.2x: the incumbent runs its 4 windows there (4 s each here) before plain decoding
@@ -81,6 +119,20 @@ def test_windows_at_a_load_that_expected_a_large_gain_do_not_count_towards_a_cha
     assert set(arms) == {Arm.SPECULATE}
     arms = _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.0}, 30, predicted_gain=1.2)
     assert Arm.PLAIN in arms
+
+
+def test_a_load_move_restarts_the_window_after_a_warm_up():
+    """From 2 running sequences to 4: the new window measures after each of the 4 was verified twice (the
+    arrivals' first rounds wait for their drafts' prompts), not from the first step at the new load."""
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.0}, 10, num_running=2)
+    assert trial._window.num_running == 2
+    trial.observe(0.1, 0.1, 4, 4, range(4))  # the move: a warm-up starts, these 4 verifications its first
+    assert trial._window.num_running == 4 and trial._window.tokens == 0
+    trial.observe(0.1, 0.1, 4, 4, range(4))
+    assert trial._window.tokens == 0
+    trial.observe(0.1, 0.1, 4, 4, range(4))
+    assert trial._window.tokens == 4
 
 
 def test_no_trial_while_the_controller_drafts_nothing():
@@ -168,8 +220,8 @@ def test_steps_that_compute_prompts_and_load_changes_are_not_measured():
     assert trial._window.seconds == 0 and trial._window.sequence_s == 0
     trial.observe(STEP_S, STEP_S, 4, 6, range(4))
     assert trial._window.tokens == 6 and trial._window.seconds == STEP_S
-    trial.observe(STEP_S, STEP_S, 9, 5, range(9))  # 4 -> 9 sequences: a new window
-    assert trial._window.tokens == 5 and trial._window.num_running == 9
+    trial.observe(STEP_S, STEP_S, 9, 5, range(9))  # 4 -> 9 sequences: a new window, after a warm-up
+    assert trial._window.tokens == 0 and trial._window.num_running == 9
 
 
 def test_a_window_covers_every_sequence_it_verifies_twice():

@@ -239,7 +239,12 @@ class VerifierEngine:
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
                 gain = chosen.goodput / chosen.plain_goodput
             if chosen is not None and chosen.plain_step_s > 0:
-                plain_rate = 1.0 / chosen.plain_step_s  # a token per sequence per plain step
+                # a token a sequence per plain step of those chosen for, or the plain step's whole output (other
+                # work's included) over the running sequences where that is more: the trial exempts speculation
+                # that beats this figure, so of two readings it takes the higher (the step may be a fragment of the
+                # batch, whose own step is quicker than the whole batch's)
+                plain_rate = max(1.0 / chosen.plain_step_s,
+                                 chosen.plain_goodput / max(1, len(self.scheduler.running)))
             lengths = list(chosen.draft_lengths.values()) if chosen is not None else []
             arm = self.trial.observe(since_last, stats.step_time_s, len(self.scheduler.running),
                                      stats.num_emitted_tokens,
