@@ -11,8 +11,8 @@ the verifier choose), on what it measures directly: tokens emitted per second pe
 of at least `window_tokens` tokens and `min_window_s` seconds.
 
 - The arm in use (the incumbent) runs `ratio` windows in which it may be challenged (below), then the other arm
-  runs one (the challenge), then the incumbent one more (A-B-A: a load that drifts moves both incumbent windows). A challenger that beat both by
-  `margin` is challenged again at once, after one more incumbent window, and takes over when it wins twice in a
+  runs one (the challenge), then the incumbent one more (A-B-A: a load that drifts moves both incumbent
+  windows). A challenger that beat both by `margin` is challenged again at once, after one more incumbent window, and takes over when it wins twice in a
   row (one window's noise does not switch the arm); when it lost to both by `clear_loss`, the ratio doubles (up
   to `max_ratio`), so a settled choice is questioned ever less often.
 - A window covers at least `window_rounds` verifications per sequence it verified as well: a step may verify a
@@ -24,15 +24,17 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   window restarts when the number of running sequences moves by more than a quarter (a per-sequence rate depends
   on the load), after the same warm-up: arrivals' first rounds wait for their drafts to feed their prompts
   (measured at 4 streams on 2 cores: a level's first window at 2.6 tokens a second a sequence, its next ones at
-  3.7 to 4.2; the first, taken as the incumbent's, called a plain challenge that lost). A step's time counts at most its own time plus `max_gap_s` (a stalled client or an idle spell is
-  not the arm's doing).
+  3.7 to 4.2; the first, taken as the incumbent's, called a plain challenge that lost). A step's time counts at
+  most its own time plus `max_gap_s` (a stalled client or an idle spell is not the arm's doing).
 - Plain decoding challenges speculation only while the controller both drafts (its mean choice at least
   `min_drafted` tokens per sequence: otherwise the arms are the same and a trial only measures noise) and expects
   little of it (its predicted gain over k = 0, smoothed, at most `challenge_below_gain`): where it predicts 2x
   (one stream, a good draft) nothing is put at risk. Nor while the incumbent window just measured beat by
-  `margin` what the controller predicts plain decoding would give per sequence over the same steps (a plain
-  step's predicted time, the one figure of its model that every plain step checks): a plain challenger could
-  then win only where that figure is wrong by the margin. Measured at 4 streams (default pair, 2 cores,
+  `margin` a plain figure: what the controller predicts plain decoding would give a sequence over the same steps,
+  or what plain decoding last measured at about the same load where that is more (a plain challenger could then
+  win only where both are off by the margin). Nothing corrects a predicted plain figure while no plain step runs,
+  so this exemption holds for at most `max_ratio` windows in a row, and never while a challenger's first win
+  waits for its second. Measured at 4 streams (default pair, 2 cores,
   2 requests a stream): speculation gave 3.85 tokens a second a sequence, plain decoding 3.10 in its challenge,
   whose window and the catch-ups after it held 4 sequences at k = 0 for 9 s of a 35 s level (about 7 % of its
   output). Under plain decoding, speculation challenges whenever the controller would draft, and at once (the
@@ -93,6 +95,12 @@ class _Window:
         return self.plain_tokens / self.plain_s if self.plain_s > 0 else None
 
 
+def _same_load(num_running: int, window_running: int) -> bool:
+    """Whether `num_running` sequences are about the load of a window measured at `window_running`: within a
+    quarter of it (a per-sequence rate depends on the load)."""
+    return abs(num_running - window_running) <= max(1, window_running // 4)
+
+
 @dataclass
 class SpeculationTrial:
     window_tokens: int = 32  # a window measures at least this many tokens
@@ -118,7 +126,7 @@ class SpeculationTrial:
     _won_once: bool = field(default=False, init=False)  # the last trial's challenger won: one more decides
     _phase: _Phase = field(default=_Phase.INCUMBENT, init=False)
     _window: _Window = field(default_factory=_Window, init=False)
-    _windows_done: int = field(default=0, init=False)  # incumbent windows since the last challenge that could be
+    _windows_done: int = field(default=0, init=False)  # incumbent windows that could be challenged, since the last
     _rates: dict[_Phase, float] = field(default_factory=dict, init=False)  # the last window's rate per phase
     _window_s: dict[_Phase, float] = field(default_factory=dict, init=False)  # and its seconds
     _warmup_left: int = field(default=0, init=False)  # verifications before measuring
@@ -159,7 +167,7 @@ class SpeculationTrial:
         if num_prefill_tokens > 0:
             return self.running
         w = self._window
-        if w.num_running == 0 or abs(num_running - w.num_running) > max(1, w.num_running // 4):
+        if w.num_running == 0 or not _same_load(num_running, w.num_running):
             moved = w.num_running > 0
             w = self._window = _Window(num_running)  # the load moved: a per-sequence rate is another figure
             if moved:  # and arrivals' first rounds are not it (their drafts' own prompts first): a warm-up
@@ -208,7 +216,7 @@ class SpeculationTrial:
             return True
         rate, plain = w.rate, w.plain_rate
         measured = self._plain_measured
-        if plain is not None and measured is not None and abs(measured[1] - w.num_running) <= max(1, w.num_running // 4):
+        if plain is not None and measured is not None and _same_load(measured[1], w.num_running):
             plain = max(plain, measured[0])  # what plain decoding measured at about this load, when more
         # not while a challenger's first win waits for its second (that is a plain figure measured above the
         # model's), and not for more than max_ratio windows in a row: while it holds no plain step runs, so
