@@ -82,6 +82,7 @@ class RoundLength:
     follows_verifier: bool = False
     choice: int | None = None
     probe_every: int = 8
+    asked: int | None = None  # the cap the last round sent for the verifier's choice (None: none)
     _rounds_at_zero: int = 0
 
     @classmethod
@@ -117,7 +118,22 @@ class RoundLength:
         else:
             self._rounds_at_zero = 0
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
-        return k_round, (ask if self.follows_verifier else None)
+        self.asked = ask if self.follows_verifier else None
+        return k_round, self.asked
+
+    def load_choice(self, room: int | None) -> int | None:
+        """The verifier's latest choice as a word on its load, for the process's next new sequence to start from
+        (for_mode's recent_choice); None where it says nothing of the load. `room`: the draft tokens the
+        sequence's next block may still hold (what it may still emit, and its context, less the block's own
+        correction); None: it ended. The verifier never chooses past that room, so every request's last rounds
+        are chosen short, and its last 0, whatever the load: a new request that started from such a choice
+        drafted nothing in its first round and fed its prompt to the draft a round later (seen at every level
+        of bench/capacity.py; at 8 streams the late ones then came back a round apart from the others, and the
+        batch ran in two halves for seconds). A choice the room did not bound is the verifier's word on its
+        load and the acceptance."""
+        if self.choice is None or self.asked is None or room is None or room < self.asked:
+            return None
+        return self.choice
 
     def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float | None,
                 wait_s: float) -> None:

@@ -65,6 +65,12 @@ def check_prompt_length(num_prompt_tokens: int, identity: VerifierIdentity) -> N
                                "to generate")
 
 
+def draft_room(tokens_left: int, context_left: int) -> int:
+    """The draft tokens a sequence's next block may hold, as the verifier caps its choice: a block of k yields
+    k + 1 tokens, within what the request may still emit and what the target's context still holds."""
+    return min(tokens_left, context_left) - 1
+
+
 def q_support_limit(sampling: SamplingParams, identity: VerifierIdentity) -> int | None:
     """A sequence's q support limit besides the draft's --q-max-support: the verifier's --max-q-support where q
     is sent (sparse mode), since it refuses a longer one; None: no other limit (ids only, or a verifier older
@@ -128,7 +134,7 @@ class Generator:
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         t0 = time.perf_counter()
-        prompt, seq, length = await self._prepare(req)
+        prompt, seq, length, max_model_len = await self._prepare(req)
         stats = GenerationStats(num_prompt_tokens=len(prompt), num_speculative_tokens=length.k)
         output = TextOutput(self.tokenizer, req.stop)
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
@@ -183,8 +189,10 @@ class Generator:
                 flight.resumed = False
                 seq.roll_back()
                 tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
+                room = None if finished else draft_room(seq.sampling.max_tokens - (seq.num_tokens - len(prompt)),
+                                                        max_model_len - seq.num_tokens)
                 self._record_round(stats, length, seq, verified, verdict, tokens, t0, t_sent - t_draft,
-                                   t_verdict - t_sent)
+                                   t_verdict - t_sent, room)
                 stats.finish_reason = FinishReason.STOP if stopped else verdict.finish_reason
                 if stopped and not finished:  # the verifier would go on: tell it to free the sequence now
                     finished = True
@@ -199,9 +207,9 @@ class Generator:
             structlog.contextvars.unbind_contextvars("seq_id")
         yield self._finish(stats, seq, flight, t0)
 
-    async def _prepare(self, req: GenerationRequest) -> tuple[list[int], DraftSequence, RoundLength]:
+    async def _prepare(self, req: GenerationRequest) -> tuple[list[int], DraftSequence, RoundLength, int]:
         """The request checked against this service and its verifier: (prompt ids, the sequence, its rounds'
-        draft length)."""
+        draft length, the verifier's context length)."""
         check_stop_strings(req.stop)
         prompt = await self._prompt_ids(req)
         identity = await self.link.ensure_connected(self._retry_s(req.deadline))
@@ -214,7 +222,7 @@ class Generator:
         length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k),
                                       weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
                                       pooled=self._pooled_own)
-        return prompt, seq, length
+        return prompt, seq, length, identity.max_model_len
 
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
         if length.follows_verifier and k == 0:
@@ -222,7 +230,9 @@ class Generator:
         return await self.drafter.draft(seq, k, may_defer=length.follows_verifier)
 
     def _record_round(self, stats: GenerationStats, length: RoundLength, seq: DraftSequence, block: DraftBlock,
-                      verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float) -> None:
+                      verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float,
+                      room: int | None) -> None:
+        """`room`: the draft tokens the sequence's next block may hold (draft_room; None: it ended)."""
         stats.record_round(num_draft_tokens=block.num_draft_tokens, num_accepted=verdict.num_accepted,
                            num_emitted=len(tokens), draft_s=draft_s, wait_s=wait_s, verify_s=verdict.step_time_s,
                            num_positions=block.num_positions)
@@ -236,8 +246,9 @@ class Generator:
         length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, own_draft_s, wait_s)
         if length.own and block.num_draft_tokens:  # a round that drafted nothing says nothing of drafting
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
-        if length.choice is not None:
-            self._recent_choice = length.choice
+        choice = length.load_choice(room)
+        if choice is not None:
+            self._recent_choice = choice
 
     def _finish(self, stats: GenerationStats, seq: DraftSequence, flight: Flight, t0: float) -> GenerationStats:
         stats.wall_time_s = time.perf_counter() - t0

@@ -41,7 +41,7 @@ from draft_service.draft_model import (
 )
 from draft_service.drafters import NgramDrafter
 from draft_service.due_rounds import DueRounds
-from draft_service.generation import Generator
+from draft_service.generation import Generator, draft_room
 from draft_service.sequence import DraftSequence
 from draft_service.servicer import DraftServicer
 from draft_service.types import DraftBlock, GenerationRequest, VerdictEvent, VerifierIdentity
@@ -890,6 +890,53 @@ def test_the_own_cost_rule_learns_the_draft_time_from_usual_rounds_only():
     gen.prompts.close()
     assert drafter.num_rounds == 5
     assert gen._pooled_own.t_draft is not None and gen._pooled_own.t_draft < 0.01  # 0.3 s / 4 tokens if counted
+
+
+class LengthRecordingDrafter(UndraftingDrafter):
+    """Drafts nothing; records the length each round asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    async def draft(self, seq, k, *, may_defer=False):
+        self.lengths.append(k)
+        return DraftBlock((), None)
+
+
+@pytest.mark.parametrize("choices, first_of_next", [
+    # the verifier chose 4 while the room allowed it, then what the room left (3, 2, 1, 0): the next request
+    # starts from the 4
+    ([4, 4, 4, 3, 2, 1, 0, 0], 4),
+    # a choice below the room (2, at rounds 2 and 3) is the verifier's word on its load: kept
+    ([4, 2, 2, 2, 1, 1, 0, 0], 2),
+])
+def test_a_new_request_starts_from_the_last_choice_its_room_did_not_bound(choices, first_of_next):
+    """Under --speculation auto a request's first round drafts the length last chosen on its process. The verifier
+    never chooses past what a sequence may still emit, so a request's last verdicts carry short choices whatever
+    the load (RoundLength.load_choice): those are not what the next request starts from."""
+    max_tokens = len(choices)  # one token a round, the last round's verdict ends it
+    link = ChoosingVerifier(choices)
+    drafter = LengthRecordingDrafter()
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+
+    async def request() -> None:
+        req = GenerationRequest(sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                prompt_text=None, prompt_token_ids=(1, 2, 3))
+        events = [event async for event in gen.generate(req)]
+        assert events[-1].num_generated_tokens == max_tokens
+
+    asyncio.run(asyncio.wait_for(request(), 10))
+    assert drafter.lengths == [4, *choices[:-1]]  # the first round: the configured k (no choice yet)
+    link._round, drafter.lengths = 0, []
+    asyncio.run(asyncio.wait_for(request(), 10))
+    gen.prompts.close()
+    assert drafter.lengths[0] == first_of_next
+
+
+def test_a_block_s_room_is_what_the_request_may_emit_and_the_context_hold_less_its_correction():
+    assert draft_room(tokens_left=5, context_left=100) == 4
+    assert draft_room(tokens_left=100, context_left=3) == 2
 
 
 class DeferralRecordingDrafter(UndraftingDrafter):
