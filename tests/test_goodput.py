@@ -759,7 +759,7 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     import verifier_service.goodput as goodput
     seen = []
     real = goodput.choose_draft_lengths
-    goodput.choose_draft_lengths = lambda cands, *a: seen.append(list(cands)) or real(cands, *a)
+    goodput.choose_draft_lengths = lambda cands, *a, **kw: seen.append(list(cands)) or real(cands, *a, **kw)
     try:
         sizes = {new: (40, 35), drafting: (40, 35), plain: (40, 35)}
         c.choose(dict.fromkeys(sizes, 2), sizes=sizes, away={SeqKey(1, 9): 2})
@@ -769,3 +769,49 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     assert rows == {SeqKey(1, 9): 0.0, **{key: c.catch_up_rows(key, tuple(c.acceptance.rates(key, 2)), 40, 35)
                                           for key in sizes}}
     assert rows[new] > rows[plain] > rows[drafting] == 0.0
+
+
+def _even_load(intercept: float) -> tuple[StepTimeModel, list[Candidate]]:
+    """32 sequences on a step model under which drafting a token each gains a little over plain decoding: 5.4 %
+    with an intercept of 0.04 s, 14 % with 0.1 s."""
+    step = model_of(lambda n: intercept + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    return step, [Candidate(i, 4, (0.99, 0.9, 0.9, 0.9)) for i in range(32)]
+
+
+def test_plain_decoding_is_kept_within_the_plain_tolerance_and_no_near_draft_is_sought_past_the_tolerance():
+    step, cands = _even_load(0.04)
+    exact = choose_draft_lengths(cands, step)
+    assert 1.03 < exact.goodput / exact.plain_goodput < 1.08
+    assert sum(choose_draft_lengths(cands, step, tolerance=0.03).draft_lengths.values()) > 0
+    assert sum(choose_draft_lengths(cands, step, tolerance=0.03, plain_tolerance=0.08).draft_lengths.values()) == 0
+    step, cands = _even_load(0.1)
+    exact = choose_draft_lengths(cands, step)
+    assert exact.goodput / exact.plain_goodput > 1.08
+    # past it, the choice is the tolerance's: the best, or at most a token a sequence more
+    chosen = choose_draft_lengths(cands, step, tolerance=0.03, plain_tolerance=0.08)
+    assert chosen.draft_lengths == choose_draft_lengths(cands, step, tolerance=0.03).draft_lengths
+
+
+def test_after_a_plain_choice_drafting_must_gain_the_switch_tolerance():
+    """Hysteresis: where drafting gains 5 % over plain decoding, a controller whose last choice drafted goes on
+    drafting, and one whose last choice drafted nothing stays plain; a gain of 14 % takes it to drafting."""
+    from verifier_service.goodput import DraftLengthController
+
+    # acceptance 0.9 at every position: drafting a token each gains 5.6 % with an intercept of 0.08 s, 15 % with
+    # 0.15 s (choose_draft_lengths alone)
+    step = model_of(lambda n: 0.08 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    caps = {i: 4 for i in range(32)}
+
+    def controller() -> DraftLengthController:
+        return DraftLengthController(4, step_time=step, probe_every=0, tolerance=0.03, switch_tolerance=0.08,
+                                     acceptance=AcceptanceTracker(4, default_rate=0.9))
+
+    drafting = controller()
+    assert sum(drafting.choose(caps).draft_lengths.values()) > 0  # no choice before: the tolerance's
+    assert sum(drafting.choose(caps).draft_lengths.values()) > 0
+    plain = controller()
+    assert sum(plain.choose(dict.fromkeys(caps, 0)).draft_lengths.values()) == 0  # caps of 0: a plain choice
+    assert sum(plain.choose(caps).draft_lengths.values()) == 0
+    assert sum(plain.choose(caps).draft_lengths.values()) == 0
+    plain.step_time = model_of(lambda n: 0.15 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    assert sum(plain.choose(caps).draft_lengths.values()) > 0

@@ -88,7 +88,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                          other_output: float = 0.0, idle_s: float = 0.0, tolerance: float = 0.0,
                          idle_per_block_token: float = 0.0, other_longest_block: int = 0,
                          plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
-                         idle_per_drafted_token: float = 0.0, other_drafted: int = 0) -> Allocation:
+                         idle_per_drafted_token: float = 0.0, other_drafted: int = 0,
+                         plain_tolerance: float | None = None) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -103,8 +104,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     that verifies nothing drafted, and one that verifies drafted tokens, takes against `step_time`'s prediction.
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
     best goodput, plain decoding if it is one of them, else the one with the most drafted tokens, at most one a
-    candidate more than the best's, is taken. Without a step observed yet every candidate gets
-    its cap.
+    candidate more than the best's, is taken. `plain_tolerance` (None: `tolerance`): plain decoding is taken where
+    it loses at most this fraction, though no near draft is looked for past `tolerance` (the caller's hysteresis:
+    DraftLengthController.switch_tolerance). Without a step observed yet every candidate gets its cap.
 
     For a given total M of drafted tokens the step's tokens are fixed and the expected output is largest when it
     takes the M largest marginal gains; with the longest block priced as well, that holds for each bound L on
@@ -123,7 +125,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
-            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted)
+            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
+            tolerance if plain_tolerance is None else max(tolerance, plain_tolerance))
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
         return _search(cands, *args)
     every = _search(cands, *args)
@@ -134,7 +137,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int) -> Allocation:
+            other_drafted: int, plain_tolerance: float) -> Allocation:
     """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
@@ -172,7 +175,11 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
     costs = cost(fixed_n + m_all, longest_all, np.concatenate(rows))
     goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
     best = goodputs.max()
-    if tolerance > 0 and goodputs[0] < best:
+    # plain decoding within plain_tolerance of the best (the candidates' own expected tokens' share, as below)
+    if plain_tolerance > tolerance and (best - goodputs[0]) * costs[0] <= plain_tolerance * (expected_all[0]
+                                                                                           - other_output):
+        pick = 0
+    elif tolerance > 0 and goodputs[0] < best:
         # near the best: losing at most `tolerance` of the candidates' own expected tokens over the option's step
         # (of all the step's tokens, the other work's included, a prefill-heavy step let any draft through). Only
         # where the best drafts: where plain decoding is best, a draft that comes near it is priced at break-even,
@@ -272,6 +279,13 @@ class DraftLengthController:
     # it is taken, else a longer draft within 3 % of the best (measured on 2 cores, the noise alone otherwise cut
     # k = 4 to 2 or 3 on an idle verifier; see choose_draft_lengths)
     tolerance: float = 0.03
+    # and after a choice that drafted nothing, plain decoding is kept while drafting gains at most this much more
+    # (hysteresis): going from plain decoding to drafting costs what no step's price holds, the draft's feed of
+    # the tokens verified meanwhile and a first round whose blocks come back later than plain rounds do. Where
+    # the two are about even (8 streams, default pair, 2 cores, 5a8f981: k = 0 15.9 tok/s, k = 4 14.8), the
+    # choice went from plain to 3 tokens a sequence after the trial's plain window on a predicted gain of 2 %,
+    # and that round took 1.98 s for 23 tokens where plain steps gave 8 every 0.42 s
+    switch_tolerance: float = 0.08
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
     # a draft batch's claimed time counts at most this much, and a wait before a step that verifies drafted blocks
@@ -328,6 +342,7 @@ class DraftLengthController:
     _caught_up_batches: OrderedDict = field(default_factory=OrderedDict)  # catch-up batches learnt (the recent)
     # key -> its verifications in a row that drafted nothing since one that drafted (None: none drafted yet)
     _plain_rounds: dict = field(default_factory=dict)
+    _drafting: bool | None = None  # whether the last choice (probes aside) drafted anything; None: none yet
 
     def __post_init__(self) -> None:
         if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
@@ -534,7 +549,9 @@ class DraftLengthController:
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
-                                      other_drafted)
+                                      other_drafted,
+                                      plain_tolerance=self.switch_tolerance if self._drafting is False else None)
+        self._drafting = any(chosen.draft_lengths.values())
         lengths = {key: chosen.draft_lengths[key] for key in caps}
         probed: set[object] = set()
         if probe:
