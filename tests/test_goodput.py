@@ -809,8 +809,15 @@ def test_after_a_plain_choice_drafting_must_gain_the_switch_tolerance():
     drafting = controller()
     assert sum(drafting.choose(caps).draft_lengths.values()) > 0  # no choice before: the tolerance's
     assert sum(drafting.choose(caps).draft_lengths.values()) > 0
+    ended = controller()
+    assert sum(ended.choose(caps).draft_lengths.values()) > 0
+    # caps of 0 (the sequences' room bounds them at their requests' ends) are no choice of plain decoding
+    assert sum(ended.choose(dict.fromkeys(caps, 0)).draft_lengths.values()) == 0
+    assert sum(ended.choose(caps).draft_lengths.values()) > 0
     plain = controller()
-    assert sum(plain.choose(dict.fromkeys(caps, 0)).draft_lengths.values()) == 0  # caps of 0: a plain choice
+    plain.step_time = model_of(lambda n: 0.01 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))  # plain is best
+    assert sum(plain.choose(caps).draft_lengths.values()) == 0
+    plain.step_time = step
     assert sum(plain.choose(caps).draft_lengths.values()) == 0
     assert sum(plain.choose(caps).draft_lengths.values()) == 0
     plain.step_time = model_of(lambda n: 0.15 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))

@@ -551,7 +551,8 @@ class DraftLengthController:
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
                                       other_drafted,
                                       plain_tolerance=self.switch_tolerance if self._drafting is False else None)
-        self._drafting = any(chosen.draft_lengths.values())
+        if any(pool.values()):  # caps of 0 (a request's last rounds, which its room bounds) chose nothing
+            self._drafting = any(chosen.draft_lengths.values())
         lengths = {key: chosen.draft_lengths[key] for key in caps}
         probed: set[object] = set()
         if probe:
