@@ -129,9 +129,10 @@ class RoundLength:
         are chosen short, and its last 0, whatever the load: a new request that started from such a choice
         drafted nothing in its first round and fed its prompt to the draft a round later (seen at every level
         of bench/capacity.py; at 8 streams the late ones then came back a round apart from the others, and the
-        batch ran in two halves for seconds). A choice the room did not bound is the verifier's word on its
-        load and the acceptance."""
-        if self.choice is None or self.asked is None or room is None or room < self.asked:
+        batch ran in two halves for seconds). Nor is a choice this sequence capped below k itself (the own-cost
+        rule's 0, or its 1 before a probe: the verifier can only echo it). A choice under the full k that the room
+        did not bound is the verifier's word on its load and the acceptance."""
+        if self.choice is None or self.asked != self.k or room is None or room < self.k:
             return None
         return self.choice
 

@@ -22,6 +22,7 @@ from common.kv_cache import KVCache
 from common.paged_model import PagedCausalLM, kv_cache_spec
 from common.sampling import FinishReason, SamplingParams
 from common.tokenizer import INLINE_PROMPT_CHARS, INLINE_PROMPT_IDS
+from draft_service.adaptive import RoundLength
 from draft_service.batcher import (
     DRAFTING_WINDOW_ROUNDS,
     WARM_CHUNK_TOKENS,
@@ -981,3 +982,18 @@ def test_a_round_the_verifier_chose_plain_is_not_warmed():
     gen.prompts.close()
     assert drafter.rounds == [False] * 5
     assert drafter.warmed == [1, 2, 5]  # rounds 3 and 4 followed a choice of 0
+
+
+def test_a_choice_the_sequence_capped_below_k_itself_is_no_word_on_the_load():
+    """The own-cost rule's 0 (or its 1 before a probe) is a cap the verifier can only echo: not what the next
+    request starts from. A choice under the full k is, where the room did not bound it."""
+    length = RoundLength(4, follows_verifier=True)
+    length.asked, length.choice = 0, 0
+    assert length.load_choice(room=30) is None
+    length.asked, length.choice = 1, 1
+    assert length.load_choice(room=30) is None
+    length.asked, length.choice = 4, 2
+    assert length.load_choice(room=30) == 2
+    assert length.load_choice(room=4) == 2  # a room of k bounds nothing
+    assert length.load_choice(room=3) is None
+    assert length.load_choice(room=None) is None

@@ -822,3 +822,45 @@ def test_after_a_plain_choice_drafting_must_gain_the_switch_tolerance():
     assert sum(plain.choose(caps).draft_lengths.values()) == 0
     plain.step_time = model_of(lambda n: 0.15 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
     assert sum(plain.choose(caps).draft_lengths.values()) > 0
+
+
+def test_the_switch_tolerance_judges_the_choice_between_catching_up_and_not_once_made():
+    """Half the sequences would catch up first. Drafting for the others alone gains 6.7 % over plain decoding, for
+    all 8.9 %: without hysteresis the choice is the former (the catch-up's extra 2 % is within the tolerance);
+    with a switch tolerance of 8 % it is plain decoding, not the catch-up's choice (the one plain decoding's
+    tolerance left beating the other)."""
+    step = model_of(lambda n: 0.2 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    fresh = [Candidate(("fresh", i), 4, (0.9,) * 4) for i in range(16)]
+    held = [Candidate(("held", i), 4, (0.9,) * 4, catch_up_rows=0.2) for i in range(16)]
+    kw = dict(idle_per_drafted_token=0.002, tolerance=0.03)
+    alone = choose_draft_lengths([*fresh, *held], step, **kw).draft_lengths
+    assert all(alone[c.key] for c in fresh) and not any(alone[c.key] for c in held)
+    every = choose_draft_lengths([*fresh, *[dataclasses.replace(c, catch_up_rows=0.0) for c in held]], step,
+                                 idle_per_drafted_token=0.002)
+    assert every.goodput / every.plain_goodput > 1.08
+    assert not any(choose_draft_lengths([*fresh, *held], step, plain_tolerance=0.08, **kw).draft_lengths.values())
+
+
+def test_the_hysteresis_is_per_draft_process_and_the_trial_s_plain_arm_leaves_it():
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.types import SeqKey
+
+    even = model_of(lambda n: 0.04 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))  # 16 drafting: 5.5 %
+    plain_best = model_of(lambda n: 0.01 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
+    c = DraftLengthController(4, step_time=plain_best, probe_every=0, tolerance=0.03, switch_tolerance=0.08,
+                              acceptance=AcceptanceTracker(4, default_rate=0.9,
+                                                           group_of=lambda key: key.stream_id))
+    a = {SeqKey(1, i): 4 for i in range(16)}
+    b = {SeqKey(2, i): 4 for i in range(16)}
+    assert not any(c.choose(a).draft_lengths.values())  # stream 1: plain decoding chosen
+    c.step_time = even
+    assert any(c.choose(b).draft_lengths.values())  # stream 2 never chose plain: no hysteresis
+    assert not any(c.choose(a).draft_lengths.values())  # stream 1 did
+    c.step_time = model_of(lambda n: 0.08 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))  # 32: 5.6 %
+    assert any(c.choose({**a, **b}).draft_lengths.values())  # a step of both: one of them drafted last
+    c.step_time = even
+    # under the trial's plain arm (probe=False) the choice is overridden by zeros: what the groups last chose stays
+    c.step_time = plain_best
+    assert not any(c.choose(b, probe=False).draft_lengths.values())
+    c.step_time = even
+    assert any(c.choose(b).draft_lengths.values())

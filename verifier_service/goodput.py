@@ -104,9 +104,10 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     that verifies nothing drafted, and one that verifies drafted tokens, takes against `step_time`'s prediction.
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
     best goodput, plain decoding if it is one of them, else the one with the most drafted tokens, at most one a
-    candidate more than the best's, is taken. `plain_tolerance` (None: `tolerance`): plain decoding is taken where
-    it loses at most this fraction, though no near draft is looked for past `tolerance` (the caller's hysteresis:
-    DraftLengthController.switch_tolerance). Without a step observed yet every candidate gets its cap.
+    candidate more than the best's, is taken. `plain_tolerance` (None: `tolerance`): plain decoding is then taken
+    where that choice gains at most this fraction over it (the caller's hysteresis,
+    DraftLengthController.switch_tolerance; no near draft is looked for past `tolerance`). Without a step observed
+    yet every candidate gets its cap.
 
     For a given total M of drafted tokens the step's tokens are fixed and the expected output is largest when it
     takes the M largest marginal gains; with the longest block priced as well, that holds for each bound L on
@@ -125,19 +126,25 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
-            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
-            tolerance if plain_tolerance is None else max(tolerance, plain_tolerance))
+            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted)
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
-        return _search(cands, *args)
-    every = _search(cands, *args)
-    fresh = _search([dataclasses.replace(c, max_k=0) if c.catch_up_rows > 0 else c for c in cands], *args)
-    return every if every.goodput > fresh.goodput * (1 + tolerance) else fresh
+        chosen = _search(cands, *args)
+    else:
+        every = _search(cands, *args)
+        fresh = _search([dataclasses.replace(c, max_k=0) if c.catch_up_rows > 0 else c for c in cands], *args)
+        chosen = every if every.goodput > fresh.goodput * (1 + tolerance) else fresh
+    if plain_tolerance is None or plain_tolerance <= tolerance or not any(chosen.draft_lengths.values()):
+        return chosen
+    # the choice against plain decoding once more, by the candidates' own expected tokens as the tolerance
+    plain = _search([dataclasses.replace(c, max_k=0) for c in cands], *args)
+    loss = (chosen.goodput - plain.goodput) * plain.predicted_step_s
+    return plain if loss <= plain_tolerance * (plain.expected_tokens - other_output) else chosen
 
 
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int, plain_tolerance: float) -> Allocation:
+            other_drafted: int) -> Allocation:
     """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
@@ -175,11 +182,7 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
     costs = cost(fixed_n + m_all, longest_all, np.concatenate(rows))
     goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
     best = goodputs.max()
-    # plain decoding within plain_tolerance of the best (the candidates' own expected tokens' share, as below)
-    if plain_tolerance > tolerance and (best - goodputs[0]) * costs[0] <= plain_tolerance * (expected_all[0]
-                                                                                           - other_output):
-        pick = 0
-    elif tolerance > 0 and goodputs[0] < best:
+    if tolerance > 0 and goodputs[0] < best:
         # near the best: losing at most `tolerance` of the candidates' own expected tokens over the option's step
         # (of all the step's tokens, the other work's included, a prefill-heavy step let any draft through). Only
         # where the best drafts: where plain decoding is best, a draft that comes near it is priced at break-even,
@@ -279,12 +282,14 @@ class DraftLengthController:
     # it is taken, else a longer draft within 3 % of the best (measured on 2 cores, the noise alone otherwise cut
     # k = 4 to 2 or 3 on an idle verifier; see choose_draft_lengths)
     tolerance: float = 0.03
-    # and after a choice that drafted nothing, plain decoding is kept while drafting gains at most this much more
-    # (hysteresis): going from plain decoding to drafting costs what no step's price holds, the draft's feed of
-    # the tokens verified meanwhile and a first round whose blocks come back later than plain rounds do. Where
-    # the two are about even (8 streams, default pair, 2 cores, 5a8f981: k = 0 15.9 tok/s, k = 4 14.8), the
-    # choice went from plain to 3 tokens a sequence after the trial's plain window on a predicted gain of 2 %,
-    # and that round took 1.98 s for 23 tokens where plain steps gave 8 every 0.42 s
+    # and where the last choice for every group (draft process) of the step drafted nothing, plain decoding is
+    # kept while drafting gains at most this much more (hysteresis): a switch to drafting costs what the price
+    # holds only in part (a catch-up is priced past catch_up_free_rounds plain rounds only; the switch's first
+    # round comes back later than plain rounds do, and the estimates are least sure where the two are even).
+    # Where they were about even (8 streams, default pair, 2 cores, 5a8f981: k = 0 15.9 tok/s, k = 4 14.8), the
+    # choice went from plain, before the trial's plain window, to 3 tokens a sequence after it, on a predicted
+    # goodput of 19.4 tokens/s where plain steps had predicted 19.0 to 19.2, and that round took 1.98 s for 23
+    # tokens where plain steps gave 8 every 0.42 s
     switch_tolerance: float = 0.08
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
@@ -342,7 +347,9 @@ class DraftLengthController:
     _caught_up_batches: OrderedDict = field(default_factory=OrderedDict)  # catch-up batches learnt (the recent)
     # key -> its verifications in a row that drafted nothing since one that drafted (None: none drafted yet)
     _plain_rounds: dict = field(default_factory=dict)
-    _drafting: bool | None = None  # whether the last choice (probes aside) drafted anything; None: none yet
+    # group -> whether the last choice with a cap above 0 for its sequences drafted for any (probes aside; the
+    # trial's plain arm, whose zeros are not the choice's, leaves it as it was)
+    _group_drafting: OrderedDict = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
@@ -546,13 +553,26 @@ class DraftLengthController:
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
         # wait for S of them is about the longest, priced as if the tokens were spread evenly over them
         streams = max(1, len({self.acceptance.group_of(key) for key, cap in pool.items() if cap > 0}))
+        # caps of 0 (a request's last rounds, which its room bounds) choose nothing
+        group_of = self.acceptance.group_of
+        groups: dict[object, bool] = {}
+        for key, cap in pool.items():
+            if cap > 0:
+                groups.setdefault(group_of(key), False)
+        held = bool(groups) and all(self._group_drafting.get(group) is False for group in groups)
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
-                                      other_drafted,
-                                      plain_tolerance=self.switch_tolerance if self._drafting is False else None)
-        if any(pool.values()):  # caps of 0 (a request's last rounds, which its room bounds) chose nothing
-            self._drafting = any(chosen.draft_lengths.values())
+                                      other_drafted, plain_tolerance=self.switch_tolerance if held else None)
+        if probe:
+            for key, k in chosen.draft_lengths.items():
+                if k and pool.get(key, 0) > 0:
+                    groups[group_of(key)] = True
+            for group, drafted in groups.items():
+                self._group_drafting[group] = drafted
+                self._group_drafting.move_to_end(group)
+            while len(self._group_drafting) > MAX_THIN_GROUPS:
+                self._group_drafting.popitem(last=False)
         lengths = {key: chosen.draft_lengths[key] for key in caps}
         probed: set[object] = set()
         if probe:
