@@ -893,15 +893,17 @@ def test_the_own_cost_rule_learns_the_draft_time_from_usual_rounds_only():
     assert gen._pooled_own.t_draft is not None and gen._pooled_own.t_draft < 0.01  # 0.3 s / 4 tokens if counted
 
 
-class LengthRecordingDrafter(UndraftingDrafter):
-    """Drafts nothing; records the length each round asked for."""
+class RecordingDrafter(UndraftingDrafter):
+    """Drafts nothing; records the length each round asked for, and whether it might be deferred."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lengths: list[int] = []
+        self.may_defer: list[bool] = []
 
     async def draft(self, seq, k, *, may_defer=False):
         self.lengths.append(k)
+        self.may_defer.append(may_defer)
         return DraftBlock((), None)
 
 
@@ -918,7 +920,7 @@ def test_a_new_request_starts_from_the_last_choice_its_room_did_not_bound(choice
     the load (RoundLength.load_choice): those are not what the next request starts from."""
     max_tokens = len(choices)  # one token a round, the last round's verdict ends it
     link = ChoosingVerifier(choices)
-    drafter = LengthRecordingDrafter()
+    drafter = RecordingDrafter()
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
 
     async def request() -> None:
@@ -940,16 +942,6 @@ def test_a_block_s_room_is_what_the_request_may_emit_and_the_context_hold_less_i
     assert draft_room(tokens_left=100, context_left=3) == 2
 
 
-class DeferralRecordingDrafter(UndraftingDrafter):
-    def __init__(self) -> None:
-        super().__init__()
-        self.may_defer: list[bool] = []
-
-    async def draft(self, seq, k, *, may_defer=False):
-        self.may_defer.append(may_defer)
-        return DraftBlock((), None)
-
-
 @pytest.mark.parametrize("speculation, sampling, deferrable", [
     ("auto", SamplingParams(temperature=0.0), True),
     ("fixed", SamplingParams(temperature=0.0), False),
@@ -958,7 +950,7 @@ class DeferralRecordingDrafter(UndraftingDrafter):
     ("auto", SamplingParams(temperature=0.8, seed=5), False),
 ])
 def test_only_rounds_whose_length_the_verifier_chose_may_be_deferred(speculation, sampling, deferrable):
-    drafter = DeferralRecordingDrafter()
+    drafter = RecordingDrafter()
     gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation), BlockingTokenizer(), VOCAB,
                     ChoosingVerifier([4] * 3), drafter)
     req = GenerationRequest(sampling=sampling, prompt_text=None, prompt_token_ids=(1, 2, 3))

@@ -135,10 +135,12 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         chosen = every if every.goodput > fresh.goodput * (1 + tolerance) else fresh
     if plain_tolerance is None or plain_tolerance <= tolerance or not any(chosen.draft_lengths.values()):
         return chosen
-    # the choice against plain decoding once more, by the candidates' own expected tokens as the tolerance
-    plain = _search([dataclasses.replace(c, max_k=0) for c in cands], *args)
-    loss = (chosen.goodput - plain.goodput) * plain.predicted_step_s
-    return plain if loss <= plain_tolerance * (plain.expected_tokens - other_output) else chosen
+    # the choice against plain decoding (every search's first option) once more, by the candidates' own expected
+    # tokens as the tolerance
+    if (chosen.goodput - chosen.plain_goodput) * chosen.plain_step_s > plain_tolerance * base:
+        return chosen
+    return Allocation(dict.fromkeys(chosen.draft_lengths, 0), base + other_output, base + other_tokens,
+                      chosen.plain_step_s, chosen.plain_goodput, chosen.plain_step_s)
 
 
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
@@ -552,13 +554,11 @@ class DraftLengthController:
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
         # wait for S of them is about the longest, priced as if the tokens were spread evenly over them
-        streams = max(1, len({self.acceptance.group_of(key) for key, cap in pool.items() if cap > 0}))
-        # caps of 0 (a request's last rounds, which its room bounds) choose nothing
+        # (caps of 0, a request's last rounds, which its room bounds, choose nothing: their groups are not counted,
+        # nor held by the hysteresis below, nor recorded by it)
         group_of = self.acceptance.group_of
-        groups: dict[object, bool] = {}
-        for key, cap in pool.items():
-            if cap > 0:
-                groups.setdefault(group_of(key), False)
+        groups: dict[object, bool] = {group_of(key): False for key, cap in pool.items() if cap > 0}
+        streams = max(1, len(groups))
         held = bool(groups) and all(self._group_drafting.get(group) is False for group in groups)
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
@@ -566,7 +566,7 @@ class DraftLengthController:
                                       other_drafted, plain_tolerance=self.switch_tolerance if held else None)
         if probe:
             for key, k in chosen.draft_lengths.items():
-                if k and pool.get(key, 0) > 0:
+                if k:
                     groups[group_of(key)] = True
             for group, drafted in groups.items():
                 self._group_drafting[group] = drafted
