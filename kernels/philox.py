@@ -9,8 +9,12 @@ addresses never share a draw, and nothing depends on call order, batch compositi
 - exponential64: Exp(1) as -log(1 - u), which is exact to compute (1 - u is representable) up to the last bit of
   the platform's log; clamped away from 0 so p / E is always finite.
 
-The torch twin works on int64 tensors that hold uint32 values and splits each 32x32-bit product into 16-bit
-halves, so no intermediate leaves int64. It runs on any device, so a GPU draft can use it as is.
+The torch twin works on int64 tensors that hold uint32 values. A 32x32-bit product is one int64 multiply: it
+wraps modulo 2^64 (two's complement, as torch's integer multiply does on every device), so its low 32 bits are
+exact and its high 32 bits are the arithmetic shift's, masked. It runs on any device, so a GPU draft can use it
+as is. On a CPU verifier it is what a sampled sequence's recovered or bonus token costs: one number per vocabulary
+entry. Measured on one core of a 2-core Intel Xeon, 4 rows of a 151,936-token vocabulary: 54 ms, where splitting
+each product into 16-bit halves (so that nothing wrapped) took 277 ms, a quarter of a 4-stream plain step.
 """
 
 from __future__ import annotations
@@ -84,11 +88,10 @@ def uniform64_triton(seeds: torch.Tensor, positions: torch.Tensor, purpose: int,
 # -- torch twin ----------------------------------------------------------------------------------------------
 
 def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high, low) 32 bits of a * b for a < 2^32 and int64 b holding uint32 values."""
-    p_lo = b * (a & 0xFFFF)  # < 2^48
-    p_hi = b * (a >> 16)  # < 2^48
-    mid = p_lo + ((p_hi & 0xFFFF) << 16)  # < 2^49
-    return (p_hi >> 16) + (mid >> 32), mid & _MASK32
+    """(high, low) 32 bits of a * b for a < 2^32 and int64 b holding uint32 values: the product wraps modulo
+    2^64, which keeps both halves (the high one comes out of the shift sign-extended, hence the mask)."""
+    product = b * a
+    return (product >> 32) & _MASK32, product & _MASK32
 
 
 def philox4x32(key: tuple[torch.Tensor, torch.Tensor], counter: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -121,3 +124,35 @@ def exponential64_reference(seed: torch.Tensor | int, position: torch.Tensor | i
                             index: torch.Tensor) -> torch.Tensor:
     u = uniform64_reference(seed, position, purpose, index)
     return (-torch.log(1.0 - u)).clamp_min_(EXP_MIN)
+
+
+# elements of one chunk of a race (exponential_race_reference): its int64 temporaries (256 KiB each) stay in a
+# core's cache, where a [rows, vocabulary] pass streams every one of its some 40 through memory. Measured on one
+# core of a 2-core Intel Xeon, 4 rows of a 151,936-token vocabulary: 32 ms in chunks of 8,192 columns against 61
+# ms in one pass (and 2 MB of temporaries at most, where 64 rows in one pass held 78 MB per temporary)
+RACE_CHUNK_ELEMENTS = 1 << 15
+
+
+def exponential_race_reference(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                               purpose: int) -> torch.Tensor:
+    """[rows] int64: argmax over v of weights[r, v] / exponential64(seeds[r], positions[r], purpose, v), the first
+    such v on a tie, as torch.argmax would give it over the whole row (weights: [rows, n], non-negative and finite;
+    seeds and positions: [rows] int64). The race samples v with probability weights[r, v] / sum(weights[r]);
+    computed in column chunks, without a [rows, n] noise tensor."""
+    rows, n = weights.shape
+    device = weights.device
+    best = torch.full((rows,), -1.0, dtype=torch.float64, device=device)
+    best_at = torch.zeros(rows, dtype=torch.int64, device=device)
+    if rows == 0 or n == 0:
+        return best_at
+    seed, position = seeds.reshape(rows, 1), positions.reshape(rows, 1)
+    width = max(1024, RACE_CHUNK_ELEMENTS // rows)
+    for start in range(0, n, width):
+        index = torch.arange(start, min(n, start + width), dtype=torch.int64, device=device)
+        scores = weights[:, start:start + width].to(torch.float64) / exponential64_reference(
+            seed, position, purpose, index.unsqueeze(0))
+        top, at = scores.max(dim=1)
+        wins = top > best  # strictly: an earlier chunk keeps a tie, as argmax keeps the first
+        best = torch.where(wins, top, best)
+        best_at = torch.where(wins, at + start, best_at)
+    return best_at

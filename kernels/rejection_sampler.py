@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from kernels import PLACEHOLDER_TOKEN_ID
-from kernels.philox import Purpose, exponential64, exponential64_reference, uniform64, uniform64_reference
+from kernels.philox import Purpose, exponential64, exponential_race_reference, uniform64, uniform64_reference
 from kernels.platform import VOCAB_BLOCK, reference_guard, use_triton, vocab_warps
 from kernels.spec_decode import SamplingMetadata, SpecDecodeMetadata, TreeLayout, check_inputs
 
@@ -313,7 +313,6 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
     greedy, coupled = sampling.is_greedy.tolist(), sampling.coupled_mask().tolist()
     uses_q = [q is not None and not one_hot for one_hot in spec.is_one_hot.tolist()]
     argmax = target_argmax.tolist()
-    vocab = torch.arange(target_probs.shape[1])
     # the sampled finals, raced together at the end: (sequence, depth, row), and what their residual is:
     # p less the tried children's tokens (one-hot), max(0, p - q of the one child), or a residual built here
     races: list[tuple[int, int, int]] = []
@@ -327,10 +326,9 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
         ys: dict[int, int] = {}
         if racing:
             rows = torch.tensor([at[s][0] for s in racing])
-            noise = exponential64_reference(sampling.seeds[racing].unsqueeze(1),
-                                            (sampling.positions[racing] + layout.row_depth[rows]).unsqueeze(1),
-                                            Purpose.TARGET_SAMPLE, vocab.unsqueeze(0))
-            ys = dict(zip(racing, (target_probs[rows].to(torch.float64) / noise).argmax(dim=1).tolist(), strict=True))
+            won = exponential_race_reference(target_probs[rows], sampling.seeds[racing],
+                                             sampling.positions[racing] + layout.row_depth[rows], Purpose.TARGET_SAMPLE)
+            ys = dict(zip(racing, won.tolist(), strict=True))
         still = []
         for s in live:
             row, depth = at[s]
@@ -387,9 +385,8 @@ def rejection_sample_reference(target_probs: torch.Tensor, target_argmax: torch.
         # NOTE: the residual can vanish in floating point when rejection was (numerically) impossible; p and q
         # then agree, so sampling p is right
         residual = torch.where(residual.sum(dim=1, keepdim=True) > 0, residual, p)
-        noise = exponential64_reference(sampling.seeds[seqs].unsqueeze(1),
-                                        (sampling.positions[seqs] + layout.row_depth[rows]).unsqueeze(1),
-                                        Purpose.TARGET_SAMPLE, vocab.unsqueeze(0))  # [num_races, vocab]
-        for (s, depth, _), final in zip(races, (residual / noise).argmax(dim=1).tolist(), strict=True):
+        won = exponential_race_reference(residual, sampling.seeds[seqs],
+                                         sampling.positions[seqs] + layout.row_depth[rows], Purpose.TARGET_SAMPLE)
+        for (s, depth, _), final in zip(races, won.tolist(), strict=True):
             out[s, depth] = final
     return out, path

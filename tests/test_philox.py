@@ -13,6 +13,7 @@ import torch
 from kernels.philox import (
     Purpose,
     exponential64_reference,
+    exponential_race_reference,
     philox4x32,
     uniform64_reference,
     uniform64_triton,
@@ -67,6 +68,27 @@ def test_values_are_in_range():
     assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
     e = exponential64_reference(9, 4, Purpose.TARGET_SAMPLE, torch.arange(4096))
     assert bool((e > 0).all()) and bool(torch.isfinite(e).all())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_the_chunked_race_is_the_whole_rows_argmax(rows):
+    """Chunk by chunk, the race picks what argmax over the whole row of weights / noise picks: across chunk
+    boundaries, on a last chunk shorter than the others, and on ties (an all-zero row: its first token)."""
+    n = 3 * max(1024, (1 << 15) // rows) + 17  # three whole chunks and a short one
+    generator = torch.Generator().manual_seed(rows)
+    weights = torch.rand(rows, n, generator=generator) ** 8
+    weights[0, :-5] = 0.0  # only the last chunk can win
+    if rows > 1:
+        weights[1] = 0.0  # every score ties at 0
+    seeds = torch.randint(0, 1 << 62, (rows,), generator=generator)
+    positions = torch.randint(0, 4096, (rows,), generator=generator)
+    noise = exponential64_reference(seeds.unsqueeze(1), positions.unsqueeze(1), Purpose.TARGET_SAMPLE,
+                                    torch.arange(n).unsqueeze(0))
+    won = exponential_race_reference(weights, seeds, positions, Purpose.TARGET_SAMPLE)
+    assert torch.equal(won, (weights.double() / noise).argmax(dim=1))
+    assert int(won[0]) >= n - 5
+    if rows > 1:
+        assert int(won[1]) == 0
 
 
 def _ks_statistic(samples: torch.Tensor) -> float:
