@@ -35,6 +35,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 # at 47 ms (1536x17920: 11.0 and 5.8 ms); with 2 threads 48 and 38 ms. A step of 1 token took 580 ms, one of 4 tokens
 # 389 (the default target, 128 tokens of context). Rows are computed independently, and 2 to 40 rows round alike.
 MIN_ROWS = 4
+# the most rows one bfloat16 call takes (more run in chunks of this many): on a CPU with AMX, oneDNN's bf16 linear
+# takes its AMX kernel from 33 rows on, which sums in another order, so a row's result depended on how many rows
+# came with it (measured on a 2-core Intel Xeon with amx_bf16, 1536 -> 8960: 2 to 32 rows agree bit for bit with
+# each row alone, every count from 33 to 200 differs). A verification step of 8 streams' 5-token blocks (40 rows)
+# would then not compute what the same tokens decoded one by one compute. float32 has no such kernel (2 to 200
+# agree) and runs whole.
+MAX_BF16_ROWS = 32
 
 
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,6 +69,13 @@ class PackedLinear(torch.nn.Module):
         # batch (checked: 1 row differs, 2 to 40 rows agree bit for bit), and its 2-row path is slow (MIN_ROWS).
         # Fewer rows than MIN_ROWS run padded to MIN_ROWS, so a token's logits do not depend on whether it was
         # decoded alone (k = 0) or verified in a block, and a step of one or two tokens is not the slowest one.
+        # More than MAX_BF16_ROWS bfloat16 rows run in chunks of at most that many, for the same reason.
+        rows = x.shape[0]
+        if rows > MAX_BF16_ROWS and x.dtype == torch.bfloat16:
+            return torch.cat([self._rows(chunk) for chunk in x.split(MAX_BF16_ROWS)])
+        return self._rows(x)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if 0 < rows < MIN_ROWS:
             padded = torch.nn.functional.pad(x, (0, 0, 0, MIN_ROWS - rows))
