@@ -430,6 +430,31 @@ def test_a_step_is_priced_by_what_steps_of_its_kind_took_against_the_model():
     assert set(c.choose(caps).draft_lengths.values()) == {1}
 
 
+def test_two_slow_steps_do_not_move_a_kinds_step_time_ratio_but_a_lasting_change_does():
+    """Two plain steps slowed by something else (the draft's forwards beside them on a shared host) leave plain
+    decoding's price as it was; steps that stay slower move it."""
+    from verifier_service.goodput import DraftLengthController
+
+    def model(n: int) -> float:
+        return 0.5 + 0.01 * n
+
+    c = DraftLengthController(1, step_time=model_of(model), probe_every=0)
+
+    def plain_step(slower: float) -> None:
+        c.observe_step(16, model(16) * slower)
+        c.observe_drafting(0.0, 0, False)
+        c.step_time = model_of(model)  # only the ratios learn here
+
+    for _ in range(10):
+        plain_step(1.0)
+    for _ in range(2):
+        plain_step(1.6)
+    assert c.plain_step_ratio == pytest.approx(1.0, abs=0.02)
+    for _ in range(12):
+        plain_step(1.5)
+    assert c.plain_step_ratio == pytest.approx(1.5, abs=0.05)
+
+
 def test_plain_decoding_waits_no_longer_than_a_drafting_round():
     """Plain rounds' last waits were long (a client's pause between requests), and since then one sequence drafting
     made every round a drafting one, whose fixed wait is short: once that has lasted STALE_PLAIN_STEPS steps,

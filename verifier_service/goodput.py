@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -215,6 +215,8 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
 
 # per step of the other kind, what is left of a step-time ratio's distance from 1 (DraftLengthController.calibrate)
 RATIO_DRIFT = 0.98
+# a kind's step-time ratio follows the median of its last this many steps' (DraftLengthController.calibrate)
+RATIO_WINDOW = 5
 # steps verifying drafted blocks after which the last plain rounds' wait is taken as stale (idle_split)
 STALE_PLAIN_STEPS = 16
 MAX_THIN_GROUPS = 1024  # groups whose probes while thin are counted (the most recent)
@@ -322,10 +324,16 @@ class DraftLengthController:
     # 128-token steps that verified one drafted token per sequence took 2.1 s where the model, which had seen
     # prompt chunks of 13 ms a token, priced about 1.6 s, and drafting looked 10 % better than plain decoding
     # where it was 30 % worse. So the price of a step is the model's times what steps of its kind (verifying
-    # drafted tokens or not, no prompt chunk) took against their prediction lately (observe_drafting).
+    # drafted tokens or not, no prompt chunk) took against their prediction lately (observe_drafting): an average
+    # of the median of the kind's last RATIO_WINDOW ratios, so that a step or two slowed by something else does not
+    # move it. At 16 streams (default pair, 2 cores, 180ca42) two plain steps that ran beside the draft's warming
+    # forwards took 0.98 and 0.92 s where plain steps took 0.61; averaged in as they came, they raised plain
+    # decoding's price until drafting, about 21 tokens/s against plain decoding's 26, won for 15 s.
     calibrate: bool = True
     plain_step_ratio: float = 1.0
     draft_step_ratio: float = 1.0
+    # each kind's last ratios, drafting steps' under True
+    _ratios: dict = field(default_factory=lambda: {kind: deque(maxlen=RATIO_WINDOW) for kind in (True, False)})
     _step_predicted: tuple[float, float] | None = None  # (predicted, taken) of the step observed last
     # the drafts' time for a round (Proposal.draft_seconds) against its longest block and its drafted tokens, and
     # the longest block and the drafted tokens of the steps, on average: the share of idle_s that is the verifier
@@ -415,7 +423,9 @@ class DraftLengthController:
         drafted_tokens = longest_block if drafted_tokens is None else drafted_tokens
         predicted, self._step_predicted = self._step_predicted, None
         if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
-            ratio = min(2.0, max(0.5, predicted[1] / predicted[0]))
+            recent = self._ratios[drafted]
+            recent.append(min(2.0, max(0.5, predicted[1] / predicted[0])))
+            ratio = float(np.median(recent))
             a = self.idle_decay
             # the kind not seen drifts back to the model's own figure: its ratio may be stale
             if drafted:
