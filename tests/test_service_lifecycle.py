@@ -4,7 +4,9 @@ them, and as any program that embeds one does)."""
 
 from __future__ import annotations
 
+import os
 import socket
+import sys
 
 import pytest
 
@@ -30,6 +32,31 @@ def _can_bind(port: int) -> bool:
         return True
 
 
+def _listening_here(port: int) -> bool:
+    """Whether a socket of this process listens on `port` (Linux: /proc/net/tcp* and this process's descriptors).
+    Unlike a test bind, another test's service that took the port once it was free does not count (under xdist a
+    `--port 0` service of the other worker may be given the very port a stopped one gave back)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port and inode in inodes:  # 0A: LISTEN
+                return True
+    return False
+
+
 def test_a_second_verifier_on_a_port_in_use_fails_to_start(text_stack):
     """gRPC sets SO_REUSEPORT by default, under which both servers would bind the port and the kernel would split
     the drafts' connections between two verifiers; the services turn it off (wire.SERVER_OPTIONS)."""
@@ -45,13 +72,15 @@ def test_a_second_verifier_on_a_port_in_use_fails_to_start(text_stack):
         assert not second.thread.is_alive()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_stopped_verifier_gives_back_its_ports(text_stack):
     port, metrics_port = free_port(), free_port()
     with InProcessStack() as stack:
         stack.start("verifier", _verifier_args(text_stack.target_dir, metrics_port), port=port)
         assert scrape_metric(f"http://127.0.0.1:{metrics_port}/metrics", "specwire_kv_blocks_total") == 16
-    assert _can_bind(metrics_port), "the metrics endpoint still holds its port"
-    assert _can_bind(port), "the gRPC server still holds its port"
+        assert _listening_here(metrics_port) and _listening_here(port)
+    assert not _listening_here(metrics_port), "the metrics endpoint still holds its port"
+    assert not _listening_here(port), "the gRPC server still holds its port"
 
 
 def test_verifiers_on_port_0_name_the_ports_they_bound(text_stack):
