@@ -9,9 +9,10 @@ addresses never share a draw, and nothing depends on call order, batch compositi
 - exponential64: Exp(1) as -log(1 - u), which is exact to compute (1 - u is representable) up to the last bit of
   the platform's log; clamped away from 0 so p / E is always finite.
 
-The torch twin works on int64 tensors that hold uint32 values. A 32x32-bit product is one int64 multiply: it
-wraps modulo 2^64 (two's complement, as torch's integer multiply does on every device), so its low 32 bits are
-exact and its high 32 bits are the arithmetic shift's, masked. It runs on any device, so a GPU draft can use it
+The torch twin works on int64 tensors that hold uint32 values. A 32x32-bit product is one int64 multiply, relied
+on to wrap modulo 2^64 (two's complement; what torch's integer multiply does in practice on every device, though C++
+leaves signed overflow undefined, so tests/test_philox.py checks it on vectors against Python's integers and the
+known answers): its low 32 bits are exact and its high 32 bits are the arithmetic shift's, masked. It runs on any device, so a GPU draft can use it
 as is. On a CPU verifier it is what a sampled sequence's recovered or bonus token costs: one number per vocabulary
 entry. Measured on one core of a 2-core Intel Xeon, 4 rows of a 151,936-token vocabulary: 54 ms, where splitting
 each product into 16-bit halves (so that nothing wrapped) took 277 ms, a quarter of a 4-stream plain step.
@@ -126,27 +127,31 @@ def exponential64_reference(seed: torch.Tensor | int, position: torch.Tensor | i
     return (-torch.log(1.0 - u)).clamp_min_(EXP_MIN)
 
 
-# elements of one chunk of a race (exponential_race_reference): its int64 temporaries (256 KiB each) stay in a
-# core's cache, where a [rows, vocabulary] pass streams every one of its some 40 through memory. Measured on one
-# core of a 2-core Intel Xeon, 4 rows of a 151,936-token vocabulary: 32 ms in chunks of 8,192 columns against 61
-# ms in one pass (and 2 MB of temporaries at most, where 64 rows in one pass held 78 MB per temporary)
+# elements of one chunk of a race on the CPU (exponential_race_reference), per thread torch runs: its int64
+# temporaries (256 KiB a thread) stay in the cores' caches, where a [rows, vocabulary] pass streams every one of its
+# some 40 through memory. Measured on one core of a 2-core Intel Xeon, 4 rows of a 151,936-token vocabulary: 32 ms
+# in chunks of 8,192 columns against 61 ms in one pass (where 64 rows in one pass held 78 MB per temporary). A chunk
+# is at least 1,024 columns wide.
 RACE_CHUNK_ELEMENTS = 1 << 15
 
 
 def exponential_race_reference(weights: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                                purpose: int) -> torch.Tensor:
     """[rows] int64: argmax over v of weights[r, v] / exponential64(seeds[r], positions[r], purpose, v), the first
-    such v on a tie, as torch.argmax would give it over the whole row (weights: [rows, n], non-negative and finite;
-    seeds and positions: [rows] int64). The race samples v with probability weights[r, v] / sum(weights[r]);
-    computed in column chunks, without a [rows, n] noise tensor."""
+    such v on a tie, as torch.argmax would give it over the whole row (weights: [rows, n], n > 0, non-negative and
+    finite: a NaN never wins, as in the Triton kernel's race; seeds and positions: [rows] int64). The race samples v
+    with probability weights[r, v] / sum(weights[r]). On the CPU it runs in column chunks (RACE_CHUNK_ELEMENTS),
+    without a [rows, n] noise tensor; on a GPU in one pass."""
     rows, n = weights.shape
+    if n == 0:
+        raise ValueError("a race over no tokens")
     device = weights.device
     best = torch.full((rows,), -1.0, dtype=torch.float64, device=device)
     best_at = torch.zeros(rows, dtype=torch.int64, device=device)
-    if rows == 0 or n == 0:
+    if rows == 0:
         return best_at
     seed, position = seeds.reshape(rows, 1), positions.reshape(rows, 1)
-    width = max(1024, RACE_CHUNK_ELEMENTS // rows)
+    width = max(1024, RACE_CHUNK_ELEMENTS * torch.get_num_threads() // rows) if device.type == "cpu" else n
     for start in range(0, n, width):
         index = torch.arange(start, min(n, start + width), dtype=torch.int64, device=device)
         scores = weights[:, start:start + width].to(torch.float64) / exponential64_reference(

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kernels.philox import (
+    RACE_CHUNK_ELEMENTS,
     Purpose,
     exponential64_reference,
     exponential_race_reference,
@@ -24,14 +25,36 @@ def _t(*values):
     return tuple(torch.tensor(v, dtype=torch.int64) for v in values)
 
 
-def test_philox4x32_10_known_answers():
-    """The Random123 known-answer vectors for Philox4x32-10 (kat_vectors)."""
-    zero = philox4x32(_t(0, 0), _t(0, 0, 0, 0))
-    assert [int(x) for x in zero] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
-    ones = philox4x32(_t(0xFFFFFFFF, 0xFFFFFFFF), _t(0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF))
-    assert [int(x) for x in ones] == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
-    pi = philox4x32(_t(0xA4093822, 0x299F31D0), _t(0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344))
-    assert [int(x) for x in pi] == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+@pytest.mark.parametrize("size", [None, 1000])
+def test_philox4x32_10_known_answers(size):
+    """The Random123 known-answer vectors for Philox4x32-10 (kat_vectors), as scalars and as vectors of 1,000
+    (torch's vectorised integer multiply, whose wrap the twin relies on)."""
+    def t(*values):
+        return tuple(x if size is None else x.expand(size) for x in _t(*values))
+
+    def words(out):
+        assert all(bool((x == x.flatten()[0]).all()) for x in out)
+        return [int(x.flatten()[0]) for x in out]
+
+    zero = philox4x32(t(0, 0), t(0, 0, 0, 0))
+    assert words(zero) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+    ones = philox4x32(t(0xFFFFFFFF, 0xFFFFFFFF), t(0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0xFFFFFFFF))
+    assert words(ones) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
+    pi = philox4x32(t(0xA4093822, 0x299F31D0), t(0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344))
+    assert words(pi) == [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+
+
+def test_the_32_bit_products_are_exact_on_vectors():
+    """_mulhilo's halves against Python's integers, for factors across the whole uint32 range (2^31 and past it
+    included, where the int64 product wraps)."""
+    from kernels.philox import ROUND_A, ROUND_B, _mulhilo
+
+    b = torch.cat([torch.randint(0, 1 << 32, (4096,), generator=torch.Generator().manual_seed(1)),
+                   torch.tensor([0, 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1])])
+    for a in (ROUND_A, ROUND_B):
+        high, low = _mulhilo(a, b)
+        exact = [a * int(x) for x in b]
+        assert high.tolist() == [p >> 32 for p in exact] and low.tolist() == [p & 0xFFFFFFFF for p in exact]
 
 
 SEEDS = torch.tensor([0, 1, 2**32 + 1, 2**63 - 1, 123456789012345], dtype=torch.int64)
@@ -74,7 +97,8 @@ def test_values_are_in_range():
 def test_the_chunked_race_is_the_whole_rows_argmax(rows):
     """Chunk by chunk, the race picks what argmax over the whole row of weights / noise picks: across chunk
     boundaries, on a last chunk shorter than the others, and on ties (an all-zero row: its first token)."""
-    n = 3 * max(1024, (1 << 15) // rows) + 17  # three whole chunks and a short one
+    # three whole chunks and a short one (a chunk's width depends on the threads torch runs)
+    n = 3 * max(1024, RACE_CHUNK_ELEMENTS * torch.get_num_threads() // rows) + 17
     generator = torch.Generator().manual_seed(rows)
     weights = torch.rand(rows, n, generator=generator) ** 8
     weights[0, :-5] = 0.0  # only the last chunk can win
