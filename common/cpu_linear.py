@@ -33,12 +33,13 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 # the fewest rows a packed linear is called with (fewer are padded with zero rows, sliced off again): measured on
 # the 2-core AVX2 EPYC with 1 thread, oneDNN's path for 1 or 2 rows read a 1536x151936 fp32 lm_head at 83 ms, 4 rows
 # at 47 ms (1536x17920: 11.0 and 5.8 ms); with 2 threads 48 and 38 ms. A step of 1 token took 580 ms, one of 4 tokens
-# 389 (the default target, 128 tokens of context). Rows are computed independently, and 2 to 40 rows round alike.
+# 389 (the default target, 128 tokens of context). Rows are computed independently, and 2 to 40 rows round alike
+# there (and float32 on an AMX Xeon up to 200; bfloat16 there only up to 32: MAX_BF16_ROWS).
 MIN_ROWS = 4
 # the most rows one bfloat16 call takes (more run in chunks of this many): on a CPU with AMX, oneDNN's bf16 linear
-# takes its AMX kernel from 33 rows on, which sums in another order, so a row's result depended on how many rows
-# came with it (measured on a 2-core Intel Xeon with amx_bf16, 1536 -> 8960: 2 to 32 rows agree bit for bit with
-# each row alone, every count from 33 to 200 differs). A verification step of 8 streams' 5-token blocks (40 rows)
+# takes another kernel from 33 rows on (presumably its AMX one), which sums in another order, so a row's result
+# depended on how many rows came with it (measured on a 2-core Intel Xeon with amx_bf16, 1536 -> 8960: 2 to 32 rows
+# agree bit for bit with each row alone, every count from 33 to 200 differs). A verification step of 8 streams' 5-token blocks (40 rows)
 # would then not compute what the same tokens decoded one by one compute. float32 has no such kernel (2 to 200
 # agree) and runs whole.
 MAX_BF16_ROWS = 32
@@ -66,7 +67,8 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [num_tokens, in_features]
         # NOTE: oneDNN takes another path for a single row, whose sums round differently from the same row in a
-        # batch (checked: 1 row differs, 2 to 40 rows agree bit for bit), and its 2-row path is slow (MIN_ROWS).
+        # batch (checked: 1 row differs, 2 to 40 rows agree bit for bit, but see MAX_BF16_ROWS), and its 2-row path
+        # is slow (MIN_ROWS).
         # Fewer rows than MIN_ROWS run padded to MIN_ROWS, so a token's logits do not depend on whether it was
         # decoded alone (k = 0) or verified in a block, and a step of one or two tokens is not the slowest one.
         # More than MAX_BF16_ROWS bfloat16 rows run in chunks of at most that many, for the same reason.

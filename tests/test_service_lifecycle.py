@@ -46,7 +46,8 @@ def _listening_here(port: int) -> bool:
             inodes.add(target[len("socket:["):-1])
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            lines = open(table).read().splitlines()[1:]
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
