@@ -455,6 +455,26 @@ def test_two_slow_steps_do_not_move_a_kinds_step_time_ratio_but_a_lasting_change
     assert c.plain_step_ratio == pytest.approx(1.5, abs=0.05)
 
 
+def test_a_kinds_ratios_from_before_a_long_run_of_the_other_kind_are_set_aside():
+    """Drafting steps took 1.4 times the model; then plain decoding ran long enough for the drafting ratio to
+    drift back towards 1. The next drafting step, as the model says, lowers the ratio further: the old window of
+    1.4s is not its median."""
+    from verifier_service.goodput import STALE_RATIO_STEPS, DraftLengthController
+
+    def model(n: int) -> float:
+        return 0.5 + 0.01 * n
+
+    c = DraftLengthController(1, step_time=model_of(model), probe_every=0)
+    for drafting, slower, steps in ((False, 1.0, 3), (True, 1.4, 20), (False, 1.0, STALE_RATIO_STEPS + 1),
+                                    (True, 1.0, 1)):
+        for _ in range(steps):
+            before = c.draft_step_ratio
+            c.observe_step(32 if drafting else 16, model(32 if drafting else 16) * slower)
+            c.observe_drafting(0.0, 0, drafting)
+            c.step_time = model_of(model)
+    assert 1.0 < c.draft_step_ratio < before < 1.4
+
+
 def test_plain_decoding_waits_no_longer_than_a_drafting_round():
     """Plain rounds' last waits were long (a client's pause between requests), and since then one sequence drafting
     made every round a drafting one, whose fixed wait is short: once that has lasted STALE_PLAIN_STEPS steps,

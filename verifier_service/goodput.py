@@ -217,6 +217,9 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
 RATIO_DRIFT = 0.98
 # a kind's step-time ratio follows the median of its last this many steps' (DraftLengthController.calibrate)
 RATIO_WINDOW = 5
+# steps of the other kind after which a kind's recent ratios are stale (RATIO_DRIFT has taken 0.98^16, about a
+# quarter, of their distance from 1 off its average by then)
+STALE_RATIO_STEPS = 16
 # steps verifying drafted blocks after which the last plain rounds' wait is taken as stale (idle_split)
 STALE_PLAIN_STEPS = 16
 MAX_THIN_GROUPS = 1024  # groups whose probes while thin are counted (the most recent)
@@ -332,8 +335,12 @@ class DraftLengthController:
     calibrate: bool = True
     plain_step_ratio: float = 1.0
     draft_step_ratio: float = 1.0
-    # each kind's last ratios, drafting steps' under True
-    _ratios: dict = field(default_factory=lambda: {kind: deque(maxlen=RATIO_WINDOW) for kind in (True, False)})
+    # each kind's last RATIO_WINDOW ratios (drafting steps' under True), and the steps of the other kind since its
+    # last: past STALE_RATIO_STEPS its drift back to 1 has set them aside, and the next one starts the window again
+    _ratios: dict[bool, deque[float]] = field(
+        default_factory=lambda: {kind: deque(maxlen=RATIO_WINDOW) for kind in (True, False)}, repr=False,
+        compare=False)
+    _ratio_age: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0}, repr=False, compare=False)
     _step_predicted: tuple[float, float] | None = None  # (predicted, taken) of the step observed last
     # the drafts' time for a round (Proposal.draft_seconds) against its longest block and its drafted tokens, and
     # the longest block and the drafted tokens of the steps, on average: the share of idle_s that is the verifier
@@ -424,6 +431,10 @@ class DraftLengthController:
         predicted, self._step_predicted = self._step_predicted, None
         if self.calibrate and drafted is not None and predicted is not None and predicted[0] > 0:
             recent = self._ratios[drafted]
+            if self._ratio_age[drafted] > STALE_RATIO_STEPS:
+                recent.clear()
+            self._ratio_age[drafted] = 0
+            self._ratio_age[not drafted] += 1
             recent.append(min(2.0, max(0.5, predicted[1] / predicted[0])))
             ratio = float(np.median(recent))
             a = self.idle_decay
