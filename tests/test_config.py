@@ -97,6 +97,10 @@ def test_speculation_modes_parse_and_adaptive_k_is_their_older_name(monkeypatch)
         DraftConfig(model="m", speculation="sometimes")
     assert VerifierConfig(model="m").goodput is True
     assert _parse(VerifierConfig, ["--model", "m", "--goodput", "false"], monkeypatch).goodput is False
+    assert _parse(VerifierConfig, ["--model", "m", "--goodput-switch-tolerance", "0.2"],
+                  monkeypatch).goodput_switch_tolerance == 0.2
+    with pytest.raises(ValueError, match="goodput_switch_tolerance"):
+        VerifierConfig(model="m", goodput_switch_tolerance=-0.1)
 
 
 def test_parse_bytes():

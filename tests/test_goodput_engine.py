@@ -222,6 +222,12 @@ def test_the_plain_arm_of_the_trial_sends_zero_and_the_output_stays_exact(pair):
     assert chosen[next(iter(chosen))][0] == 6
 
 
+def test_the_switch_tolerance_flag_reaches_the_controller(pair):
+    target, _ = pair
+    assert _engine(target)[0].goodput.switch_tolerance == VerifierConfig(model="m").goodput_switch_tolerance == 0.08
+    assert _engine(target, goodput_switch_tolerance=0.25)[0].goodput.switch_tolerance == 0.25
+
+
 def test_the_trial_is_given_the_predicted_plain_rate(pair):
     """The trial compares what speculation measured with a token a sequence per predicted plain step: 1 / (the
     model's time for a step of the batch's tokens, k = 0), with no idle time priced here."""
