@@ -40,10 +40,10 @@ MIN_ROWS = 4
 # takes another kernel from 33 rows on (presumably its AMX one), which sums in another order, so a row's result
 # depended on how many rows came with it (measured on a 2-core Intel Xeon with amx_bf16, 1536 -> 8960: 2 to 32 rows
 # agree bit for bit with each row alone, every count from 33 to 200 differs; 8960 -> 1536 and 1536 -> 2048 switch
-# at 33 too). It costs bf16 there: a 40-row call of 1536 -> 8960 took 2.4 ms in chunks against 1.4 ms whole, 128
-# rows 5.2 against 2.5 (1 thread). A verification step of 8 streams' 5-token blocks (40 rows)
-# would then not compute what the same tokens decoded one by one compute. float32 has no such kernel (2 to 200
-# agree) and runs whole.
+# at 33 too). A verification step of 8 streams' 5-token blocks (40 rows) would then not compute what the same tokens
+# decoded one by one compute. The chunks cost bf16 there: a 40-row call of 1536 -> 8960 took 2.4 ms in chunks
+# against 1.4 ms whole, 128 rows 5.2 against 2.5 (1 thread). float32 has no such kernel (2 to 200 agree) and runs
+# whole.
 MAX_BF16_ROWS = 32
 
 

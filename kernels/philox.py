@@ -10,12 +10,13 @@ addresses never share a draw, and nothing depends on call order, batch compositi
   the platform's log; clamped away from 0 so p / E is always finite.
 
 The torch twin works on int64 tensors that hold uint32 values. A 32x32-bit product is one int64 multiply, relied
-on to wrap modulo 2^64 (two's complement; what torch's integer multiply does in practice on every device, though C++
-leaves signed overflow undefined, so tests/test_philox.py checks it on vectors against Python's integers and the
-known answers): its low 32 bits are exact and its high 32 bits are the arithmetic shift's, masked. It runs on any device, so a GPU draft can use it
-as is. On a CPU verifier it is what a sampled sequence's recovered or bonus token costs: one number per vocabulary
-entry. Measured on one core of a 2-core Intel Xeon, 4 rows of a 151,936-token vocabulary: 54 ms, where splitting
-each product into 16-bit halves (so that nothing wrapped) took 277 ms, a quarter of a 4-stream plain step.
+on to wrap modulo 2^64 (two's complement; what torch's integer multiply does in practice on every device, though
+C++ leaves signed overflow undefined, so tests/test_philox.py checks it on vectors against Python's integers and
+the known answers): its low 32 bits are exact and its high 32 bits are the arithmetic shift's, masked. It runs on
+any device, so a GPU draft can use it as is. On a CPU verifier it is what a sampled sequence's recovered or bonus
+token costs: one number per vocabulary entry. Measured on one core of a 2-core Intel Xeon, 4 rows of a
+151,936-token vocabulary: 54 ms, where splitting each product into 16-bit halves (so that nothing wrapped) took
+277 ms, a quarter of a 4-stream plain step.
 """
 
 from __future__ import annotations

@@ -72,9 +72,8 @@ class VerifierEngine:
                  max_sequences: int = 16384, max_waiting_tokens: int = 1 << 20, max_q_support: int = 256,
                  max_tree_nodes: int = 0,
                  static: StaticForward | None = None, goodput: bool = True,
-                 speculation_trial: bool = True, goodput_switch_tolerance: float | None = None) -> None:
-        """goodput_switch_tolerance: the goodput choice's hysteresis (DraftLengthController.switch_tolerance;
-        None: its default)."""
+                 speculation_trial: bool = True,
+                 goodput_switch_tolerance: float = DraftLengthController.switch_tolerance) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -83,9 +82,8 @@ class VerifierEngine:
                              max_tree_nodes=min(max_tree_nodes, max_num_batched_tokens - 1),
                              max_tree_depth=_tree_depth_limit(loaded))
         # --speculation auto's other half: None with --no-goodput (no choice is sent; drafts decide alone)
-        self.goodput = DraftLengthController(max_draft_tokens) if goodput else None
-        if self.goodput is not None and goodput_switch_tolerance is not None:
-            self.goodput.switch_tolerance = goodput_switch_tolerance
+        self.goodput = (DraftLengthController(max_draft_tokens, switch_tolerance=goodput_switch_tolerance)
+                        if goodput else None)
         # the goodput choice on trial against plain decoding, on the output measured (speculation_trial.py)
         self.trial = SpeculationTrial() if goodput and speculation_trial else None
         self.scheduler = Scheduler(blocks, max_num_batched_tokens=max_num_batched_tokens,
