@@ -253,3 +253,47 @@ def test_a_challenger_is_given_as_long_as_the_incumbents_window_took_twice_over(
             break
     assert trial._window_s[_Phase.INCUMBENT] == 8.0
     assert trial._window_s[_Phase.CHALLENGE] == 8.0
+
+
+def _into_challenge(trial: SpeculationTrial, num_running: int) -> None:
+    """Steps at `num_running` sequences, speculation (the incumbent) measuring about what plain decoding does,
+    until plain decoding's challenge runs."""
+    for _ in range(2000):
+        if trial.running is Arm.PLAIN:
+            return
+        trial.observe(STEP_S, STEP_S, num_running, num_running, range(num_running), predicted_gain=1.2,
+                      mean_drafted=3.0)
+    raise AssertionError("no challenge")
+
+
+def test_a_challenge_whose_load_moves_ends_undecided():
+    """The tail of a wave of requests (16 streams, 6a142c5): a plain challenge began as the first requests
+    finished, and each later finish moved the load and restarted its window, so plain decoding ran the whole tail.
+    A move of more than a quarter ends the challenge at once, the incumbent running on; a smaller one does not."""
+    trial = SpeculationTrial()
+    _into_challenge(trial, 16)
+    trial.observe(STEP_S, STEP_S, 13, 13, range(13))  # within a quarter of 16: the challenge goes on
+    assert trial.running is Arm.PLAIN
+    trial.observe(STEP_S, STEP_S, 11, 11, range(11))  # 16 -> 11: ended, nothing decided
+    assert trial.running is Arm.SPECULATE and trial.incumbent is Arm.SPECULATE and trial.num_trials == 0
+    # and the next challenge comes after `ratio` windows at the new load, not at once
+    for _ in range(40):
+        trial.observe(STEP_S, STEP_S, 11, 11, range(11), predicted_gain=1.2, mean_drafted=3.0)
+    assert trial.running is Arm.SPECULATE and trial._windows_done >= 1
+
+
+def test_a_confirmation_whose_load_moves_decides_nothing():
+    """The incumbent's window after a challenge (A-B-A), at another load, is not compared with the challenge's;
+    and a challenger's first win, measured at the old load, no longer counts."""
+    from verifier_service.speculation_trial import _Phase
+    trial = SpeculationTrial()
+    _into_challenge(trial, 16)
+    trial._won_once = True
+    for _ in range(200):
+        if trial._phase is _Phase.CONFIRM:
+            break
+        trial.observe(STEP_S, STEP_S, 16, 32, range(16))  # plain decoding emits twice as much
+    assert trial._phase is _Phase.CONFIRM and trial.running is Arm.SPECULATE
+    trial.observe(STEP_S, STEP_S, 8, 8, range(8))
+    assert trial._phase is _Phase.INCUMBENT and trial.num_trials == 0 and trial.num_switches == 0
+    assert not trial._won_once
