@@ -256,44 +256,99 @@ def test_a_challenger_is_given_as_long_as_the_incumbents_window_took_twice_over(
 
 
 def _into_challenge(trial: SpeculationTrial, num_running: int) -> None:
-    """Steps at `num_running` sequences, speculation (the incumbent) measuring about what plain decoding does,
-    until plain decoding's challenge runs."""
+    """Steps at `num_running` sequences, each emitting a token a step under either arm, until the other arm's
+    challenge runs."""
+    challenger = Arm.PLAIN if trial.incumbent is Arm.SPECULATE else Arm.SPECULATE
     for _ in range(2000):
-        if trial.running is Arm.PLAIN:
+        if trial.running is challenger:
             return
         trial.observe(STEP_S, STEP_S, num_running, num_running, range(num_running), predicted_gain=1.2,
                       mean_drafted=3.0)
     raise AssertionError("no challenge")
 
 
-def test_a_challenge_whose_load_moves_ends_undecided():
+def _until(trial: SpeculationTrial, phase, num_running: int, plain_tokens: int) -> None:
+    """Steps at `num_running` sequences (plain decoding emitting `plain_tokens` a step, speculation one token a
+    sequence) until the trial is in `phase`."""
+    for _ in range(2000):
+        if trial._phase is phase:
+            return
+        emitted = plain_tokens if trial.running is Arm.PLAIN else num_running
+        trial.observe(STEP_S, STEP_S, num_running, emitted, range(num_running), predicted_gain=1.2,
+                      mean_drafted=3.0)
+    raise AssertionError(f"never in {phase}")
+
+
+def test_a_plain_challenge_whose_load_moves_ends_undecided():
     """The tail of a wave of requests (16 streams, 6a142c5): a plain challenge began as the first requests
     finished, and each later finish moved the load and restarted its window, so plain decoding ran the whole tail.
-    A move of more than a quarter ends the challenge at once, the incumbent running on; a smaller one does not."""
+    A move of more than a quarter ends the challenge at once, speculation running on after the warm-up of a
+    switch; a smaller one does not."""
     trial = SpeculationTrial()
     _into_challenge(trial, 16)
     trial.observe(STEP_S, STEP_S, 13, 13, range(13))  # within a quarter of 16: the challenge goes on
     assert trial.running is Arm.PLAIN
     trial.observe(STEP_S, STEP_S, 11, 11, range(11))  # 16 -> 11: ended, nothing decided
-    assert trial.running is Arm.SPECULATE and trial.incumbent is Arm.SPECULATE and trial.num_trials == 0
-    # and the next challenge comes after `ratio` windows at the new load, not at once
-    for _ in range(40):
-        trial.observe(STEP_S, STEP_S, 11, 11, range(11), predicted_gain=1.2, mean_drafted=3.0)
-    assert trial.running is Arm.SPECULATE and trial._windows_done >= 1
+    assert trial.running is Arm.SPECULATE and trial.incumbent is Arm.SPECULATE
+    assert trial.num_trials == 0 and trial.ratio == trial.base_ratio and trial._windows_done == 0
+    for _ in range(2):  # the switch's warm-up: each of the 11 verified twice under speculation
+        trial.observe(STEP_S, STEP_S, 11, 50, range(11))
+        assert trial._window.tokens == 0
+    trial.observe(STEP_S, STEP_S, 11, 11, range(11))
+    assert trial._window.tokens == 11
 
 
-def test_a_confirmation_whose_load_moves_decides_nothing():
-    """The incumbent's window after a challenge (A-B-A), at another load, is not compared with the challenge's;
-    and a challenger's first win, measured at the old load, no longer counts."""
+def test_plain_decodings_window_after_its_challenge_decides_nothing_at_another_load():
+    """A-B-A: speculation's window after plain decoding's challenge, at another load, is not compared with the
+    challenge's (plain decoding emitted twice as much, a first win); arrivals get their warm-up."""
     from verifier_service.speculation_trial import _Phase
     trial = SpeculationTrial()
     _into_challenge(trial, 16)
-    trial._won_once = True
-    for _ in range(200):
-        if trial._phase is _Phase.CONFIRM:
-            break
-        trial.observe(STEP_S, STEP_S, 16, 32, range(16))  # plain decoding emits twice as much
-    assert trial._phase is _Phase.CONFIRM and trial.running is Arm.SPECULATE
+    _until(trial, _Phase.CONFIRM, 16, 32)
+    trial.observe(STEP_S, STEP_S, 24, 24, range(24))
+    assert trial._phase is _Phase.INCUMBENT and trial.num_trials == 0 and trial.running is Arm.SPECULATE
+    trial.observe(STEP_S, STEP_S, 24, 24, range(24))
+    assert trial._window.tokens == 0  # 48 verifications of warm-up, 24 of them taken by the move's own step
+
+
+def test_a_first_plain_win_does_not_count_at_another_load():
+    """Plain decoding won a trial at 16 sequences (once: one more decides); the load then fell to 8 before the
+    next. Winning that one at 8 is a first win again, not the second of a pair."""
+    from verifier_service.speculation_trial import _Phase
+    trial = SpeculationTrial()
+    _into_challenge(trial, 16)
+    _until(trial, _Phase.INCUMBENT, 16, 32)
+    assert trial.num_trials == 1 and trial._won_once and trial.incumbent is Arm.SPECULATE
+    trial.observe(STEP_S, STEP_S, 8, 8, range(8))  # the load moves in the incumbent's window
+    _into_challenge(trial, 8)
+    _until(trial, _Phase.INCUMBENT, 8, 16)
+    assert trial.num_trials == 2 and trial.incumbent is Arm.SPECULATE and trial.num_switches == 0
+    # the move in the second challenge itself: that one ends undecided, and the next win is a first again
+    moved = SpeculationTrial()
+    _into_challenge(moved, 16)
+    _until(moved, _Phase.INCUMBENT, 16, 32)
+    _into_challenge(moved, 16)
+    moved.observe(STEP_S, STEP_S, 8, 8, range(8))
+    assert moved.running is Arm.SPECULATE and moved.num_trials == 1
+    _into_challenge(moved, 8)
+    _until(moved, _Phase.INCUMBENT, 8, 16)
+    assert moved.num_trials == 2 and moved.incumbent is Arm.SPECULATE
+    # the same at one load: the second win switches
+    same = SpeculationTrial()
+    _into_challenge(same, 16)
+    _until(same, _Phase.INCUMBENT, 16, 32)
+    _into_challenge(same, 16)
+    _until(same, _Phase.INCUMBENT, 16, 32)
+    assert same.num_trials == 2 and same.incumbent is Arm.PLAIN
+
+
+def test_speculations_challenge_of_plain_decoding_goes_on_when_the_load_moves():
+    """Under plain decoding in place, speculation (the arm that follows the load) keeps its challenge through a
+    load move."""
+    from verifier_service.speculation_trial import _Phase
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 120)
+    assert trial.incumbent is Arm.PLAIN
+    _into_challenge(trial, 16)
     trial.observe(STEP_S, STEP_S, 8, 8, range(8))
-    assert trial._phase is _Phase.INCUMBENT and trial.num_trials == 0 and trial.num_switches == 0
-    assert not trial._won_once
+    assert trial.running is Arm.SPECULATE and trial._phase is _Phase.CHALLENGE

@@ -24,10 +24,10 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   window restarts when the number of running sequences moves by more than a quarter (a per-sequence rate depends
   on the load), after the same warm-up: arrivals' first rounds wait for their drafts to feed their prompts
   (measured at 4 streams on 2 cores: a level's first window at 2.6 tokens a second a sequence, its next ones at
-  3.7 to 4.2; the first, taken as the incumbent's, called a plain challenge that lost). Such a move during a
-  challenge or its confirmation ends the trial undecided, the incumbent running on (SpeculationTrial._abandon). A
-  step's time counts at most its own time plus `max_gap_s` (a stalled client or an idle spell is not the arm's
-  doing).
+  3.7 to 4.2; the first, taken as the incumbent's, called a plain challenge that lost). Such a move during plain
+  decoding's challenge or the window after it ends the trial undecided, speculation running on
+  (SpeculationTrial._abandon). A step's time counts at most its own time plus `max_gap_s` (a stalled client or an
+  idle spell is not the arm's doing).
 - Plain decoding challenges speculation only while the controller both drafts (its mean choice at least
   `min_drafted` tokens per sequence: otherwise the arms are the same and a trial only measures noise) and expects
   little of it (its predicted gain over k = 0, smoothed, at most `challenge_below_gain`): where it predicts 2x
@@ -162,9 +162,9 @@ class SpeculationTrial:
             self._windows_done = max(self._windows_done, self.ratio)
         if num_running <= 0:
             return self.running
-        if self._phase is not _Phase.INCUMBENT and not _same_load(num_running, self._window.num_running):
-            self._abandon(num_running)  # its warm-up's included
-            self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
+        if (self.incumbent is Arm.SPECULATE and self._phase is not _Phase.INCUMBENT
+                and not _same_load(num_running, self._window.num_running)):
+            self._abandon(num_running, num_verifications, dt)
             return self.running
         if self._warmup_left > 0 and self._warmup_s < self.max_warmup_s:
             self._warmup_left -= num_verifications
@@ -178,6 +178,8 @@ class SpeculationTrial:
             w = self._window = _Window(num_running)  # the load moved: a per-sequence rate is another figure
             if moved:  # and arrivals' first rounds are not it (their drafts' own prompts first): a warm-up
                 self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
+                if self.incumbent is Arm.SPECULATE:
+                    self._won_once = False  # a plain challenger's first win was at the old load (_abandon)
                 return self.running
         w.tokens += num_emitted
         w.verifications += num_verifications
@@ -287,18 +289,24 @@ class SpeculationTrial:
         if confirm:  # the next challenge after one more incumbent window
             self._windows_done = self.ratio - 1
 
-    def _abandon(self, num_running: int) -> None:
-        """The load moved by more than a quarter during a challenge or its confirmation: the trial compares its
-        arms at one load, so it ends undecided and the incumbent runs on (a first win, measured at the old load,
-        no longer counts). Otherwise a challenge ran its arm until a window finished at the new load, and at the
-        end of a wave of requests that never happens: measured at 16 streams (default pair, 2 cores, 6a142c5), a
-        plain challenge began as the first requests finished and held every sequence left at k = 0 for the 11 s
-        in which the batch ran down from 14 to 1 (the load moved 6 times, and each restarted the window), where
-        fixed k = 4 ran its tail down in 9 s."""
-        log.info("speculation_trial", challenger=self._other(self.incumbent).value, decided=False,
-                 reason="load moved", num_running=num_running)
+    def _abandon(self, num_running: int, num_verifications: int, dt: float) -> None:
+        """The load moved by more than a quarter while plain decoding challenged speculation, or in the window of
+        speculation after it: the trial ends undecided and speculation runs on, and a first win of plain
+        decoding, measured at the old load, no longer counts. Speculation is the arm that follows the load (the
+        controller chooses again at every step, from the batch as it is); plain decoding is the one that ignores
+        it, and its challenge ran until it finished a window at the new load, which at the end of a wave of
+        requests never happens: measured at 16 streams (default pair, 2 cores, 6a142c5), a plain challenge began
+        as the first requests finished and held every sequence left at k = 0 for the 11 s in which the batch ran
+        down from 14 to 1 (each finish that moved the load restarted its window), where fixed k = 4 ran its tail
+        down in 9 s. Under plain decoding in place a load move ends nothing: speculation's challenge runs on, as
+        the arm that follows the load."""
+        log.info("speculation_trial", challenger=Arm.PLAIN.value, decided=False, reason="load moved",
+                 num_running=num_running)
         self._won_once = False
-        self._begin(_Phase.INCUMBENT, self.incumbent, num_running)
+        switched = self.running is not Arm.SPECULATE
+        self._begin(_Phase.INCUMBENT, Arm.SPECULATE, num_running)
+        if not switched:  # a window of speculation after the challenge: arrivals' warm-up, as for any load move
+            self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
 
     def _begin(self, phase: _Phase, arm: Arm, num_running: int) -> None:
         """Enter `phase` running `arm`; measure once each running sequence was verified about twice under it."""
