@@ -1,9 +1,12 @@
 """Throughput and latency against concurrency, per speculation mode (issue 23).
 
 For each mode (k = 0, a fixed k: the draft started with `--speculation fixed`, and `auto`: with `--speculation
-auto`, the verifier's goodput control of the draft length) a fresh verifier and draft service start with the CLI,
+auto`, the verifier's goodput control of the draft length) a verifier and a draft service start with the CLI,
 and for each concurrency C, C client streams send greedy requests back to back (code prompts, a fixed number of
-output tokens, EOS ignored) until --requests-per-stream x C requests (at least --min-requests) are done. Per concurrency and mode it reports:
+output tokens, EOS ignored) until --requests-per-stream x C requests (at least --min-requests) are done. By default
+(--order level) each level runs all modes back to back, in an order that alternates from level to level, so the
+modes of one level are measured minutes apart rather than half an hour (the auto stack runs throughout; a fixed
+mode's starts again for each of its levels). Per concurrency and mode it reports:
 - aggregate output tokens/s (all tokens over the window's wall time);
 - time to first token, p50 and p99 over requests;
 - inter-token latency, p50 and p99 over requests, each request's (last chunk - first chunk) / (tokens - 1), the
@@ -11,6 +14,7 @@ output tokens, EOS ignored) until --requests-per-stream x C requests (at least -
 
     python bench/capacity.py [--pair default|synthetic] [--concurrency 1,2,4,8,16,32,64] [--tokens 48]
                              [--modes 0,4,auto] [--rtt-ms 0] [--pin] [--requests-per-stream 2] [--min-requests 8]
+                             [--order level|mode]
                              [--out bench/out/capacity]
 
 --pair default: the pair from `make models` (.models/target and .models/draft), colocated on this host as
@@ -30,7 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,43 +101,61 @@ async def run_level(address: str, concurrency: int, prompts: list, tokens: int, 
             "itl_p50_ms": 1e3 * percentile(itls, 0.5), "itl_p99_ms": 1e3 * percentile(itls, 0.99)}
 
 
-def measure_mode(mode: str, target: Path, draft: Path, levels: list[int], prompts: list, tokens: int,
-                 rtt_ms: float, pin: bool, log_dir: Path, extra_verifier: list[str], extra_draft: list[str],
-                 per_stream: int = 2, min_requests: int = 8) -> list[dict]:
-    """A fresh stack for `mode` ("0", a fixed k, or "auto"), then every concurrency level on it."""
-    auto = mode == "auto"
-    k = None if auto else int(mode)
-    verifier_cpus, draft_cpus = ({0}, {1}) if pin else (None, None)
-    rows = []
-    with Stack() as stack:
-        vmetrics = free_port()
-        verifier = stack.start(f"verifier-{mode}", ["verifier", "--model", str(target), "--metrics-port",
-                                                    str(vmetrics), *extra_verifier],
-                               log_dir=log_dir, cpus=verifier_cpus)
-        proxy = ProxyThread(verifier.address, LinkShape(delay_s=rtt_ms / 2000)) if rtt_ms else nullcontext()
-        with proxy as p:
-            upstream = p.address if rtt_ms else verifier.address
-            d = stack.start(f"draft-{mode}", ["draft", "--model", str(draft), "--verifier", upstream,
-                                              "--speculation", "auto" if auto else "fixed",
-                                              *extra_draft], log_dir=log_dir, cpus=draft_cpus)
-            url = f"http://127.0.0.1:{vmetrics}/metrics"
-            for c in levels:
-                before = _spec_counters(url)
-                cpu_before = _cpu_s(verifier.proc.pid), _cpu_s(d.proc.pid)
-                row = {"mode": mode, **asyncio.run(run_level(d.address, c, prompts, tokens, k, per_stream=per_stream,
-                                                             min_requests=min_requests))}
-                after = _spec_counters(url)
-                # CPU seconds each service used in the level (both share the cores unless pinned)
-                row["verifier_cpu_s"] = _cpu_s(verifier.proc.pid) - cpu_before[0]
-                row["draft_cpu_s"] = _cpu_s(d.proc.pid) - cpu_before[1]
-                drafts = after["drafts"] - before["drafts"]
-                row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
-                                                        if drafts else 0.0)
-                row["acceptance"] = ((after["accepted"] - before["accepted"])
-                                     / max(1.0, after["draft_tokens"] - before["draft_tokens"]))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    return rows
+class ModeStack:
+    """A verifier and a draft service for one mode ("0", a fixed k, or "auto"); `measure` runs one concurrency
+    level on them. An idle stack costs no CPU (the services' OpenMP teams wait passively)."""
+
+    def __init__(self, mode: str, target: Path, draft: Path, rtt_ms: float, pin: bool, log_dir: Path,
+                 extra_verifier: list[str], extra_draft: list[str], name: str = "") -> None:
+        self.mode = mode
+        self.k = None if mode == "auto" else int(mode)
+        verifier_cpus, draft_cpus = ({0}, {1}) if pin else (None, None)
+        self._exit = ExitStack()
+        stack = self._exit.enter_context(Stack())
+        try:
+            vmetrics = free_port()
+            self.verifier = stack.start(f"verifier-{name or mode}", ["verifier", "--model", str(target), "--metrics-port",
+                                                             str(vmetrics), *extra_verifier],
+                                        log_dir=log_dir, cpus=verifier_cpus)
+            upstream = self.verifier.address
+            if rtt_ms:
+                upstream = self._exit.enter_context(
+                    ProxyThread(self.verifier.address, LinkShape(delay_s=rtt_ms / 2000))).address
+            self.draft = stack.start(f"draft-{name or mode}", ["draft", "--model", str(draft), "--verifier", upstream,
+                                                       "--speculation", "auto" if mode == "auto" else "fixed",
+                                                       *extra_draft], log_dir=log_dir, cpus=draft_cpus)
+        except BaseException:
+            self._exit.close()
+            raise
+        self.metrics_url = f"http://127.0.0.1:{vmetrics}/metrics"
+
+    def measure(self, concurrency: int, prompts: list, tokens: int, per_stream: int, min_requests: int) -> dict:
+        before = _spec_counters(self.metrics_url)
+        cpu_before = _cpu_s(self.verifier.proc.pid), _cpu_s(self.draft.proc.pid)
+        row = {"mode": self.mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, self.k,
+                                                          per_stream=per_stream, min_requests=min_requests))}
+        after = _spec_counters(self.metrics_url)
+        # CPU seconds each service used in the level (both share the cores unless pinned)
+        row["verifier_cpu_s"] = _cpu_s(self.verifier.proc.pid) - cpu_before[0]
+        row["draft_cpu_s"] = _cpu_s(self.draft.proc.pid) - cpu_before[1]
+        drafts = after["drafts"] - before["drafts"]
+        row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
+                                                if drafts else 0.0)
+        row["acceptance"] = ((after["accepted"] - before["accepted"])
+                             / max(1.0, after["draft_tokens"] - before["draft_tokens"]))
+        return row
+
+    def close(self) -> None:
+        self._exit.close()
+
+
+def schedule(modes: list[str], levels: list[int], order: str) -> list[tuple[str, int]]:
+    """(mode, concurrency) in the order they run. "mode": each mode's levels in turn. "level": each level's modes
+    back to back, the direction reversed from one level to the next, so that a drift of the host's speed over the
+    run (other tenants, thermal state) falls on every mode alike instead of on the mode measured last."""
+    if order == "mode":
+        return [(m, c) for m in modes for c in levels]
+    return [(m, c) for i, c in enumerate(levels) for m in (modes if i % 2 == 0 else modes[::-1])]
 
 
 def _cpu_s(pid: int) -> float:
@@ -216,6 +238,9 @@ def main() -> int:
     p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
     p.add_argument("--rtt-ms", type=float, default=0.0)
     p.add_argument("--pin", action="store_true", help="verifier on core 0, draft on core 1")
+    p.add_argument("--order", choices=["level", "mode"], default="level",
+                   help="level (default): each level runs all modes back to back, alternating their order; mode: one "
+                        "mode's levels after another (a drift of the host's speed then falls on whole modes)")
     p.add_argument("--auto-k", type=int, default=None,
                    help="the auto draft's cap on k (its --num-speculative-tokens; default: the service's, 4)")
     p.add_argument("--models", type=Path, default=ROOT / ".models")
@@ -237,10 +262,25 @@ def main() -> int:
         extra_verifier = ["--dtype", "float32"]
         extra_draft = ["--dtype", "float32"]
     rows = []
-    for mode in modes:
-        cap = ["--num-speculative-tokens", str(args.auto_k)] if mode == "auto" and args.auto_k is not None else []
-        rows += measure_mode(mode, target, draft, levels, prompts, args.tokens, args.rtt_ms, args.pin, log_dir,
-                             extra_verifier, [*extra_draft, *cap], args.requests_per_stream, args.min_requests)
+    stacks: dict[str, ModeStack] = {}
+    try:
+        for mode, c in schedule(modes, levels, args.order):
+            # At most two stacks at a time (each holds its own copy of the weights: about 10 GB for the default
+            # pair). The auto stack lives through the run in either order, as a service would: its step-time model
+            # and trial state carry from one level to the next. A fixed mode learns nothing, so in level order its
+            # stack starts again where it is next measured.
+            for other in [m for m in stacks if m != mode and not (args.order == "level" and m == "auto")]:
+                stacks.pop(other).close()
+            if mode not in stacks:
+                cap = ["--num-speculative-tokens", str(args.auto_k)] if mode == "auto" and args.auto_k is not None else []
+                stacks[mode] = ModeStack(mode, target, draft, args.rtt_ms, args.pin, log_dir, extra_verifier,
+                                         [*extra_draft, *cap], name=f"{mode}-from-c{c}")  # logs: one per start
+            row = stacks[mode].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        for stack in stacks.values():
+            stack.close()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
