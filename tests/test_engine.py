@@ -474,3 +474,33 @@ def test_each_verdict_names_its_step_and_how_many_of_its_stream_go_on(pair):
     step = first[SeqKey(1, 1)][0]
     assert first == {SeqKey(1, 1): (step, 2), SeqKey(1, 2): (step, 2), SeqKey(2, 0): (step, 1)}
     assert second == {SeqKey(1, 1): (step + 1, 2), SeqKey(1, 2): (step + 1, 2), SeqKey(2, 0): (step + 1, 1)}
+
+
+def test_a_request_that_ends_in_its_first_step_leaves_its_prompt_in_the_prefix_cache(pair):
+    """One output token: prefill, verification and finish in one step, which registered nothing before."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = list(range(3, 20))  # 17 tokens: 4 full blocks of 4 before the last
+    (first,), stats1 = _run(engine, [prompt], 1)
+    assert len(stats1) == 1 and first == greedy_continuation(target, prompt, 1)
+    (again,), stats2 = _run(engine, [prompt], 3)
+    assert sum(s.num_prefix_hit_tokens for s in stats2) == 16
+    assert again == greedy_continuation(target, prompt, 3)
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_a_request_that_ends_on_accepted_drafts_leaves_them_in_the_prefix_cache(pair):
+    """The last step accepts 4 drafts and ends the request: their K/V (written, verified) is registered, and a
+    prompt that continues the output reuses it; the finishing bonus token, which has no K/V, is not."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = [5, 9, 11, 4, 8, 6]
+    oracle = greedy_continuation(target, prompt, 10)
+    (out,), stats = _run(engine, [prompt], 10, oracle=[oracle])
+    assert out == oracle and len(stats) == 2  # 4 drafts and a bonus a step
+    # 6 + 10 tokens, K/V for the first 15: three full blocks; before, only the first step's two were registered
+    follow = prompt + out + [21]
+    (more,), stats2 = _run(engine, [follow], 2)
+    assert sum(s.num_prefix_hit_tokens for s in stats2) == 12
+    assert more == greedy_continuation(target, follow, 2)
+    assert engine.blocks.num_used_blocks == 0

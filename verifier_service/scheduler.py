@@ -274,6 +274,10 @@ class Scheduler:
             if finish is not None:
                 break
         if finish is not None:
+            # what this step verified stays in the prefix cache too (a request of one token, or one that ends on
+            # accepted drafts, registered nothing of its last step): the prompt and the accepted drafts before
+            # the finishing token have their K/V written; the finishing token itself has none
+            self.blocks.commit(seq.key, seq.token_ids, start + min(num_accepted, len(emitted)))
             self.release(seq.key)
         else:
             # the K/V of the accepted drafts stays; the slots past them are reused by the next block
