@@ -358,3 +358,31 @@ def test_speculations_challenge_of_plain_decoding_goes_on_when_the_load_moves():
     _into_challenge(trial, 16)
     trial.observe(STEP_S, STEP_S, 8, 8, range(8))
     assert trial.running is Arm.SPECULATE and trial._phase is _Phase.CHALLENGE
+
+
+def test_a_ratio_raised_at_one_load_is_that_loads_alone():
+    """Close results at 16 running sequences double the ratio trial after trial; at 4 the trial starts from the
+    base ratio (the other arm may win there by half), and back at 16 the ratio raised there holds again."""
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 240, num_running=16)
+    raised, trials_at_16 = trial.ratio, trial.num_trials
+    assert trial.incumbent is Arm.SPECULATE and trials_at_16 >= 2 and raised == min(trial.max_ratio,
+                                                                         trial.base_ratio * 2 ** trials_at_16)
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 0.2, num_running=4)
+    assert trial.ratio == trial.base_ratio
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 3.0}, 60, num_running=4)  # plain decoding wins by half at 4
+    assert trial.incumbent is Arm.PLAIN
+    # back at 16 (plain decoding now in place; a switch forgets what losses said at every load) from the base
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 0.2, num_running=16)
+    assert trial.ratio == trial.base_ratio
+
+
+def test_a_wave_tail_keeps_the_ratio_of_the_load_it_left():
+    trial = SpeculationTrial()
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 240, num_running=16)
+    raised = trial.ratio
+    assert raised > trial.base_ratio
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 5, num_running=3)  # a tail: nothing decided there
+    assert trial.ratio == trial.base_ratio
+    _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 0.2, num_running=15)  # about 16 again: its own ratio
+    assert trial.ratio == raised

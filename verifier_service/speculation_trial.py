@@ -139,6 +139,8 @@ class SpeculationTrial:
     _beats_plain: bool = field(default=False, init=False)  # the last window checked was exempt (logged)
     _exempt_windows: int = field(default=0, init=False)  # windows exempt in a row
     _plain_measured: tuple[float, int] | None = field(default=None, init=False)  # the last plain window: rate, load
+    _ratio_load: int = field(default=0, init=False)  # the load (running sequences) `ratio` belongs to; 0: none yet
+    _ratios_elsewhere: dict[int, int] = field(default_factory=dict, init=False)  # other loads' ratios, kept
 
     def __post_init__(self) -> None:
         self.ratio = self.base_ratio
@@ -161,9 +163,11 @@ class SpeculationTrial:
             return self.running
         if self._phase is _Phase.INCUMBENT and self.incumbent is Arm.PLAIN and self._eager_to_speculate():
             self.ratio = self.base_ratio
+            self._ratios_elsewhere.clear()
             self._windows_done = max(self._windows_done, self.ratio)
         if num_running <= 0:
             return self.running
+        self._follow_load(num_running)
         if (self.incumbent is Arm.SPECULATE and self._phase is not _Phase.INCUMBENT
                 and not _same_load(num_running, self._window.num_running)):
             self._abandon(num_running, num_verifications, dt)
@@ -196,6 +200,23 @@ class SpeculationTrial:
         return self.running
 
     # -- internals ---------------------------------------------------------------------------------------------
+
+    def _follow_load(self, num_running: int) -> None:
+        """The ratio belongs to the load its trials were decided at: ties at 16 streams (each one doubling it) say
+        nothing of 4, where the other arm may win by half. When the load leaves the ratio's by more than a
+        quarter, the ratio is kept for that load, and the new load takes its own (the base if none): a wave's tail
+        and a return to the old load give each its own back."""
+        if self._ratio_load and _same_load(num_running, self._ratio_load):
+            return
+        if self._ratio_load:
+            for load in [load for load in self._ratios_elsewhere if _same_load(self._ratio_load, load)]:
+                del self._ratios_elsewhere[load]
+            self._ratios_elsewhere[self._ratio_load] = self.ratio
+            match = min((load for load in self._ratios_elsewhere if _same_load(num_running, load)),
+                        key=lambda load: abs(load - num_running), default=None)
+            self.ratio = self._ratios_elsewhere.pop(match) if match is not None else self.base_ratio
+            num_running = match if match is not None else num_running
+        self._ratio_load = num_running
 
     def _smooth(self, predicted_gain: float | None, mean_drafted: float | None) -> None:
         d = self.decay
@@ -278,6 +299,7 @@ class SpeculationTrial:
         if won and self._won_once:
             self.incumbent = challenger
             self.ratio = self.base_ratio
+            self._ratios_elsewhere.clear()  # what the old incumbent's losses said no longer holds anywhere
             self.num_switches += 1
         elif not won:
             self.ratio = min(self.max_ratio, self.ratio * 2)
