@@ -1,13 +1,14 @@
 """Throughput and latency against concurrency, per speculation mode (issue 23).
 
 For each mode (k = 0, a fixed k: the draft started with `--speculation fixed`, and `auto`: with `--speculation
-auto`, the verifier's goodput control of the draft length) a verifier and a draft service start with the CLI,
-and for each concurrency C, C client streams send greedy requests back to back (code prompts, a fixed number of
-output tokens, EOS ignored) until --requests-per-stream x C requests (at least --min-requests) are done. By default
+auto`, the verifier's goodput control of the draft length) a verifier and a draft service start with the CLI, and
+for each concurrency C, C client streams send greedy requests back to back (code prompts, a fixed number of output
+tokens, EOS ignored) until --requests-per-stream x C requests (at least --min-requests) are done. By default
 (--order level) each level runs all modes back to back, in an order that alternates from level to level, so the
 modes of one level are measured minutes apart rather than half an hour (the auto stack runs throughout; a fixed
-mode's starts again for each of its levels). Every stack first serves each prompt once, so that all start a level
-with the prompts in their prefix cache. Per concurrency and mode it reports:
+mode's stack stops as soon as another mode runs, and starts again where its mode is next measured). Every stack
+first serves each prompt once, so that all start a level with the prompts in their prefix cache. Per concurrency and
+mode it reports:
 - aggregate output tokens/s (all tokens over the window's wall time);
 - time to first token, p50 and p99 over requests;
 - inter-token latency, p50 and p99 over requests, each request's (last chunk - first chunk) / (tokens - 1), the

@@ -275,8 +275,8 @@ class Scheduler:
                 break
         if finish is not None:
             # what this step verified stays in the prefix cache too (a request of one token, or one that ends on
-            # accepted drafts, registered nothing of its last step): the prompt and the accepted drafts before
-            # the finishing token have their K/V written; the finishing token itself has none
+            # accepted drafts, registered nothing of its last step): the K/V of the prompt and of every accepted
+            # draft up to the finishing token is written; a recovered or bonus token has none
             self.blocks.commit(seq.key, seq.token_ids, start + min(num_accepted, len(emitted)))
             self.release(seq.key)
         else:
