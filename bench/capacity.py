@@ -61,6 +61,12 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
+def _request(prompt: str | list[int], k: int | None) -> dict:
+    """A request's prompt (text or token ids) and draft length (None: the draft service's own) as client kwargs."""
+    return {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt,
+            **({} if k is None else {"num_speculative_tokens": k})}
+
+
 async def run_level(address: str, concurrency: int, prompts: list, tokens: int, k: int | None, *,
                     per_stream: int = 2, min_requests: int = 8) -> dict:
     """`concurrency` streams, back to back, until max(min_requests, per_stream * concurrency) requests are done."""
@@ -74,12 +80,10 @@ async def run_level(address: str, concurrency: int, prompts: list, tokens: int, 
         nonlocal generated
         for i in next_request:
             prompt = prompts[i % len(prompts)]
-            kwargs = {"prompt_token_ids": prompt} if isinstance(prompt, list) else {"prompt": prompt}
             t0 = time.perf_counter()
             first = last = None
             n = 0
-            stream = client.stream(**kwargs, max_tokens=tokens, temperature=0.0, ignore_eos=True,
-                                   **({} if k is None else {"num_speculative_tokens": k}))
+            stream = client.stream(**_request(prompt, k), max_tokens=tokens, temperature=0.0, ignore_eos=True)
             async for chunk in stream:
                 if not chunk.token_ids:
                     continue
@@ -116,16 +120,17 @@ class ModeStack:
         stack = self._exit.enter_context(Stack())
         try:
             vmetrics = free_port()
-            self.verifier = stack.start(f"verifier-{name or mode}", ["verifier", "--model", str(target), "--metrics-port",
-                                                             str(vmetrics), *extra_verifier],
-                                        log_dir=log_dir, cpus=verifier_cpus)
+            self.verifier = stack.start(f"verifier-{name or mode}",
+                                        ["verifier", "--model", str(target), "--metrics-port", str(vmetrics),
+                                         *extra_verifier], log_dir=log_dir, cpus=verifier_cpus)
             upstream = self.verifier.address
             if rtt_ms:
                 upstream = self._exit.enter_context(
                     ProxyThread(self.verifier.address, LinkShape(delay_s=rtt_ms / 2000))).address
-            self.draft = stack.start(f"draft-{name or mode}", ["draft", "--model", str(draft), "--verifier", upstream,
-                                                       "--speculation", "auto" if mode == "auto" else "fixed",
-                                                       *extra_draft], log_dir=log_dir, cpus=draft_cpus)
+            self.draft = stack.start(f"draft-{name or mode}",
+                                     ["draft", "--model", str(draft), "--verifier", upstream, "--speculation",
+                                      "auto" if mode == "auto" else "fixed", *extra_draft],
+                                     log_dir=log_dir, cpus=draft_cpus)
         except BaseException:
             self._exit.close()
             raise
@@ -138,10 +143,8 @@ class ModeStack:
         233 (32 streams, d5205a2)."""
         async def serve_all() -> None:
             async with AsyncClient(self.draft.address, timeout=3600) as client:
-                await asyncio.gather(*(client.generate(
-                    **({"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p}), max_tokens=1,
-                    temperature=0.0, **({} if self.k is None else {"num_speculative_tokens": self.k}))
-                    for p in prompts))
+                await asyncio.gather(*(client.generate(**_request(p, self.k), max_tokens=1, temperature=0.0)
+                                       for p in prompts))
         asyncio.run(serve_all())
 
     def measure(self, concurrency: int, prompts: list, tokens: int, per_stream: int, min_requests: int) -> dict:
