@@ -31,13 +31,18 @@ class TwoVerifiers:
         self.stack = Stack()
         self.ports = [0, 0]  # the ports the verifiers bound first; a restart binds its verifier's again
         self.metrics_ports = [free_port(), free_port()]
-        self.verifiers = [self.start_verifier(i) for i in range(2)]
-        self.draft_metrics = free_port()
-        addresses = ",".join(f"127.0.0.1:{p}" for p in self.ports)
-        self.draft = self.stack.start("draft", ["draft", "--model", str(draft), "--dtype", "float64", "--verifier",
-                                                addresses, "--num-speculative-tokens", "4", "--block-size", "4",
-                                                "--verifier-retry-deadline", "60", "--metrics-port",
-                                                str(self.draft_metrics)], log_dir=self.log_dir, timeout_s=120)
+        try:  # a service that fails to start leaves none of the others running
+            self.verifiers = [self.start_verifier(i) for i in range(2)]
+            self.draft_metrics = free_port()
+            addresses = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+            self.draft = self.stack.start("draft", ["draft", "--model", str(draft), "--dtype", "float64",
+                                                    "--verifier", addresses, "--num-speculative-tokens", "4",
+                                                    "--block-size", "4", "--verifier-retry-deadline", "60",
+                                                    "--metrics-port", str(self.draft_metrics)],
+                                          log_dir=self.log_dir, timeout_s=120)
+        except BaseException:
+            self.stack.stop()
+            raise
 
     def start_verifier(self, i: int):
         service = self.stack.start(f"verifier{i}", ["verifier", "--model", str(self.target), "--dtype", "float64",
