@@ -47,8 +47,6 @@ class DraftJob:
     # a round whose length the verifier chose (--speculation auto): it may draft nothing instead of a long catch-up
     # (see CATCH_UP_BUDGET_TOKENS), which the verifier then decodes as a plain round
     may_defer: bool = False
-    # the sequence's first round: its catch-up is its prompt, deferred whenever long (see CATCH_UP_OPENING)
-    opening: bool = False
 
 
 # a token list continues the sequence's cache; a NodeFeed feeds tree nodes at their slots past growth.first (they
@@ -74,15 +72,14 @@ class Prefilling:
 
 def _deferred(jobs: list[DraftJob], pending: list[list[int]], num_steps: list[int], fits: Callable[[int], bool]
               ) -> set[int]:
-    """The deferrable jobs whose catch-up does not fit this batch's (see CATCH_UP_BUDGET_TOKENS), and the openings
-    with a catch-up at all (CATCH_UP_OPENING). A job's catch-up is what it feeds before its first drafting step (all
-    but the last of `pending`); the others' long catch-ups count first. A job whose context the pool can never hold (`fits`) is not deferred: its round fails."""
+    """The deferrable jobs whose catch-up does not fit this batch's (see CATCH_UP_BUDGET_TOKENS). A job's catch-up
+    is what it feeds before its first drafting step (all but the last of `pending`); the others' long catch-ups
+    count first. A job whose context the pool can never hold (`fits`) is not deferred: its round fails."""
     catch_up = [len(p) - 1 if n and len(p) - 1 > CATCH_UP_FREE_TOKENS else 0
                 for p, n in zip(pending, num_steps, strict=True)]
     left = CATCH_UP_BUDGET_TOKENS - sum(c for job, c in zip(jobs, catch_up, strict=True) if not job.may_defer)
+    deferred = set()
     candidates = [i for i, job in enumerate(jobs) if job.may_defer and catch_up[i] and fits(job.seq.num_context)]
-    deferred = {i for i in candidates if jobs[i].opening}  # CATCH_UP_OPENING
-    candidates = [i for i in candidates if i not in deferred]
     for taken, i in enumerate(sorted(candidates, key=catch_up.__getitem__)):
         if taken < CATCH_UP_MIN_JOBS or catch_up[i] <= left:
             left -= catch_up[i]
@@ -122,12 +119,6 @@ KV_SHORT_LOG_INTERVAL_S = 10.0
 CATCH_UP_FREE_TOKENS = 8
 CATCH_UP_BUDGET_TOKENS = 64
 CATCH_UP_MIN_JOBS = 4
-# CATCH_UP_OPENING: a deferrable first round (DraftJob.opening) whose prompt is longer than CATCH_UP_FREE_TOKENS is
-# always deferred, whatever CATCH_UP_MIN_JOBS and the budget leave: it proposes the prompt alone, and the draft warms
-# the prompt while the verifier computes it (draft_service.batcher warms a deferred sequence at once). Fed first, the
-# prompt and the round's drafts come before the verifier sees the prompt at all: at one stream (default pair, 2
-# cores, AMD EPYC) fixed k = 4's time to first token was 1020 ms against 474 ms for k = 0. A later round that
-# catches up (a probe after plain rounds) is not an opening: CATCH_UP_MIN_JOBS still feeds it.
 # A batch that fed more than CATCH_UP_FREE_TOKENS of catch-up in all (past the one token a usual round may feed
 # besides its last) says how many on its blocks (DraftBlock.catch_up_tokens): its time is mostly that feeding,
 # and the verifier learns it as a round of that many rows more, not as a usual round, and not its wait (measured

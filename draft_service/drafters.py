@@ -18,12 +18,10 @@ from draft_service.types import EMPTY_BLOCK, DraftBlock
 
 
 class Drafter(Protocol):
-    async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False, opening: bool = False
-                    ) -> DraftBlock:
+    async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False) -> DraftBlock:
         """Up to k draft tokens that continue seq's context: its verified tokens, then any assumed ones (its cache
         already rolled back). may_defer: the verifier chose k (--speculation auto), and none may be drafted this
-        round when the draft has much of the context still to feed (draft_model.CATCH_UP_BUDGET_TOKENS); with
-        `opening` (the sequence's first round), whenever its prompt is long (draft_model.CATCH_UP_OPENING)."""
+        round when the draft has much of the context still to feed (draft_model.CATCH_UP_BUDGET_TOKENS)."""
         ...
 
     async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
@@ -94,15 +92,14 @@ class ModelDrafter:
         self.calibrations: dict[str, TreeCalibration] | None = {} if calibrate and tree is not None else None
         self.metrics = metrics
 
-    def _job(self, seq: DraftSequence, k: int, guess_first: bool = False, may_defer: bool = False,
-             opening: bool = False) -> DraftJob:
+    def _job(self, seq: DraftSequence, k: int, guess_first: bool = False, may_defer: bool = False) -> DraftJob:
         tree = self.tree.scaled(k) if self.tree is not None and k > 1 and self.trees_allowed() else None
         # a pipelined branch drafts the round after the one in flight: it knows every verdict but that round's, and
         # so does a round drafted after its verdict once that verdict is left out (draft_service.draw_acceptance)
         draws = seq.fork_from.draws.latest if seq.fork_from is not None else seq.draws.before_last
         return DraftJob(seq, k, self.min_confidence, guess_first=guess_first, tree=tree,
                         calibration=self._calibration(seq) if tree is not None else IDENTITY, draws=draws,
-                        may_defer=may_defer, opening=opening)
+                        may_defer=may_defer)
 
     def _calibration(self, seq: DraftSequence) -> Calibration:
         table = self.calibrations.get(calibration_kind(seq.sampling)) if self.calibrations is not None else None
@@ -120,11 +117,10 @@ class ModelDrafter:
             self.metrics.tree_labels.labels(kind=kind, outcome="accepted").inc(accepted)
             self.metrics.tree_labels.labels(kind=kind, outcome="rejected").inc(rejected)
 
-    async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False, opening: bool = False
-                    ) -> DraftBlock:
+    async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False) -> DraftBlock:
         if k == 0:
             return EMPTY_BLOCK
-        return (await self.batcher.draft(self._job(seq, k, may_defer=may_defer, opening=opening))).block
+        return (await self.batcher.draft(self._job(seq, k, may_defer=may_defer))).block
 
     async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
         # one batch job: the guess is sampled from the logits the block's drafting starts from anyway
@@ -159,8 +155,7 @@ class ModelDrafter:
 class NgramDrafter:
     """Prompt lookup: one-hot proposals, so sampled requests stay lossless without any q."""
 
-    async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False, opening: bool = False
-                    ) -> DraftBlock:
+    async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False) -> DraftBlock:
         return DraftBlock(tuple(propose_ngram(seq.context_ids, k)), None)
 
     async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:

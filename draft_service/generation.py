@@ -150,9 +150,8 @@ class Generator:
                 k, flight.max_draft_tokens = length.next_round()
                 if self.due is not None:
                     self.due.left(seq_id)  # before its drafting job or its wait for the batch (in one loop turn)
-                opening = not stats.num_rounds
                 if block is None:
-                    block = await self._draft(seq, k, length, opening)
+                    block = await self._draft(seq, k, length)
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
                 width = self.pipeline.width_for(k)
                 branches = await self.pipeline.draft_branches(seq, block, k, width, flight)
@@ -165,7 +164,7 @@ class Generator:
                 drafted = bool(block.num_draft_tokens or branches)
                 chose_plain = length.follows_verifier and length.choice == 0
                 warming = not drafted and length.k > 0 and not chose_plain
-                if length.k > 0 and not opening:  # an opening's length is no choice for this sequence yet
+                if length.k > 0:
                     self.drafter.note_round(drafted, self._running)
                 if warming:
                     self.drafter.warm(seq)
@@ -225,12 +224,10 @@ class Generator:
                                       pooled=self._pooled_own)
         return prompt, seq, length, identity.max_model_len
 
-    async def _draft(self, seq: DraftSequence, k: int, length: RoundLength, opening: bool) -> DraftBlock:
-        """`opening`: the sequence's first round. Under --speculation auto its prompt, when long, is proposed alone
-        and warmed while the verifier computes it (draft_model.CATCH_UP_OPENING)."""
+    async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
         if length.follows_verifier and k == 0:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
-        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier, opening=opening)
+        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier)
 
     def _record_round(self, stats: GenerationStats, length: RoundLength, seq: DraftSequence, block: DraftBlock,
                       verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float,

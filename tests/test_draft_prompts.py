@@ -40,7 +40,7 @@ from draft_service.draft_model import (
     DraftModel,
     Prefilling,
 )
-from draft_service.drafters import ModelDrafter, NgramDrafter
+from draft_service.drafters import NgramDrafter
 from draft_service.due_rounds import DueRounds
 from draft_service.generation import Generator, draft_room
 from draft_service.sequence import DraftSequence
@@ -355,14 +355,10 @@ def test_a_long_prefill_takes_one_chunk_per_batch_and_other_sequences_draft_betw
 
 @pytest.fixture(scope="module")
 def chunked_stack(models_dir):
-    """A draft service that feeds its model at most 16 tokens a forward, against a 512-token target. With fixed k:
-    its first round drafts after the whole prompt, fed in chunks (under auto a long prompt's first round is
-    proposed alone, draft_model.CATCH_UP_OPENING, and whether any later draft is accepted depends on the
-    positions the verifier's choices land on)."""
+    """A draft service that feeds its model at most 16 tokens a forward, against a 512-token target."""
     target, draft = make_text_pair(models_dir, "qwen2")
     running = start_stack(target, draft, models_dir / "logs-chunked", in_process=True,
-                          extra_draft=["--max-num-batched-tokens", "16", "--max-prompt-bytes", "64KiB",
-                                       "--speculation", "fixed"])
+                          extra_draft=["--max-num-batched-tokens", "16", "--max-prompt-bytes", "64KiB"])
     yield running
     running.stack.stop()
 
@@ -517,45 +513,6 @@ def test_a_drafting_batch_defers_the_long_catch_ups_of_rounds_the_verifier_chose
     # a context the pool (256 blocks of 4) can never hold fails its round
     out = run((12, 13, 14, 15, 1100), True)[2]
     assert [d.deferred for d in out[:4]] == [False] * 4 and isinstance(out[4], ServiceError)
-
-
-def test_a_first_round_the_verifier_may_choose_proposes_a_long_prompt_alone():
-    """A sequence's first round (DraftJob.opening) under --speculation auto does not feed a prompt longer than
-    CATCH_UP_FREE_TOKENS first: it is deferred whatever CATCH_UP_MIN_JOBS and the budget leave (the draft warms
-    the prompt while the verifier computes it), and the other jobs draft exactly as without it. A short prompt, a
-    later round's catch-up (a probe) and a round of fixed k are fed as before."""
-    draft, _ = _draft_model(None)
-    alone = _batch((30,))[0]
-    assert _draft_all(draft, [DraftJob(alone, 3, may_defer=True, opening=True)])[0].deferred
-    assert alone.num_cached == 0 and not draft.blocks.has(alone)
-    for job in (DraftJob(_batch((30,))[0], 3, may_defer=True),  # a probe's catch-up: CATCH_UP_MIN_JOBS feeds it
-                DraftJob(_batch((30,))[0], 3, opening=True),  # fixed k: never deferred
-                DraftJob(_batch((CATCH_UP_FREE_TOKENS + 1,))[0], 3, may_defer=True, opening=True)):  # short
-        out = _draft_all(draft, [job])[0]
-        assert not out.deferred and out.block.num_draft_tokens == 3
-    # beside 4 probes whose catch-ups (19 to 22) exceed the budget: all 4 draft what they would alone (the opening's
-    # shorter prompt takes none of CATCH_UP_MIN_JOBS), the opening defers
-    lens = (20, 21, 22, 23)
-    reference = [d.block for d in _draft_all(_draft_model(None)[0], [DraftJob(s, 3) for s in _batch(lens)])]
-    draft, _ = _draft_model(None)
-    jobs = [DraftJob(s, 3, may_defer=True) for s in _batch(lens)]
-    out = _draft_all(draft, [*jobs, DraftJob(_batch((10,))[0], 3, may_defer=True, opening=True)])
-    assert [d.deferred for d in out] == [False] * 4 + [True]
-    assert [d.block for d in out[:4]] == reference
-
-    async def through_the_drafter():  # the service's path: the model drafter and its batcher
-        batcher = DraftBatcher(_draft_model(None)[0])
-        batcher.start()
-        try:
-            drafter = ModelDrafter(batcher)
-            opening, later = _batch((30, 30))
-            assert (await drafter.draft(opening, 3, may_defer=True, opening=True)).num_draft_tokens == 0
-            assert opening in batcher._deferred  # warmed at once (DraftBatcher.warm)
-            assert (await drafter.draft(later, 3, may_defer=True)).num_draft_tokens == 3
-        finally:
-            await batcher.stop()
-
-    asyncio.run(asyncio.wait_for(through_the_drafter(), 30))
 
 
 def test_a_batch_that_fed_a_catch_up_marks_its_blocks():
@@ -898,7 +855,7 @@ class UndraftingDrafter(NgramDrafter):
         self.rounds: list[bool] = []
         self.warmed: list[int] = []
 
-    async def draft(self, seq, k, *, may_defer=False, opening=False):
+    async def draft(self, seq, k, *, may_defer=False):
         return DraftBlock((), None)
 
     def note_round(self, drafted: bool, running: int) -> None:
@@ -915,7 +872,7 @@ class CatchingUpDrafter(UndraftingDrafter):
         super().__init__()
         self.slow, self.slow_s, self.num_rounds = slow, slow_s, 0
 
-    async def draft(self, seq, k, *, may_defer=False, opening=False):
+    async def draft(self, seq, k, *, may_defer=False):
         self.num_rounds += 1
         caught_up = self.num_rounds in self.slow
         if caught_up:
@@ -943,12 +900,10 @@ class RecordingDrafter(UndraftingDrafter):
         super().__init__()
         self.lengths: list[int] = []
         self.may_defer: list[bool] = []
-        self.openings: list[bool] = []
 
-    async def draft(self, seq, k, *, may_defer=False, opening=False):
+    async def draft(self, seq, k, *, may_defer=False):
         self.lengths.append(k)
         self.may_defer.append(may_defer)
-        self.openings.append(opening)
         return DraftBlock((), None)
 
 
@@ -1006,21 +961,19 @@ def test_only_rounds_whose_length_the_verifier_chose_may_be_deferred(speculation
     asyncio.run(asyncio.wait_for(run(), 10))
     gen.prompts.close()
     assert drafter.may_defer == [deferrable] * 3
-    assert drafter.openings == [True, False, False]  # the first round only (deferred only where deferrable)
-    assert drafter.rounds == [False] * 2  # the opening's length was no choice for this sequence: not counted
 
 
 def test_a_round_the_verifier_chose_plain_is_not_warmed():
     """Under --speculation auto a round that drafts nothing is warmed for the next only while the verifier's latest
     choice for the sequence is not 0 (none yet, or a round that drafted nothing for another reason): it mostly
-    chooses 0 again. Every such round counts as one that did not draft, but the first: its length was no choice."""
+    chooses 0 again. Every such round counts as one that did not draft."""
     link = ChoosingVerifier([4, 0, 0, 3, 0])  # the choice each verdict carries, for the round after it
     drafter = UndraftingDrafter()
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
     asyncio.run(asyncio.wait_for(_run(gen, prompt_token_ids=(1, 2, 3)), 10))
     gen.prompts.close()
-    assert drafter.rounds == [False] * 4
-    assert drafter.warmed == [0, 1, 4]  # (the rounds counted before) rounds 3 and 4 followed a choice of 0
+    assert drafter.rounds == [False] * 5
+    assert drafter.warmed == [1, 2, 5]  # rounds 3 and 4 followed a choice of 0
 
 
 def test_a_choice_the_sequence_capped_below_k_itself_is_no_word_on_the_load():
