@@ -23,7 +23,8 @@ mode it reports:
 `specwire verifier` and `specwire draft` start them. --pair synthetic: bench/rtt.py's pair (a 1024-hidden,
 8-layer random Qwen2 target and a draft made of its first layer: it agrees often), with --pin putting the verifier
 on core 0 and the draft on core 1 as if on two hosts, and --rtt-ms through bench/delay_proxy.py.
-Writes JSON, a markdown table and a PNG (throughput against concurrency, one line per mode; TTFT and ITL p50/p99).
+Writes JSON and a markdown table (after every mode's level, so a run that fails late keeps them) and, at the end, a PNG
+(throughput against concurrency, one line per mode; TTFT and ITL p50/p99).
 """
 
 from __future__ import annotations
@@ -281,6 +282,24 @@ def main() -> int:
         extra_draft = ["--dtype", "float32"]
     rows = []
     stacks: dict[str, ModeStack] = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
+    stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
+    title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
+             f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
+             f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}")
+
+    def write() -> str:
+        """The JSON and the table of the rows so far (after every measurement: a run that fails late keeps them;
+        each file replaced whole, never left half written)."""
+        md = table(rows, modes, levels)
+        for path, text in ((args.out / f"{stem}.json", json.dumps({"title": title, "rows": rows}, indent=1)),
+                           (args.out / f"{stem}.md", f"{title}\n\n{md}\n")):
+            part = path.with_name(path.name + ".part")
+            part.write_text(text)
+            part.replace(path)
+        return md
+
     try:
         for mode, c in schedule(modes, levels, args.order):
             # At most two stacks at a time (each holds its own copy of the weights: about 10 GB for the default
@@ -297,18 +316,11 @@ def main() -> int:
             row = stacks[mode].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write()
     finally:
         for stack in stacks.values():
             stack.close()
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
-    stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
-    title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
-             f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
-             f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}")
-    (args.out / f"{stem}.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
-    md = table(rows, modes, levels)
-    (args.out / f"{stem}.md").write_text(f"{title}\n\n{md}\n")
+    md = write()
     plot(rows, modes, args.out / f"{stem}.png", title)
     print(f"\n{title}\n\n{md}\n\nlogs: {log_dir}")
     medians = [r["tok_s"] for r in rows]
