@@ -7,15 +7,18 @@ tokens, EOS ignored) until --requests-per-stream x C requests (at least --min-re
 (--order level) each level runs all modes back to back, in an order that alternates from level to level, so the
 modes of one level are measured minutes apart rather than half an hour (the auto stack runs throughout; a fixed
 mode's stack stops as soon as another mode runs, and starts again where its mode is next measured). Every stack
-first serves each prompt once, so that all start a level with the prompts in their prefix cache. Per concurrency and
-mode it reports:
+first serves each prompt once, so that all start a level with the prompts in their prefix cache. Mode `0@auto`
+sends k = 0 requests to the auto stack: plain decoding through auto's own verifier process, where `0` runs on a
+stack of its own (two processes of the same code can differ by a tenth in speed: see SAME_STACK_K0). Per
+concurrency and mode it reports:
 - aggregate output tokens/s (all tokens over the window's wall time);
 - time to first token, p50 and p99 over requests;
 - inter-token latency, p50 and p99 over requests, each request's (last chunk - first chunk) / (tokens - 1), the
   definition guidellm and aiperf use.
 
     python bench/capacity.py [--pair default|synthetic] [--concurrency 1,2,4,8,16,32,64] [--tokens 48]
-                             [--modes 0,4,auto] [--rtt-ms 0] [--pin] [--requests-per-stream 2] [--min-requests 8]
+                             [--modes 0,4,auto|0@auto,4,auto] [--rtt-ms 0] [--pin] [--requests-per-stream 2]
+                             [--min-requests 8]
                              [--order level|mode]
                              [--out bench/out/capacity]
 
@@ -60,6 +63,22 @@ def percentile(values: list[float], q: float) -> float:
         return float("nan")
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+# k = 0 requests on the auto stack: plain decoding through the same verifier process as auto's. Two verifier
+# processes of the same code ran the same forward up to about 13 % apart on one host (2026-12-05, 2-core AMD EPYC:
+# auto's one-sequence forwards 1.07-1.13x k = 0's in one run and 0.96-0.97x in the next, the stacks started in
+# the other order), and a ratio between two stacks carries that; this one does not.
+SAME_STACK_K0 = "0@auto"
+
+
+def stack_of(mode: str) -> str:
+    """The stack a mode runs on: its own, but the auto stack for SAME_STACK_K0."""
+    return "auto" if mode == SAME_STACK_K0 else mode
+
+
+def label_of(mode: str) -> str:
+    return {"0": "k = 0", "auto": "auto", SAME_STACK_K0: "k = 0 on auto's stack"}.get(mode, f"k = {mode}")
 
 
 def _request(prompt: str | list[int], k: int | None) -> dict:
@@ -148,11 +167,15 @@ class ModeStack:
                                        for p in prompts))
         asyncio.run(serve_all())
 
-    def measure(self, concurrency: int, prompts: list, tokens: int, per_stream: int, min_requests: int) -> dict:
+    def measure(self, concurrency: int, prompts: list, tokens: int, per_stream: int, min_requests: int,
+                mode: str | None = None) -> dict:
+        """`mode`: SAME_STACK_K0 on the auto stack (its requests ask for k = 0); else this stack's own."""
+        mode = mode or self.mode
+        k = 0 if mode == SAME_STACK_K0 else self.k
         before = _spec_counters(self.metrics_url)
         cpu_before = _cpu_s(self.verifier.proc.pid), _cpu_s(self.draft.proc.pid)
-        row = {"mode": self.mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, self.k,
-                                                          per_stream=per_stream, min_requests=min_requests))}
+        row = {"mode": mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, k,
+                                                     per_stream=per_stream, min_requests=min_requests))}
         after = _spec_counters(self.metrics_url)
         # CPU seconds each service used in the level (both share the cores unless pinned)
         row["verifier_cpu_s"] = _cpu_s(self.verifier.proc.pid) - cpu_before[0]
@@ -193,7 +216,7 @@ def _spec_counters(url: str) -> dict[str, float]:
 
 def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    label = {m: ("k = 0" if m == "0" else "auto" if m == "auto" else f"k = {m}") for m in modes}
+    label = {m: label_of(m) for m in modes}
     head = "| streams | " + " | ".join(f"{label[m]} tok/s" for m in modes)
     head += " | auto / best fixed | " + " | ".join(f"{label[m]} TTFT p50/p99 ms" for m in modes)
     head += " | " + " | ".join(f"{label[m]} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification |"
@@ -223,7 +246,7 @@ def plot(rows: list[dict], modes: list[str], path: Path, title: str) -> None:
         rs = sorted((r for r in rows if r["mode"] == m), key=lambda r: r["concurrency"])
         if not rs:
             continue
-        label = "k = 0" if m == "0" else "auto" if m == "auto" else f"k = {m}"
+        label = label_of(m)
         xs = [r["concurrency"] for r in rs]
         axes[0].plot(xs, [r["tok_s"] for r in rs], marker="o", label=label)
         axes[1].plot(xs, [r["ttft_p50_ms"] for r in rs], marker="o", label=f"{label} p50")
@@ -251,7 +274,8 @@ def main() -> int:
                         "residual stream, so the draft (its first layer) has the target's next-token function: "
                         "greedy acceptance 1 at the target's cost")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    p.add_argument("--modes", default="0,4", help="k = 0, fixed ks, and `auto` (a draft with --speculation auto)")
+    p.add_argument("--modes", default="0,4", help="k = 0, fixed ks, `auto` (a draft with --speculation auto), and "
+                                                  f"`{SAME_STACK_K0}`: k = 0 requests on the auto stack")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level: this many per stream")
     p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
@@ -306,14 +330,15 @@ def main() -> int:
             # pair). The auto stack lives through the run in either order, as a service would: its step-time model
             # and trial state carry from one level to the next. A fixed mode learns nothing, so in level order its
             # stack starts again where it is next measured.
-            for other in [m for m in stacks if m != mode and not (args.order == "level" and m == "auto")]:
+            own = stack_of(mode)
+            for other in [m for m in stacks if m != own and not (args.order == "level" and m == "auto")]:
                 stacks.pop(other).close()
-            if mode not in stacks:
-                cap = ["--num-speculative-tokens", str(args.auto_k)] if mode == "auto" and args.auto_k is not None else []
-                stacks[mode] = ModeStack(mode, target, draft, args.rtt_ms, args.pin, log_dir, extra_verifier,
-                                         [*extra_draft, *cap], name=f"{mode}-from-c{c}")  # logs: one per start
-                stacks[mode].warm(prompts)
-            row = stacks[mode].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests)
+            if own not in stacks:
+                cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
+                stacks[own] = ModeStack(own, target, draft, args.rtt_ms, args.pin, log_dir, extra_verifier,
+                                        [*extra_draft, *cap], name=f"{own}-from-c{c}")  # logs: one per start
+                stacks[own].warm(prompts)
+            row = stacks[own].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests, mode)
             rows.append(row)
             print(json.dumps(row), flush=True)
             write()

@@ -28,3 +28,28 @@ def test_level_order_runs_each_levels_modes_together_in_alternating_order():
 
 def test_mode_order_runs_one_modes_levels_after_another():
     assert schedule(MODES, LEVELS, "mode") == [(m, c) for m in MODES for c in LEVELS]
+
+
+def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
+    """SAME_STACK_K0: plain decoding measured through the auto stack's own verifier process (a ratio between two
+    processes carries their spread), its requests asking for k = 0; auto's own requests leave k to the draft."""
+    import os
+    from types import SimpleNamespace
+
+    import capacity
+
+    asked = []
+
+    async def run_level(address, concurrency, prompts, tokens, k, **_):
+        asked.append(k)
+        return {"tok_s": 1.0}
+
+    monkeypatch.setattr(capacity, "run_level", run_level)
+    monkeypatch.setattr(capacity, "_spec_counters", lambda url: dict.fromkeys(("drafts", "draft_tokens", "accepted"), 0.0))
+    stack = object.__new__(capacity.ModeStack)
+    process = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), address="127.0.0.1:1")
+    stack.mode, stack.k, stack.metrics_url, stack.verifier, stack.draft = "auto", None, "", process, process
+    assert capacity.stack_of(capacity.SAME_STACK_K0) == "auto" and capacity.stack_of("4") == "4"
+    assert stack.measure(2, [], 8, 1, 1, capacity.SAME_STACK_K0)["mode"] == capacity.SAME_STACK_K0
+    assert stack.measure(2, [], 8, 1, 1)["mode"] == "auto"
+    assert asked == [0, None]
