@@ -216,10 +216,9 @@ def _spec_counters(url: str) -> dict[str, float]:
 
 def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
-    label = {m: label_of(m) for m in modes}
-    head = "| streams | " + " | ".join(f"{label[m]} tok/s" for m in modes)
-    head += " | auto / best fixed | " + " | ".join(f"{label[m]} TTFT p50/p99 ms" for m in modes)
-    head += " | " + " | ".join(f"{label[m]} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification |"
+    head = "| streams | " + " | ".join(f"{label_of(m)} tok/s" for m in modes)
+    head += " | auto / best fixed | " + " | ".join(f"{label_of(m)} TTFT p50/p99 ms" for m in modes)
+    head += " | " + " | ".join(f"{label_of(m)} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in levels:
         cells = [f"{by[(m, c)]['tok_s']:.1f}" if (m, c) in by else "" for m in modes]
@@ -331,7 +330,9 @@ def main() -> int:
             # and trial state carry from one level to the next. A fixed mode learns nothing, so in level order its
             # stack starts again where it is next measured.
             own = stack_of(mode)
-            for other in [m for m in stacks if m != own and not (args.order == "level" and m == "auto")]:
+            # the auto stack also serves SAME_STACK_K0: in mode order too it stays while the modes between them run
+            keep_auto = args.order == "level" or SAME_STACK_K0 in modes
+            for other in [m for m in stacks if m != own and not (keep_auto and m == "auto")]:
                 stacks.pop(other).close()
             if own not in stacks:
                 cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
