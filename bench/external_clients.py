@@ -11,7 +11,12 @@ they write: time to first token, inter-token latency (p50 and p99, ms) and outpu
 
 Modes: k0 starts the draft with --num-speculative-tokens 0 (the target alone, through the same path); auto with
 --speculation auto (the verifier chooses each round's draft length); fixed-K with --speculation fixed
---num-speculative-tokens K. The clients run from their own virtual environments (bench/.venv-guidellm,
+--num-speculative-tokens K; k0@auto runs on auto's stack and every request asks for num_speculative_tokens 0 (the
+clients put it in each request's body), so plain decoding is measured through the same verifier process as auto:
+two processes of the same code have run the same forward up to about 13 % apart on this host, which a ratio
+between two stacks carries. Modes that share a stack run each level back to back (client by client), in the
+order given at the first level and reversed at every second, so that neither is always measured first; the others
+each start a stack of their own. The clients run from their own virtual environments (bench/.venv-guidellm,
 bench/.venv-aiperf, which bench/external_clients.sh installs), offline: the tokenizer is the target's directory
 and nothing is fetched from a model hub. Writes summary.json and each client's own output under --out.
 """
@@ -41,6 +46,31 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
            "HF_HUB_DISABLE_TELEMETRY": "1", "DO_NOT_TRACK": "1"}
 
 
+SAME_STACK_K0 = "k0@auto"
+
+
+def stack_of(mode: str) -> str:
+    """The mode whose stack serves `mode`."""
+    return "auto" if mode == SAME_STACK_K0 else mode
+
+
+def request_body(mode: str) -> dict:
+    """Fields every request of `mode` adds to its body. Each mode's requests carry a prefix-cache salt of their
+    own (the gateway's cache_salt, as vLLM's): the clients draw the same synthetic prompts for every run, so on a
+    shared stack a mode measured second would find the first's prompts cached (about a second less to its first
+    token here, and no prefill work), where on a stack of its own it finds only its own."""
+    return {"cache_salt": mode, **({"num_speculative_tokens": 0} if mode == SAME_STACK_K0 else {})}
+
+
+def stack_groups(modes: list[str]) -> dict[str, list[str]]:
+    """Stack -> the modes measured on it, stacks in the order their first mode is given."""
+    groups: dict[str, list[str]] = {}
+    for mode in modes:
+        mode_args(stack_of(mode))  # refuses an unknown mode before anything starts
+        groups.setdefault(stack_of(mode), []).append(mode)
+    return groups
+
+
 def mode_args(mode: str) -> list[str]:
     """The draft service's flags for a mode."""
     if mode == "k0":
@@ -49,7 +79,7 @@ def mode_args(mode: str) -> list[str]:
         return ["--speculation", "auto"]
     if mode.startswith("fixed-"):
         return ["--speculation", "fixed", "--num-speculative-tokens", mode.removeprefix("fixed-")]
-    raise ValueError(f"unknown mode {mode!r}: k0, auto or fixed-K")
+    raise ValueError(f"unknown mode {mode!r}: k0, auto, {SAME_STACK_K0} or fixed-K")
 
 
 REQUESTS = {"per_stream": 2, "min": 8}  # --requests-per-stream, --min-requests
@@ -62,11 +92,13 @@ def requests_for(concurrency: int) -> int:
 # -- guidellm ---------------------------------------------------------------------------------------------------
 
 def guidellm_command(url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
-                     output_tokens: int, out: Path) -> list[str]:
+                     output_tokens: int, out: Path, body: dict | None = None) -> list[str]:
     n = requests_for(concurrency)
+    # as JSON (guidellm reads YAML, JSON or key=value): its extras' body is merged into every request's
+    backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
+               "timeout": 3600, **({"extras": {"body": body}} if body else {})}
     return [str(VENVS["guidellm"] / "bin" / "guidellm"), "run",
-            "--backend", f"kind=openai_http,target={url},model={model},request_format=/v1/completions,"
-                         "timeout=3600",
+            "--backend", json.dumps(backend),
             "--profile", f"kind=concurrent,streams={concurrency}",
             "--constraint", f"kind=max_requests,count={n}",
             "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
@@ -100,7 +132,7 @@ def _pct(dist: dict, q: int) -> float:
 # -- aiperf -----------------------------------------------------------------------------------------------------
 
 def aiperf_command(url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
-                   output_tokens: int, out: Path) -> list[str]:
+                   output_tokens: int, out: Path, body: dict | None = None) -> list[str]:
     n = requests_for(concurrency)
     # ignore_eos: without it aiperf's --output-tokens-mean is only max_tokens (it warns so). No --server-metrics:
     # aiperf would poll the gateway's /metrics about twice a second, work that guidellm's runs do not pay.
@@ -109,7 +141,10 @@ def aiperf_command(url: str, model: str, tokenizer: Path, concurrency: int, prom
             "--concurrency", str(concurrency), "--request-count", str(n),
             "--synthetic-input-tokens-mean", str(prompt_tokens), "--synthetic-input-tokens-stddev", "0",
             "--output-tokens-mean", str(output_tokens), "--output-tokens-stddev", "0",
-            "--extra-inputs", "ignore_eos:true", "--tokenizer", AIPERF_TOKENIZER, "--artifact-dir", str(out),
+            "--extra-inputs", "ignore_eos:true",
+            *(a for key, value in (body or {}).items()
+              for a in ("--extra-inputs", f"{key}:{value if isinstance(value, str) else json.dumps(value)}")),
+            "--tokenizer", AIPERF_TOKENIZER, "--artifact-dir", str(out),
             "--ui-type", "none", "--random-seed", "0", "--no-server-metrics"]
 
 
@@ -178,10 +213,10 @@ def start_stack(stack: Stack, mode: str, models: Path, log_dir: Path, verifier_a
 
 
 def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
-               output_tokens: int, out: Path, timeout_s: float) -> dict:
+               output_tokens: int, out: Path, timeout_s: float, body: dict | None = None) -> dict:
     command, figures = CLIENTS[name]
     out.mkdir(parents=True, exist_ok=True)
-    argv = command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out)
+    argv = command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out, body)
     (out / "command.json").write_text(json.dumps(argv, indent=1))
     env = {**os.environ, **OFFLINE, "HOME": str(out / "home"), "MPLCONFIGDIR": str(out / "home" / "mpl"),
            "GUIDELLM__DEFAULT_RESULTS_DIR": str(out),
@@ -217,7 +252,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="k0,auto", help="k0, auto, fixed-K (comma-separated)")
+    p.add_argument("--modes", default="k0,auto", help=f"k0, auto, {SAME_STACK_K0}, fixed-K (comma-separated)")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--clients", default="guidellm,aiperf")
     p.add_argument("--prompt-tokens", type=int, default=64)
@@ -238,6 +273,10 @@ def main() -> int:
         signal.signal(sig, _interrupt)
     modes, clients = args.modes.split(","), args.clients.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        stack_groups(modes)
+    except ValueError as err:
+        p.error(str(err))
     for name in clients:
         if name not in CLIENTS:
             p.error(f"unknown client {name!r}")
@@ -269,21 +308,22 @@ def _interrupt(_signum, _frame) -> None:
 def run_all(args, modes: list[str], clients: list[str], levels: list[int], tokenizer: Path, model: str,
             log_dir: Path) -> list[dict]:
     rows: list[dict] = []
-    for mode in modes:
+    for stack_mode, group in stack_groups(modes).items():
         with Stack() as stack:
-            url = start_stack(stack, mode, args.models, log_dir, args.verifier_args.split(),
+            url = start_stack(stack, stack_mode, args.models, log_dir, args.verifier_args.split(),
                               args.draft_args.split())
             if args.serve:
-                print(f"gateway for mode {mode}: {url} (model {model}); logs in {log_dir}", flush=True)
+                print(f"gateway for mode {stack_mode}: {url} (model {model}); logs in {log_dir}", flush=True)
                 while True:
                     time.sleep(3600)
-            for c in levels:
+            for i, c in enumerate(levels):
                 for name in clients:
-                    row = {"mode": mode, **run_client(name, url, model, tokenizer, c, args.prompt_tokens,
-                                                      args.output_tokens, args.out / mode / f"{name}-c{c}",
-                                                      args.timeout)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    for mode in (group if i % 2 == 0 else group[::-1]):
+                        row = {"mode": mode, **run_client(name, url, model, tokenizer, c, args.prompt_tokens,
+                                                          args.output_tokens, args.out / mode / f"{name}-c{c}",
+                                                          args.timeout, request_body(mode))}
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     return rows
 
 

@@ -1,0 +1,76 @@
+"""bench/external_clients.py's modes: k0@auto measures plain decoding through the auto stack's own verifier process,
+every request of both clients asking for num_speculative_tokens 0, and the modes of one stack share it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/kernels.py must not shadow kernels/
+
+import external_clients as ec  # noqa: E402
+
+ARGS = ("http://127.0.0.1:1", "target", Path("/models/target"), 4, 64, 48, Path("/tmp/out"))
+
+
+def _guidellm_body(argv: list[str]) -> dict:
+    backend = json.loads(argv[argv.index("--backend") + 1])
+    assert backend["kind"] == "openai_http" and backend["target"] == ARGS[0] and backend["model"] == "target"
+    return backend.get("extras", {}).get("body", {})
+
+
+def _aiperf_extras(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "--extra-inputs"]
+
+
+def test_k0_on_the_auto_stack_asks_every_request_for_k0_through_both_clients():
+    """And every mode's requests carry a prefix-cache salt of their own: on a shared stack a mode measured second
+    must not find the first's prompts (the clients draw the same ones every run) in the cache."""
+    body = ec.request_body(ec.SAME_STACK_K0)
+    assert body == {"num_speculative_tokens": 0, "cache_salt": "k0@auto"}
+    assert _guidellm_body(ec.guidellm_command(*ARGS, body)) == body
+    assert _aiperf_extras(ec.aiperf_command(*ARGS, body)) == ["ignore_eos:true", "cache_salt:k0@auto",
+                                                              "num_speculative_tokens:0"]
+    # auto's own requests leave k to the draft
+    assert ec.request_body("auto") == {"cache_salt": "auto"} and ec.request_body("k0") == {"cache_salt": "k0"}
+    assert _guidellm_body(ec.guidellm_command(*ARGS, ec.request_body("auto"))) == {"cache_salt": "auto"}
+    assert _aiperf_extras(ec.aiperf_command(*ARGS, ec.request_body("auto"))) == ["ignore_eos:true", "cache_salt:auto"]
+
+
+def test_modes_of_one_stack_share_it_and_the_others_get_their_own():
+    assert ec.stack_of(ec.SAME_STACK_K0) == "auto" and ec.stack_of("k0") == "k0"
+    assert ec.mode_args(ec.stack_of(ec.SAME_STACK_K0)) == ["--speculation", "auto"]
+    groups = ec.stack_groups(["k0@auto", "fixed-4", "auto", "k0"])
+    assert list(groups.items()) == [("auto", ["k0@auto", "auto"]), ("fixed-4", ["fixed-4"]), ("k0", ["k0"])]
+    with pytest.raises(ValueError, match="unknown mode"):
+        ec.stack_groups(["auto", "k9"])
+
+
+def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_path):
+    """Both modes of the auto stack run each level back to back, and neither always goes first."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class FakeStack:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ec, "Stack", FakeStack)
+    monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: calls.append(("start", mode)) or "url")
+    monkeypatch.setattr(ec, "run_client", lambda name, url, model, tok, c, pt, ot, out, timeout, body:
+                        calls.append((name, c, body)) or {})
+    args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
+                           output_tokens=48, out=tmp_path, timeout=1.0)
+    rows = ec.run_all(args, ["k0@auto", "auto"], ["guidellm"], [1, 4], tmp_path, "m", tmp_path)
+    k0, auto = ec.request_body("k0@auto"), ec.request_body("auto")
+    assert k0 != auto
+    assert calls == [("start", "auto"), ("guidellm", 1, k0), ("guidellm", 1, auto), ("guidellm", 4, auto),
+                     ("guidellm", 4, k0)]
+    assert [r["mode"] for r in rows] == ["k0@auto", "auto", "auto", "k0@auto"]
