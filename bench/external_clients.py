@@ -204,7 +204,9 @@ def start_stack(stack: Stack, mode: str, models: Path, log_dir: Path, verifier_a
                                       *mode_args(mode), *draft_args], log_dir=log_dir)
     gateway = stack.start_gateway(d.address, tokenizer=target, log_dir=log_dir)
     url = gateway.address
-    body = json.dumps({"model": target.name, "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True})
+    # k = 0: the warm-up's drafts would enter the auto verifier's acceptance counts as its first evidence
+    body = json.dumps({"model": target.name, "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True,
+                       "num_speculative_tokens": 0})
     request = urllib.request.Request(url + "/v1/completions", data=body.encode(),
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as reply:
