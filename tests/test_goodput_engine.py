@@ -246,6 +246,26 @@ def test_the_trial_is_given_the_predicted_plain_rate(pair):
     assert rates and all(rate == pytest.approx(1.0 / IDLE.predict(2), rel=1e-6) for rate in rates)
 
 
+def test_the_trial_sees_no_step_while_nothing_running_follows_the_choice(pair):
+    """Fixed-k and k = 0 requests alone on an auto verifier: both of the trial's arms would be the same decoding,
+    and their windows must not count as the incumbent's; once a sequence that asks runs, the trial sees the
+    steps again, the other sequences' included."""
+    target, _ = pair
+    engine, _ = _engine(target, IDLE, speculation_trial=True)
+    seen = []
+    observe = engine.trial.observe
+
+    def spy(*args, **kwargs):
+        seen.append(args[2])
+        return observe(*args, **kwargs)
+
+    engine.trial.observe = spy
+    outputs, _, _ = _generate(engine, PROMPTS[:2], 8, _oracle(target, 8)[:2], ask=None)
+    assert seen == [] and outputs == [greedy_continuation(target, p, 8) for p in PROMPTS[:2]]
+    _generate(engine, PROMPTS[:1], 8, _oracle(target, 8)[:1], ask=4)
+    assert seen and set(seen) == {1}
+
+
 class FixedAcceptance:
     """Every sequence's drafts are accepted at `rate` per position, whatever the verdicts said."""
 

@@ -210,6 +210,7 @@ class VerifierEngine:
                 continue  # ended: a released sequence's acceptance is forgotten, and must not come back
             # a tree is judged by its positions (its depth): acceptance past them was never tried
             control.observe_verification(seq.key, item.proposal.num_positions, verdict.num_accepted)
+            seq.follows_choice = item.proposal.max_draft_tokens is not None
             if item.proposal.max_draft_tokens is None:
                 other_tokens += item.num_tokens
                 other_output += len(verdict.token_ids)
@@ -236,7 +237,13 @@ class VerifierEngine:
         plain = self.trial is not None and self.trial.running is Arm.PLAIN
         chosen = (control.choose(caps, other_tokens, other_output, other_longest, away_caps, other_drafted,
                                  probe=not plain, sizes=None if plain else sizes) if caps else None)
-        if self.trial is not None:
+        # the trial compares speculation with plain decoding as the choices make them; where no running sequence
+        # follows the choices (fixed-k and k = 0 requests alone) both arms are the same decoding, and its windows
+        # would count as the incumbent's: a challenge between two plain arms, lost, would double the ratio, and
+        # its plain figure would stand for this load (found with k = 0 requests measured on an auto verifier)
+        if self.trial is not None and not any(s.follows_choice for s in self.scheduler.running.values()):
+            stats.speculation_arm = self.trial.running.value
+        elif self.trial is not None:
             gain = plain_rate = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
                 gain = chosen.goodput / chosen.plain_goodput

@@ -30,6 +30,7 @@ class Sequence:
     deadline: float | None = None  # time.monotonic() of the client's deadline
     last_scheduled_step: int = 0  # the scheduler's step count when it last ran (fair turns)
     cache_salt: str | None = None  # its prefix-cache chain: shared only with sequences of the same salt
+    follows_choice: bool = False  # its last verified proposal asked for the next draft length (goodput's choice)
 
     @property
     def num_tokens(self) -> int:
