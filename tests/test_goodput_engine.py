@@ -237,7 +237,7 @@ def test_the_trial_is_given_the_predicted_plain_rate(pair):
     observe = engine.trial.observe
 
     def spy(*args, **kwargs):
-        seen.append((args[2], kwargs["plain_rate"]))  # (running sequences, the rate)
+        seen.append((args[2], kwargs.get("plain_rate")))  # (running sequences, the rate)
         return observe(*args, **kwargs)
 
     engine.trial.observe = spy
@@ -246,24 +246,53 @@ def test_the_trial_is_given_the_predicted_plain_rate(pair):
     assert rates and all(rate == pytest.approx(1.0 / IDLE.predict(2), rel=1e-6) for rate in rates)
 
 
-def test_the_trial_sees_no_step_while_nothing_running_follows_the_choice(pair):
+def test_the_trial_judges_no_step_while_nothing_running_follows_the_choice(pair):
     """Fixed-k and k = 0 requests alone on an auto verifier: both of the trial's arms would be the same decoding,
-    and their windows must not count as the incumbent's; once a sequence that asks runs, the trial sees the
-    steps again, the other sequences' included."""
+    so their steps must not count as the arm in use's windows; the trial sees them as idle time (no sequence
+    running), whose clock still ends a challenge. With a sequence that asks running, every step is judged, one
+    that verifies only the others while it is away at its draft included; once it stops asking, none is."""
     target, _ = pair
     engine, _ = _engine(target, IDLE, speculation_trial=True)
     seen = []
     observe = engine.trial.observe
 
     def spy(*args, **kwargs):
-        seen.append(args[2])
+        seen.append(args[2])  # the running sequences the trial is told of
         return observe(*args, **kwargs)
 
     engine.trial.observe = spy
     outputs, _, _ = _generate(engine, PROMPTS[:2], 8, _oracle(target, 8)[:2], ask=None)
-    assert seen == [] and outputs == [greedy_continuation(target, p, 8) for p in PROMPTS[:2]]
-    _generate(engine, PROMPTS[:1], 8, _oracle(target, 8)[:1], ask=4)
-    assert seen and set(seen) == {1}
+    assert seen and set(seen) == {0}
+    assert outputs == [greedy_continuation(target, p, 8) for p in PROMPTS[:2]]
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    follower, other = SeqKey(2, 1), SeqKey(3, 1)
+    prompts = {follower: PROMPTS[2], other: PROMPTS[3]}
+    emitted = {follower: 0, other: 0}
+    for key, prompt in prompts.items():
+        engine.submit(OpenCmd(key, tuple(prompt), greedy.with_seed()))
+
+    def propose(key, ask):
+        engine.submit(ProposeCmd(key, len(prompts[key]) + emitted[key], (), None, max_draft_tokens=ask))
+
+    def step():
+        for o in engine.step().outcomes:
+            assert not isinstance(o, ErrorOut), o
+            if isinstance(o, VerdictOut):
+                emitted[o.key] += len(o.token_ids)
+
+    propose(follower, 4)
+    propose(other, None)
+    while not (emitted[follower] and emitted[other]):
+        step()
+    seen.clear()
+    propose(other, None)  # the follower is away at its draft
+    step()
+    assert seen == [2]
+    propose(follower, None)  # and then stops asking (a fixed-k request)
+    propose(other, None)
+    step()
+    assert seen == [2, 0]
 
 
 class FixedAcceptance:

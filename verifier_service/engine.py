@@ -240,9 +240,11 @@ class VerifierEngine:
         # the trial compares speculation with plain decoding as the choices make them; where no running sequence
         # follows the choices (fixed-k and k = 0 requests alone) both arms are the same decoding, and its windows
         # would count as the incumbent's: a challenge between two plain arms, lost, would double the ratio, and
-        # its plain figure would stand for this load (found with k = 0 requests measured on an auto verifier)
+        # its plain figure would stand for this load (found with k = 0 requests measured on an auto verifier). Such
+        # a step is the trial's idle time: nothing running it can judge, while its phase's clock runs on (a
+        # challenge still ends at max_challenge_s)
         if self.trial is not None and not any(s.follows_choice for s in self.scheduler.running.values()):
-            stats.speculation_arm = self.trial.running.value
+            stats.speculation_arm = self.trial.observe(since_last, stats.step_time_s, 0, 0, ()).value
         elif self.trial is not None:
             gain = plain_rate = None
             if chosen is not None and chosen.predicted_step_s > 0 and chosen.plain_goodput > 0:
