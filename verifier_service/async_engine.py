@@ -276,4 +276,5 @@ class AsyncEngine:
                      "wait_ms": round(s.priced_wait[0] * 1e3, 1),
                      "wait_ms_per_block_token": round(s.priced_wait[1] * 1e3, 1),
                      "wait_ms_per_drafted_token": round(s.priced_wait[2] * 1e3, 2),
-                     "plain_wait_ms": None if s.priced_wait[3] is None else round(s.priced_wait[3] * 1e3, 1)}))
+                     "plain_wait_ms": None if s.priced_wait[3] is None else round(s.priced_wait[3] * 1e3, 1),
+                     "wait_ms_per_catch_up_row": round(s.priced_wait[4] * 1e3, 2)}))

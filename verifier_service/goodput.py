@@ -46,7 +46,7 @@ class Candidate:
     max_k: int
     rates: tuple[float, ...]
     # rows the draft must feed before this sequence's first drafted token if it drafts (its catch-up), per round
-    # of drafting it has left (DraftLengthController.catch_up_rows): priced as drafted tokens when k > 0
+    # of drafting it has left (DraftLengthController.catch_up_rows): priced when k > 0 (choose_draft_lengths)
     catch_up_rows: float = 0.0
 
 
@@ -89,7 +89,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                          idle_per_block_token: float = 0.0, other_longest_block: int = 0,
                          plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
                          idle_per_drafted_token: float = 0.0, other_drafted: int = 0,
-                         plain_tolerance: float | None = None) -> Allocation:
+                         plain_tolerance: float | None = None,
+                         idle_per_catch_up_row: float | None = None) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -115,7 +116,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     are new (the others are the same prefixes as under a smaller bound), and each bound is one pass of array
     arithmetic: the engine thread runs this after every step.
 
-    A candidate's catch-up rows (Candidate.catch_up_rows) are priced as drafted tokens once it drafts at all. The
+    A candidate's catch-up rows (Candidate.catch_up_rows) are priced at `idle_per_catch_up_row` each (None: as
+    drafted tokens) once it drafts at all. The
     search over prefixes of the gains then no longer finds the best of every allocation (a sequence's first gain
     carries its rows), so it runs twice, once with the candidates that would catch up held at k = 0, and the
     choice that lets them draft is taken only where it beats the other by more than `tolerance`: drafting for
@@ -126,7 +128,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
-            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted)
+            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
+            idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row)
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
         chosen = _search(cands, *args)
     else:
@@ -146,7 +149,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int) -> Allocation:
+            other_drafted: int, idle_per_catch_up_row: float) -> Allocation:
     """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
@@ -157,8 +160,8 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
         block = np.maximum(longest, other_longest_block)
         idle = np.full(len(n), idle_s) if plain_idle_s is None else np.where(block > 0, idle_s, plain_idle_s)
         ratio = np.where(block > 0, step_ratios[1], step_ratios[0])
-        drafting = idle_per_block_token * block + np.where(block > 0, idle_per_drafted_token
-                                                           * (n - fixed_n + other_drafted + rows), 0.0)
+        drafting = idle_per_block_token * block + np.where(
+            block > 0, idle_per_drafted_token * (n - fixed_n + other_drafted) + idle_per_catch_up_row * rows, 0.0)
         return np.where(n > 0, step_time.predict_many(n) * ratio + idle + drafting, 0.0)
 
     gains, index, position = _sorted_gains(cands)
@@ -351,7 +354,8 @@ class DraftLengthController:
     mean_drafted_m: float = 0.0
     # e, below; before any drafting is seen, 1: the verifier waits for every draft in one phase (--phases hold)
     exposure: float = 1.0
-    last_price: tuple[float, float, float, float | None] | None = None  # the idle_split() the last choice priced with
+    # the idle_split() the last choice priced with, and its price of a catch-up row
+    last_price: tuple[float, float, float, float | None, float] | None = None
     _until_probe: int = 0  # choices before the next probe; 0: not started (set from first_probe_every)
     _probe_interval: int = 0
     _drafted_since_probe: bool = False
@@ -416,7 +420,7 @@ class DraftLengthController:
         that plus twice `seconds`: the verifier was idle, not waiting), and its time against the step-time
         model's prediction to that kind's ratio (see `calibrate`). `catch_up_tokens`: the batch fed the draft that
         many tokens of context first (Proposal.catch_up_tokens), in its first step's rows: its time is learnt as a
-        round of `drafted_tokens` + `catch_up_tokens` rows (DraftTimeModel), once (`batch`: its identity; a batch
+        round that fed `catch_up_tokens` rows before it drafted (DraftTimeModel's own term), once (`batch`: its identity; a batch
         whose blocks several steps verify carries its whole catch-up on each) and only up to max_catch_up_rows;
         the wait for it says nothing of a usual round's (nor of the share of drafting the verifier waits for).
 
@@ -448,7 +452,7 @@ class DraftLengthController:
         idle, self._step_idle_s = self._step_idle_s, None
         if catch_up_tokens:
             if catch_up_tokens <= self.max_catch_up_rows and (batch is None or batch not in self._caught_up_batches):
-                self.draft_time.observe(seconds, longest_block, drafted_tokens + catch_up_tokens)
+                self.draft_time.observe(seconds, longest_block, drafted_tokens, catch_up_tokens)
             if batch is not None:
                 self._caught_up_batches[batch] = None
                 while len(self._caught_up_batches) > MAX_CAUGHT_UP_BATCHES:
@@ -572,7 +576,10 @@ class DraftLengthController:
             rates = tuple(self.acceptance.rates(key, cap))
             size = sizes.get(key) if key in caps else None
             candidates.append(Candidate(key, cap, rates, self.catch_up_rows(key, rates, *size) if size else 0.0))
-        self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
+        fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
+        # a catch-up's rows at their own price (DraftTimeModel's c), a share e of it waited for like drafting's
+        per_catch_up_row = self.exposure * self.draft_time.catch_up_coefficient()
+        self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle, per_catch_up_row
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
         # wait for S of them is about the longest, priced as if the tokens were spread evenly over them
         # (caps of 0, a request's last rounds, which its room bounds, choose nothing: their groups are not counted,
@@ -584,7 +591,8 @@ class DraftLengthController:
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
-                                      other_drafted, plain_tolerance=self.switch_tolerance if held else None)
+                                      other_drafted, plain_tolerance=self.switch_tolerance if held else None,
+                                      idle_per_catch_up_row=per_catch_up_row / streams)
         if probe:
             for key, k in chosen.draft_lengths.items():
                 if k:

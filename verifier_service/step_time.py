@@ -130,39 +130,49 @@ class StepTimeModel:
 
 @dataclass
 class DraftTimeModel:
-    """The draft's time for a round, a * L + b * M: L its longest block (the draft steps one token of every
+    """The draft's time for a round, a * L + b * M + c * C: L its longest block (the draft steps one token of every
     sequence at a time, so it runs L steps, each with a cost that does not depend on how many sequences it drafts
-    for: the weights read once) and M the tokens it drafted (the rows of those steps). On a CPU both count:
-    measured on this project's 2-core machine for the default draft's matrices (fp32, 2 threads), a step over 1,
-    16, 32 and 64 rows took 70, 215, 284 and 440 ms. The longest block alone (b = 0) priced a round for 32
+    for: the weights read once), M the tokens it drafted (the rows of those steps) and C the rows of context it
+    fed first (a catch-up: a prompt, or the tokens verified while a sequence drafted nothing). On a CPU rows
+    count: measured on this project's 2-core machine for the default draft's matrices (fp32, 2 threads), a step
+    over 1, 16, 32 and 64 rows took 70, 215, 284 and 440 ms. The longest block alone (b = 0) priced a round for 32
     sequences at what rounds for 16 had taken, half of what it took (default pair, 32 streams: 1.0 to 1.8 s of
     waiting where 0.45 s was priced, for 4 drafted tokens a sequence).
 
+    A catch-up's rows have a term of their own: they are one sequence's context in one forward, like a prompt's,
+    and cost a fraction of a drafted row, which is one more sequence in every step. Learnt as drafted rows, the
+    catch-ups of one stream's requests (each new request's first round feeds its prompt) set b at about 4.5 ms,
+    and a round of 4 tokens for 8 sequences was priced at about 0.45 s where it took about 0.67 s (default pair, 2
+    cores, 0b586a1, a level of 8 streams after one of 1: auto went from 1 token a sequence to 4, at a loss).
+
     Least squares over the rounds, weighted by `decay` per round, shrunk by `shrink` of each coefficient's own
-    weight towards a prior that takes `fixed_share` of a step's recent time as its fixed part and the rest as
-    proportional to its rows (at their recent mean). While every round drafts for the same number of sequences
-    (M = r L) a and b cannot be told apart, and the fit stays at the prior, which prices those rounds as they
-    took; rounds for more or fewer sequences (fragments of the batch, probes, a load that changes) move it."""
+    weight towards a prior that prices a row at `row_cost` of a step's fixed part (from the figures above: 0.10
+    to 0.14 up to 16 rows), a catch-up row as a drafted one, and a step as a recent one took. While every round
+    drafts for the same number of sequences (M = r L) a and b cannot be told apart, and the fit stays at the prior,
+    which prices those rounds as they took; rounds for more or fewer sequences (fragments of the batch, probes, a
+    load that changes) move it."""
 
     decay: float = 0.9
     shrink: float = 0.02
-    fixed_share: float = 0.5
-    _sxx: np.ndarray = field(default_factory=lambda: np.zeros((2, 2)))
-    _sxy: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    row_cost: float = 0.1
+    _sxx: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
+    _sxy: np.ndarray = field(default_factory=lambda: np.zeros(3))
     _step_s: float | None = None  # recent seconds per draft step (per token of the longest block)
-    _rows: float = 1.0  # recent drafted tokens per draft step
-    _fit: tuple[float, float] | None = None
+    _rows: float = 1.0  # recent rows (drafted and caught up) per draft step
+    _fit: tuple[float, float, float] | None = None
 
-    def observe(self, seconds: float, longest_block: int, drafted_tokens: int) -> None:
-        """A round drafted `drafted_tokens` in all, at most `longest_block` for one sequence, in `seconds`."""
+    def observe(self, seconds: float, longest_block: int, drafted_tokens: int, catch_up_rows: int = 0) -> None:
+        """A round drafted `drafted_tokens` in all, at most `longest_block` for one sequence, in `seconds`, after
+        feeding `catch_up_rows` rows of context."""
         if not (seconds > 0 and longest_block > 0):
             return
         drafted = max(drafted_tokens, longest_block)
-        x = np.array([float(longest_block), float(drafted)])
+        fed = max(0, catch_up_rows)
+        x = np.array([float(longest_block), float(drafted), float(fed)])
         d = self.decay
         self._sxx = d * self._sxx + np.outer(x, x)
         self._sxy = d * self._sxy + x * seconds
-        step, rows = seconds / longest_block, drafted / longest_block
+        step, rows = seconds / longest_block, (drafted + fed) / longest_block
         if self._step_s is None:
             self._step_s, self._rows = step, rows
         else:
@@ -174,24 +184,39 @@ class DraftTimeModel:
     def ready(self) -> bool:
         return self._step_s is not None
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b): seconds per token of the longest block, and per drafted token; (0, 0) before any round."""
+    def _coefficients(self) -> tuple[float, float, float]:
         if self._step_s is None:
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         if self._fit is None:
-            prior = np.array([self.fixed_share * self._step_s, (1 - self.fixed_share) * self._step_s / self._rows])
-            ridge = self.shrink * np.diag(np.diag(self._sxx))
-            a, b = np.linalg.solve(self._sxx + ridge, self._sxy + ridge @ prior)
-            if a < 0 or b < 0:  # one term alone, the other at 0
-                i = 1 if a < 0 else 0
-                only = (self._sxy[i] + ridge[i, i] * prior[i]) / (self._sxx[i, i] + ridge[i, i])
-                a, b = (0.0, only) if i == 1 else (only, 0.0)
-            self._fit = (max(0.0, float(a)), max(0.0, float(b)))
+            fixed = self._step_s / (1.0 + self.row_cost * self._rows)
+            prior = np.array([fixed, self.row_cost * fixed, self.row_cost * fixed])
+            # a term never seen (no catch-up yet) has no weight of its own: any ridge keeps it at its prior
+            own = np.diag(self._sxx)
+            ridge = self.shrink * np.diag(np.where(own > 0, own, 1.0))
+            lhs, rhs = self._sxx + ridge, self._sxy + ridge @ prior
+            free = [0, 1, 2]
+            fit = np.zeros(3)
+            while free:  # never a negative term: the most negative goes to 0 and the others are fitted again
+                fit[:] = 0.0
+                fit[free] = np.linalg.solve(lhs[np.ix_(free, free)], rhs[free])
+                if fit.min() >= 0:
+                    break
+                free.remove(int(np.argmin(fit)))
+            self._fit = (float(fit[0]), float(fit[1]), float(fit[2]))
         return self._fit
 
-    def predict(self, longest_block: int, drafted_tokens: int) -> float:
-        a, b = self.coefficients()
-        return a * longest_block + b * drafted_tokens
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): seconds per token of the longest block, and per drafted token; (0, 0) before any round."""
+        a, b, _ = self._coefficients()
+        return a, b
+
+    def catch_up_coefficient(self) -> float:
+        """c: seconds per row of context a round feeds before it drafts; 0 before any round."""
+        return self._coefficients()[2]
+
+    def predict(self, longest_block: int, drafted_tokens: int, catch_up_rows: float = 0.0) -> float:
+        a, b, c = self._coefficients()
+        return a * longest_block + b * drafted_tokens + c * catch_up_rows
 
 
 @dataclass

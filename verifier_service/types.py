@@ -171,8 +171,8 @@ class StepStats:
     chosen_draft_lengths: list[int] = field(default_factory=list)  # the next lengths chosen after this step
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
     # how the choice priced the verifier's wait: seconds no length changes, per token of the longest block, per
-    # drafted token, and where nothing is drafted (None: as the first)
-    priced_wait: tuple[float, float, float, float | None] | None = None
+    # drafted token, where nothing is drafted (None: as the first), and per row of a draft's catch-up
+    priced_wait: tuple[float, float, float, float | None, float] | None = None
     speculation_arm: str | None = None  # the arm of the speculation trial the next choices follow
 
     @property
