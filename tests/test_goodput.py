@@ -392,8 +392,13 @@ def test_a_catch_up_round_teaches_the_price_of_drafting_by_its_rows():
     # the choice prices a catch-up's rows by that coefficient: sequences that never drafted feed their 40 tokens
     sizes = {i: (40, 40) for i in range(4, 8)}
     assert set(c.choose({i: 4 for i in range(4, 8)}, sizes=sizes).draft_lengths.values()) == {4}
-    c.draft_time.catch_up_coefficient = lambda: 0.1
+    c.draft_time.catch_up_coefficient = lambda: 0.06
     assert not any(c.choose({i: 4 for i in range(4, 8)}, sizes=sizes).draft_lengths.values())
+    # nor spread over draft processes as drafted tokens are: each sequence's rows go into its own one's batch
+    from verifier_service.types import SeqKey
+
+    two = [SeqKey(1 + i % 2, i) for i in range(4)]  # two draft processes (Verify streams), two sequences each
+    assert not any(c.choose(dict.fromkeys(two, 4), sizes={k: (40, 40) for k in two}, probe=False).draft_lengths.values())
     # a batch is learnt once (several steps may verify its blocks, each with its whole catch-up), and one of more
     # rows than max_catch_up_rows (a prompt's, or a draft's claim) not at all
     learnt = c.draft_time.predict(4, 16)
@@ -570,6 +575,14 @@ def test_a_catch_up_does_not_price_the_rows_of_drafting_for_more_sequences():
     assert m.catch_up_coefficient() == pytest.approx(c, rel=0.1)
     assert m.predict(4, 32) == pytest.approx(4 * a + 32 * b, rel=0.05)
     assert m.predict(4, 8, 40) == pytest.approx(4 * a + 8 * b + 40 * c, rel=0.05)
+    # rounds without a catch-up, for ever: the old ones' weight decays towards nothing, and c goes back to its
+    # prior (a drafted row's, these rounds all for one sequence), through the rounds where that weight underflows
+    cs = []
+    for i in range(7000):
+        m.observe(4 * a + 4 * b, 4, 4)
+        if i >= 6500:
+            cs.append(m.catch_up_coefficient())
+    assert min(cs) == max(cs) == pytest.approx(m.coefficients()[1])
 
 
 def _drafted_rounds_of_16_and_of_1():

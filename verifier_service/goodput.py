@@ -17,7 +17,7 @@ maximise the expected verified tokens per second of the next step (goodput, as i
 
 t also holds the verifier's wait for the next proposals, of which drafting is the part that k changes: the
 draft drafts its sequences' blocks in one batch, one step per token of the longest block L, each step over the
-sequences still drafting, M tokens in all (DraftTimeModel: a L + b M). For a fixed number of drafted tokens M and a
+sequences still drafting, M tokens in all, after C rows of catch-up (DraftTimeModel: a L + b M + c C). For a fixed number of drafted tokens M and a
 bound L on the block length the numerator is largest when it takes the M largest marginal gains
 prod_{m<=j} alpha_{i,m}, j <= L, over all sequences (each sequence's gains fall with j), so the search runs over
 L and M: the best prefix of the merged, sorted marginal gains under each bound. Under heavy load t grows with
@@ -577,7 +577,8 @@ class DraftLengthController:
             size = sizes.get(key) if key in caps else None
             candidates.append(Candidate(key, cap, rates, self.catch_up_rows(key, rates, *size) if size else 0.0))
         fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
-        # a catch-up's rows at their own price (DraftTimeModel's c), a share e of it waited for like drafting's
+        # a catch-up's rows at their own price (DraftTimeModel's c), a share e of it waited for like drafting's; not
+        # spread over the draft processes as drafted tokens are: one sequence's rows all go into its own batch
         per_catch_up_row = self.exposure * self.draft_time.catch_up_coefficient()
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle, per_catch_up_row
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
@@ -592,7 +593,7 @@ class DraftLengthController:
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
                                       other_drafted, plain_tolerance=self.switch_tolerance if held else None,
-                                      idle_per_catch_up_row=per_catch_up_row / streams)
+                                      idle_per_catch_up_row=per_catch_up_row)
         if probe:
             for key, k in chosen.draft_lengths.items():
                 if k:

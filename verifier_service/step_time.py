@@ -1,6 +1,6 @@
 """What the goodput controller (verifier_service.goodput) learns from the verifier's own steps: the step's time
-as a function of its tokens (StepTimeModel), the draft's time for a round as a function of its longest block and
-the tokens it drafted (DraftTimeModel), and each sequence's acceptance per draft position, conditional on the
+as a function of its tokens (StepTimeModel), the draft's time for a round as a function of its longest block,
+the tokens it drafted and the rows of context it fed first (DraftTimeModel), and each sequence's acceptance per draft position, conditional on the
 positions before it having been accepted, shrunk towards the rates of all sequences (AcceptanceTracker)."""
 
 from __future__ import annotations
@@ -146,8 +146,9 @@ class DraftTimeModel:
     cores, 0b586a1, a level of 8 streams after one of 1: auto went from 1 token a sequence to 4, at a loss).
 
     Least squares over the rounds, weighted by `decay` per round, shrunk by `shrink` of each coefficient's own
-    weight towards a prior that prices a row at `row_cost` of a step's fixed part (from the figures above: 0.10
-    to 0.14 up to 16 rows), a catch-up row as a drafted one, and a step as a recent one took. While every round
+    weight towards a prior that prices a row at `row_cost` of a step's fixed part (the figures above, read as
+    a (1 + r rows), give r = 0.16 at 16 rows, 0.11 at 32 and 0.09 at 64), a catch-up row as a drafted one, and a
+    step as a recent one took. While every round
     drafts for the same number of sequences (M = r L) a and b cannot be told apart, and the fit stays at the prior,
     which prices those rounds as they took; rounds for more or fewer sequences (fragments of the batch, probes, a
     load that changes) move it."""
@@ -164,7 +165,7 @@ class DraftTimeModel:
     def observe(self, seconds: float, longest_block: int, drafted_tokens: int, catch_up_rows: int = 0) -> None:
         """A round drafted `drafted_tokens` in all, at most `longest_block` for one sequence, in `seconds`, after
         feeding `catch_up_rows` rows of context."""
-        if not (seconds > 0 and longest_block > 0):
+        if not (0 < seconds < float("inf") and longest_block > 0):
             return
         drafted = max(drafted_tokens, longest_block)
         fed = max(0, catch_up_rows)
@@ -190,10 +191,16 @@ class DraftTimeModel:
         if self._fit is None:
             fixed = self._step_s / (1.0 + self.row_cost * self._rows)
             prior = np.array([fixed, self.row_cost * fixed, self.row_cost * fixed])
-            # a term never seen (no catch-up yet) has no weight of its own: any ridge keeps it at its prior
+            # a term never seen (no catch-up yet), or not for so long that its weight decayed to nothing, keeps its
+            # prior: its row and column are dropped, and any ridge holds it there
             own = np.diag(self._sxx)
-            ridge = self.shrink * np.diag(np.where(own > 0, own, 1.0))
-            lhs, rhs = self._sxx + ridge, self._sxy + ridge @ prior
+            unseen = own <= 1e-12 * max(float(own.max()), 1e-300)
+            sxx, sxy = self._sxx.copy(), self._sxy.copy()
+            sxx[unseen, :] = 0.0
+            sxx[:, unseen] = 0.0
+            sxy[unseen] = 0.0
+            ridge = self.shrink * np.diag(np.where(unseen, 1.0, own))
+            lhs, rhs = sxx + ridge, sxy + ridge @ prior
             free = [0, 1, 2]
             fit = np.zeros(3)
             while free:  # never a negative term: the most negative goes to 0 and the others are fitted again
@@ -202,6 +209,7 @@ class DraftTimeModel:
                 if fit.min() >= 0:
                     break
                 free.remove(int(np.argmin(fit)))
+            fit = np.maximum(fit, 0.0)
             self._fit = (float(fit[0]), float(fit[1]), float(fit[2]))
         return self._fit
 
