@@ -42,16 +42,18 @@ from specwire.launch import Stack  # noqa: E402
 TREES = {4: (4, 2), 8: (8, 2), 16: (16, 2)}
 
 
-def configs(sizes: list[int], raw: bool = False) -> list[tuple[str, int, list[str]]]:
-    """(name, N, draft arguments) per configuration; the name's first word is its kind (chain, tree, tree-raw)."""
+def configs(sizes: list[int], raw: bool = False, branches: int | None = None) -> list[tuple[str, int, list[str]]]:
+    """(name, N, draft arguments) per configuration; the name's first word is its kind (chain, tree, tree-raw).
+    `branches`: the trees' B (None: TREES')."""
     out = []
     for n in sizes:
-        depth, branches = TREES[n]
+        depth, b = TREES[n]
+        b = branches or b
         out.append((f"chain k={n}", n, ["--num-speculative-tokens", str(n)]))
-        tree = ["--num-speculative-tokens", str(depth), "--tree-branches", str(branches), "--tree-nodes", str(n)]
-        out.append((f"tree N={n} (depth {depth}, B={branches})", n, tree))
+        tree = ["--num-speculative-tokens", str(depth), "--tree-branches", str(b), "--tree-nodes", str(n)]
+        out.append((f"tree N={n} (depth {depth}, B={b})", n, tree))
         if raw:
-            out.append((f"tree-raw N={n} (depth {depth}, B={branches}, raw probabilities)", n,
+            out.append((f"tree-raw N={n} (depth {depth}, B={b}, raw probabilities)", n,
                         [*tree, "--tree-calibration", "false"]))
     return out
 
@@ -77,9 +79,9 @@ def run_prompts(address: str, prompts: list[str], tokens: int, temperature: floa
 
 def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[str, list[str]], tokens: int,
                   log_dir: Path, temperatures: tuple[float, ...] = (0.0, 0.8), raw: bool = False,
-                  warmup: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
+                  warmup: dict[str, tuple[str, ...]] | None = None, branches: int | None = None) -> list[dict]:
     rows = []
-    for name, n, args in configs(sizes, raw):
+    for name, n, args in configs(sizes, raw, branches):
         d = stack.start("draft", ["draft", "--model", str(ROOT / ".models" / "draft"), "--dtype", "bfloat16",
                                   "--verifier", verifier, "--speculation", "fixed", *args], log_dir=log_dir)
         for temperature in temperatures:
@@ -94,9 +96,10 @@ def section_sizes(stack: Stack, verifier: str, sizes: list[int], prompts: dict[s
 
 
 def section_rtt(stack: Stack, verifier: str, rtts: list[float], prompts: list[str], tokens: int,
-                log_dir: Path, warmup: tuple[str, ...] = (), pipeline: bool = False) -> list[dict]:
+                log_dir: Path, warmup: tuple[str, ...] = (), pipeline: bool = False,
+                branches: int | None = None) -> list[dict]:
     rows = []
-    for name, n, args in configs([16]):
+    for name, n, args in configs([16], branches=branches):
         for rtt in rtts:
             with ProxyThread(verifier, LinkShape(delay_s=rtt / 2000)) as proxy:
                 d = stack.start("draft", ["draft", "--model", str(ROOT / ".models" / "draft"), "--dtype", "bfloat16",
@@ -190,6 +193,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=0,
                         help="per category, generate this many other prompts (its last ones) before measuring")
     parser.add_argument("--pipeline", action="store_true", help="the rtt section's drafts with --pipeline")
+    parser.add_argument("--branches", type=int, default=None, help="the trees' --tree-branches (default: 2)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="specwire-trees-"))
@@ -209,12 +213,12 @@ def main() -> int:
                 results["sizes"] = section_sizes(stack, v.address, [int(x) for x in args.sizes.split(",")], prompts,
                                                  args.tokens, out / "logs",
                                                  tuple(float(t) for t in args.temperatures.split(",")),
-                                                 raw=args.raw_trees, warmup=warmup)
+                                                 raw=args.raw_trees, warmup=warmup, branches=args.branches)
                 print(table_sizes(results["sizes"]), flush=True)
             if "rtt" in sections:
                 results["rtt"] = section_rtt(stack, v.address, [float(x) for x in args.rtts.split(",")],
                                              data["code"][:args.per_category], args.tokens, out / "logs",
-                                             warmup["code"], args.pipeline)
+                                             warmup["code"], args.pipeline, args.branches)
                 print(table_rtt(results["rtt"]), flush=True)
     if "step" in sections:
         results["step"] = section_step_cost()
