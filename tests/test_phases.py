@@ -375,6 +375,40 @@ def test_a_hold_merges_two_phases_waiting_up_to_merge_rounds_savings_once_per_as
     assert planner.hold(now, now).merges
 
 
+def test_a_step_that_computes_prompts_waits_for_none_due_before_it_would_end():
+    """The merging hold above (the other phase due in 1.0 s) is not taken where new prompts came in whose step
+    would outlast that: the awaited sequence is in by its end and joins the next step. A short prompt, whose step
+    ends before the due, leaves the hold as it was; a step that started takes its prompts with it."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    planner.split = False
+    now = _alternating(planner)
+    planner.plan_phases(now)
+    assert planner.hold(now, now).merges
+    short = OpenCmd(SeqKey(2, 1), tuple(range(2)), SamplingParams())
+    planner.submitted(short, now)
+    assert planner.step_time.predict(1 + 2) < 1.0 and planner.hold(now, now).merges
+    planner.submitted(OpenCmd(SeqKey(2, 2), tuple(range(60)), SamplingParams()), now)
+    assert planner.step_time.predict(1 + 62) > 1.0
+    assert planner.hold(now, now) is None
+    planner.step_started()  # its prompts computed: the next step's hold is the merge's again (once per 4 steps)
+    for _ in range(planner.merge_rounds):
+        planner.stepped(5, 0.6)
+    assert planner.hold(now, now).merges
+
+    # one awaited sequence due within the prompts' step and one after it: the hold is decided as before
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    planner.split = False
+    now = _alternating(planner)
+    planner.submitted(_propose(KEYS[5]), now - 2.0)
+    planner.replied(_verdict(KEYS[5]), now + 0.5)  # due 1.4 s later, the other 0.5 s after now + 0.5
+    later = now + 0.5
+    planner.plan_phases(later)
+    before = planner.hold(later, later)
+    planner.submitted(OpenCmd(SeqKey(2, 3), tuple(range(20)), SamplingParams()), later)
+    assert 0.5 < planner.step_time.predict(5 + 20) < 1.4
+    assert before is not None and planner.hold(later, later) == before
+
+
 def test_a_merging_hold_waits_for_the_whole_other_phase_as_it_comes_in():
     """Two sequences per phase: the first of the awaited phase coming in (now present) does not make the second
     look like the present phase; the hold waits on for it, up to the merging allowance."""
