@@ -375,10 +375,11 @@ def test_a_hold_merges_two_phases_waiting_up_to_merge_rounds_savings_once_per_as
     assert planner.hold(now, now).merges
 
 
-def test_a_step_that_computes_prompts_waits_for_none_due_before_it_would_end():
+def test_a_step_that_computes_prompts_takes_no_merging_hold_for_what_is_due_before_it_would_end():
     """The merging hold above (the other phase due in 1.0 s) is not taken where new prompts came in whose step
-    would outlast that: the awaited sequence is in by its end and joins the next step. A short prompt, whose step
-    ends before the due, leaves the hold as it was; a step that started takes its prompts with it."""
+    would outlast that: the awaited sequence is in by its end, present for the next step. A short prompt, whose step
+    ends before the due, leaves the hold as it was, and so does a long one that the step budget cuts short, or a
+    duplicate open's; a step that started takes its prompts with it."""
     planner = _planner(fixed_s=0.5, per_token_s=0.02)
     planner.split = False
     now = _alternating(planner)
@@ -387,8 +388,13 @@ def test_a_step_that_computes_prompts_waits_for_none_due_before_it_would_end():
     short = OpenCmd(SeqKey(2, 1), tuple(range(2)), SamplingParams())
     planner.submitted(short, now)
     assert planner.step_time.predict(1 + 2) < 1.0 and planner.hold(now, now).merges
+    planner.submitted(OpenCmd(KEYS[1], tuple(range(60)), SamplingParams()), now)  # a duplicate: the awaited one's
+    assert planner.hold(now, now).merges
     planner.submitted(OpenCmd(SeqKey(2, 2), tuple(range(60)), SamplingParams()), now)
-    assert planner.step_time.predict(1 + 62) > 1.0
+    assert planner.step_time.predict(5 + 62) > 1.0 > planner.step_time.predict(12)
+    planner.max_step_tokens = 12  # the step computes 12 tokens at most: over before the due
+    assert planner.hold(now, now).merges
+    planner.max_step_tokens = None
     assert planner.hold(now, now) is None
     planner.step_started()  # its prompts computed: the next step's hold is the merge's again (once per 4 steps)
     for _ in range(planner.merge_rounds):
@@ -407,6 +413,16 @@ def test_a_step_that_computes_prompts_waits_for_none_due_before_it_would_end():
     planner.submitted(OpenCmd(SeqKey(2, 3), tuple(range(20)), SamplingParams()), later)
     assert 0.5 < planner.step_time.predict(5 + 20) < 1.4
     assert before is not None and planner.hold(later, later) == before
+
+
+def test_a_step_that_computes_prompts_still_waits_for_sequences_due_within_the_saving():
+    """The plain rule's hold (the late half due in 0.1 s, within a step's 0.5 s fixed part) is kept with new prompts
+    present: without it the late ones would miss the step and come back a phase of their own."""
+    planner, sent = _one_phase_with_late_half(turnaround=0.1)
+    now = sent + 0.05
+    before = planner.hold(now, now)
+    planner.submitted(OpenCmd(SeqKey(2, 1), tuple(range(60)), SamplingParams()), now)
+    assert before is not None and not before.merges and planner.hold(now, now) == before
 
 
 def test_a_merging_hold_waits_for_the_whole_other_phase_as_it_comes_in():

@@ -54,13 +54,14 @@ purpose) merging holds add at most one saving per step on average to what the pl
 when a merging hold begins are kept until its step starts: the awaited phase's sequences come in one by one, and
 each that came in must not make the rest look like the present phase.
 
-Nor is a step that computes new prompts held for sequences due before it would end: they are in by then, and
-join the next step with the new sequences (whose first rounds come back after their own turnaround, which a hold
-may wait for then), so waiting now only idles the verifier with the prompts in hand. Measured at 16 streams
-(default pair, 2 cores, d904e8b, --speculation auto): each wave's first two arrivals were verified alone, chosen 4
-tokens at that moment's light load, and the 3.3 s step of the other 13 prompts was held 0.89 s for them as a merge
-(its saving, a step's fixed part, 0.23 s, times merge_rounds), in both waves of the level; the prompts' tokens were
-not counted in the step the hold priced.
+A step that computes new prompts takes no merging hold (the plain rule's, at most one saving, stays) where every
+awaited sequence is due before it would end (its prompts' tokens counted, up to the step budget): those are in by
+then, and are present for the next step, which the new sequences, answered by this one, join after their
+turnaround (the rules above, a merge included, then decide what it waits for); a merge now only idles the
+verifier with the prompts in hand. Measured at 16 streams (default pair, 2 cores, d904e8b, --speculation auto):
+each wave's first two arrivals were verified alone, chosen 4 tokens at that moment's light load, and the 3.3 s step
+of the other 13 prompts was held 0.89 s for them as a merge (its saving, a step's fixed part, 0.23 s, times
+merge_rounds), in both waves of the level. A duplicate open (a sequence already known) counts no prompt.
 
 Lives on the asyncio side (async_engine), between steps: no locks."""
 
@@ -216,8 +217,8 @@ class PhasePlanner:
             return
         elif not isinstance(command, OpenCmd):
             return
-        else:
-            self._prompt_tokens += len(command.prompt_token_ids)
+        elif command.key not in self._answered and command.key not in self._outstanding:
+            self._prompt_tokens += len(command.prompt_token_ids)  # a new sequence's (not a duplicate open's)
         self.num_present += 1
 
     def stream_closed(self, stream_id: int) -> None:
@@ -338,10 +339,12 @@ class PhasePlanner:
         if not arrivals:
             return None
         present = sum(self._block_tokens.get(k, 1) for k in self._outstanding)
+        # a step that computes new prompts merges no phase that is all in before it would end (see the docstring)
+        prompt_step = False
         if self._prompt_tokens:
-            prompts = min(self._prompt_tokens, self.max_step_tokens or self._prompt_tokens)
-            if max(a[0] for a in arrivals) <= now + self.step_time.predict(present + prompts):
-                return None  # all in before the step that computes the prompts would end: none is worth waiting for
+            work = present + self._prompt_tokens
+            work = work if self.max_step_tokens is None else min(work, self.max_step_tokens)
+            prompt_step = max(a[0] for a in arrivals) <= now + self.step_time.predict(work, marginal_beyond=True)
         arrivals.sort(key=lambda a: a[:3])
         # the steps that answered the sequences present: an awaited one answered by none of them is another phase
         # (present sequences never answered, new ones, are a phase of their own)
@@ -368,7 +371,7 @@ class PhasePlanner:
             merging = False
             if due - hold_started >= saving:
                 another_phase = another_phase or phase not in present_phases
-                merging = may_merge and another_phase
+                merging = may_merge and another_phase and not prompt_step
             allowed = saving * (self.merge_rounds if merging else 1)
             if due - hold_started < allowed and now - hold_started < allowed:
                 # until they are in, the allowance is spent, or they pass twice their turnaround: one a little
