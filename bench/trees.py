@@ -9,7 +9,9 @@ as `make demo` runs them), one verifier and a draft service per configuration, o
    services stop: the median step time of the same sequence verified each way.
 
     python bench/trees.py [--sizes 4,8,16] [--tokens 48] [--per-category 2] [--rtts 0,20,50] [--raw-trees]
-                          [--out DIR]
+                          [--branches B] [--out DIR]
+
+--branches sets the trees' B (--tree-branches; 2 by default).
 
 Trees rank their nodes by calibrated probabilities (the draft's default, draft_service.tree_calibration);
 --raw-trees adds trees ranked by the raw ones (--tree-calibration false) beside them. Every configuration runs in a
@@ -48,7 +50,7 @@ def configs(sizes: list[int], raw: bool = False, branches: int | None = None) ->
     out = []
     for n in sizes:
         depth, b = TREES[n]
-        b = branches or b
+        b = b if branches is None else branches
         out.append((f"chain k={n}", n, ["--num-speculative-tokens", str(n)]))
         tree = ["--num-speculative-tokens", str(depth), "--tree-branches", str(b), "--tree-nodes", str(n)]
         out.append((f"tree N={n} (depth {depth}, B={b})", n, tree))
@@ -196,6 +198,8 @@ def main() -> int:
     parser.add_argument("--branches", type=int, default=None, help="the trees' --tree-branches (default: 2)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.branches is not None and args.branches < 2:
+        parser.error("--branches: a tree has at least 2 (1 is the chain, measured beside it already)")
     out = args.out or Path(tempfile.mkdtemp(prefix="specwire-trees-"))
     out.mkdir(parents=True, exist_ok=True)
     data = json.loads(resources.files("specwire").joinpath("bench_prompts.json").read_text())

@@ -392,12 +392,15 @@ def test_a_catch_up_round_teaches_the_price_of_drafting_by_its_rows():
     # the choice prices a catch-up's rows by that coefficient: sequences that never drafted feed their 40 tokens
     sizes = {i: (40, 40) for i in range(4, 8)}
     assert set(c.choose({i: 4 for i in range(4, 8)}, sizes=sizes).draft_lengths.values()) == {4}
-    c.draft_time.catch_up_coefficient = lambda: 0.06
+    c.draft_time.catch_up_coefficient = lambda: 0.08
     assert not any(c.choose({i: 4 for i in range(4, 8)}, sizes=sizes).draft_lengths.values())
-    # nor spread over draft processes as drafted tokens are: each sequence's rows go into its own one's batch
+    # over two draft processes (Verify streams), two sequences each, the rows go into two batches side by side
     from verifier_service.types import SeqKey
 
-    two = [SeqKey(1 + i % 2, i) for i in range(4)]  # two draft processes (Verify streams), two sequences each
+    two = [SeqKey(1 + i % 2, i) for i in range(4)]
+    chosen = c.choose(dict.fromkeys(two, 4), sizes={k: (40, 40) for k in two}, probe=False)
+    assert set(chosen.draft_lengths.values()) == {4}
+    c.draft_time.catch_up_coefficient = lambda: 0.2  # halved once, still too dear
     assert not any(c.choose(dict.fromkeys(two, 4), sizes={k: (40, 40) for k in two}, probe=False).draft_lengths.values())
     # a batch is learnt once (several steps may verify its blocks, each with its whole catch-up), and one of more
     # rows than max_catch_up_rows (a prompt's, or a draft's claim) not at all
@@ -824,6 +827,12 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     assert set(choose_draft_lengths(dear, step, **args, idle_per_catch_up_row=0.0005).draft_lengths.values()) == {4}
     assert choose_draft_lengths(dear, step, **{**args, "tolerance": 0.0}, idle_per_catch_up_row=0.001).goodput \
         == pytest.approx(4 * expected_tokens((0.9,) * 4, 4) / (step.predict(20) + 0.2 + 0.005 * 16 + 0.001 * rows))
+    # over S draft processes side by side: the rows of all over S, never fewer than one candidate's (100)
+    for streams, priced in ((2, rows / 2), (8, 100.0)):
+        spread = choose_draft_lengths(dear, step, **{**args, "tolerance": 0.0}, idle_per_catch_up_row=0.001,
+                                      catch_up_streams=streams)
+        assert spread.goodput == pytest.approx(
+            4 * expected_tokens((0.9,) * 4, 4) / (step.predict(20) + 0.2 + 0.005 * 16 + 0.001 * priced))
 
     c = DraftLengthController(4, step_time=step)
     new, drafting, plain, prompt = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3), SeqKey(1, 4)

@@ -414,6 +414,44 @@ def test_a_step_that_computes_prompts_takes_no_merging_hold_for_what_is_due_befo
     assert 0.5 < planner.step_time.predict(5 + 20) < 1.4
     assert before is not None and planner.hold(later, later) == before
 
+    # one due within the prompts' step and one too late for any hold: the first is not merged for either
+    def one_late() -> tuple[PhasePlanner, float]:
+        planner = _planner(fixed_s=0.5, per_token_s=0.02)
+        planner.split = False
+        now = _alternating(planner)
+        planner.submitted(_propose(KEYS[5]), now - 2.0)
+        planner.replied(_verdict(KEYS[5]), now + 1.6)  # due 3.0 s from now, past 4 savings
+        planner.plan_phases(now)
+        return planner, now
+
+    planner, now = one_late()
+    assert planner.hold(now, now).merges
+    planner, now = one_late()
+    planner.submitted(OpenCmd(SeqKey(2, 3), tuple(range(60)), SamplingParams()), now)
+    assert 1.0 < planner.step_time.predict(5 + 60, marginal_beyond=True) < 3.0
+    assert planner.hold(now, now) is None
+
+
+def test_an_open_counts_its_prompt_once_and_not_once_closed():
+    """Opens of one sequence twice in a step count its prompt once (else a client could make a short prompt look
+    long), and a sequence closed before the step counts none: the merging hold stays."""
+    planner = _planner(fixed_s=0.5, per_token_s=0.02)
+    planner.split = False
+    now = _alternating(planner)
+    planner.plan_phases(now)
+    key = SeqKey(2, 1)
+    for _ in range(30):
+        planner.submitted(OpenCmd(key, tuple(range(2)), SamplingParams()), now)
+        planner.submitted(OpenCmd(key, tuple(range(60)), SamplingParams()), now)
+    assert planner.hold(now, now).merges
+    planner.submitted(OpenCmd(SeqKey(2, 2), tuple(range(60)), SamplingParams()), now)
+    assert planner.hold(now, now) is None
+    planner.submitted(CloseCmd(SeqKey(2, 2)), now)
+    assert planner.hold(now, now).merges
+    planner.submitted(OpenCmd(SeqKey(3, 1), tuple(range(60)), SamplingParams()), now)
+    planner.stream_closed(3)
+    assert planner.hold(now, now).merges
+
 
 def test_a_step_that_computes_prompts_still_waits_for_sequences_due_within_the_saving():
     """The plain rule's hold (the late half due in 0.1 s, within a step's 0.5 s fixed part) is kept with new prompts

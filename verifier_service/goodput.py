@@ -90,7 +90,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                          plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
                          idle_per_drafted_token: float = 0.0, other_drafted: int = 0,
                          plain_tolerance: float | None = None,
-                         idle_per_catch_up_row: float | None = None) -> Allocation:
+                         idle_per_catch_up_row: float | None = None, catch_up_streams: int = 1) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -117,7 +117,9 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     arithmetic: the engine thread runs this after every step.
 
     A candidate's catch-up rows (Candidate.catch_up_rows) are priced at `idle_per_catch_up_row` each (None: as
-    drafted tokens) once it drafts at all. The
+    drafted tokens) once it drafts at all: the rows of all that draft, spread over `catch_up_streams` draft
+    processes (each feeds its own sequences' in its own batch, side by side), but never fewer than one candidate's
+    (its rows all go into its own process's batch). The
     search over prefixes of the gains then no longer finds the best of every allocation (a sequence's first gain
     carries its rows), so it runs twice, once with the candidates that would catch up held at k = 0, and the
     choice that lets them draft is taken only where it beats the other by more than `tolerance`: drafting for
@@ -129,7 +131,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
             plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
-            idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row)
+            idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row,
+            max(1, catch_up_streams))
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
         chosen = _search(cands, *args)
     else:
@@ -149,7 +152,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int, idle_per_catch_up_row: float) -> Allocation:
+            other_drafted: int, idle_per_catch_up_row: float, catch_up_streams: int) -> Allocation:
     """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
@@ -170,7 +173,7 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
     # per option: goodput, drafted tokens M, bound L, expected tokens, longest block; the first is M = 0
     ms, bounds, expected, longest = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.full(1, start)], \
         [np.zeros(1, np.int64)]
-    rows = [np.zeros(1)]  # per option, the catch-up rows of the sequences it drafts for
+    rows = [np.zeros(1)]  # per option, the catch-up rows of the sequences it drafts for, as priced
     for limit in limits:
         under = position < limit
         g, j = gains[under], position[under]
@@ -181,7 +184,8 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
         bounds.append(np.full(int(new.sum()), limit))
         expected.append((start + np.cumsum(g))[new])
         longest.append(run_longest[new])
-        rows.append(np.cumsum(np.where(j == 0, catch_up[index[under]], 0.0))[new])
+        first = np.where(j == 0, catch_up[index[under]], 0.0)
+        rows.append(np.maximum(np.cumsum(first) / catch_up_streams, np.maximum.accumulate(first))[new])
     m_all, bound_all = np.concatenate(ms), np.concatenate(bounds)
     expected_all, longest_all = np.concatenate(expected), np.concatenate(longest)
     costs = cost(fixed_n + m_all, longest_all, np.concatenate(rows))
@@ -577,8 +581,8 @@ class DraftLengthController:
             size = sizes.get(key) if key in caps else None
             candidates.append(Candidate(key, cap, rates, self.catch_up_rows(key, rates, *size) if size else 0.0))
         fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
-        # a catch-up's rows at their own price (DraftTimeModel's c), a share e of it waited for like drafting's; not
-        # spread over the draft processes as drafted tokens are: one sequence's rows all go into its own batch
+        # a catch-up's rows at their own price (DraftTimeModel's c), a share e of it waited for like drafting's,
+        # spread over the draft processes but never below one sequence's (choose_draft_lengths)
         per_catch_up_row = self.exposure * self.draft_time.catch_up_coefficient()
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle, per_catch_up_row
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
@@ -593,7 +597,7 @@ class DraftLengthController:
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
                                       other_drafted, plain_tolerance=self.switch_tolerance if held else None,
-                                      idle_per_catch_up_row=per_catch_up_row)
+                                      idle_per_catch_up_row=per_catch_up_row, catch_up_streams=streams)
         if probe:
             for key, k in chosen.draft_lengths.items():
                 if k:

@@ -54,14 +54,16 @@ purpose) merging holds add at most one saving per step on average to what the pl
 when a merging hold begins are kept until its step starts: the awaited phase's sequences come in one by one, and
 each that came in must not make the rest look like the present phase.
 
-A step that computes new prompts takes no merging hold (the plain rule's, at most one saving, stays) where every
-awaited sequence is due before it would end (its prompts' tokens counted, up to the step budget): those are in by
+A step that computes new prompts takes no merging hold (the plain rule's, at most one saving, stays) for
+awaited sequences due before it would end (its prompts' tokens counted, up to the step budget): those are in by
 then, and are present for the next step, which the new sequences, answered by this one, join after their
 turnaround (the rules above, a merge included, then decide what it waits for); a merge now only idles the
 verifier with the prompts in hand. Measured at 16 streams (default pair, 2 cores, d904e8b, --speculation auto):
 each wave's first two arrivals were verified alone, chosen 4 tokens at that moment's light load, and the 3.3 s step
 of the other 13 prompts was held 0.89 s for them as a merge (its saving, a step's fixed part, 0.23 s, times
-merge_rounds), in both waves of the level. A duplicate open (a sequence already known) counts no prompt.
+merge_rounds), in both waves of the level. An open counts its prompt once, and not where its sequence is known
+already (a duplicate) or closed before the step; one the engine then refuses still counts (it can only cost merging
+holds, of the step it came in before).
 
 Lives on the asyncio side (async_engine), between steps: no locks."""
 
@@ -167,8 +169,9 @@ class PhasePlanner:
     step_time: StepTimeModel = field(default_factory=lambda: StepTimeModel(decay=0.9))
     plan: PhasePlan | None = None  # the last one planned (metrics, logs)
     num_present: int = field(default=0, init=False)  # opens and proposals arrived since the last step started
-    # the prompt tokens of the opens among them (the next step computes them, as far as its budget allows)
-    _prompt_tokens: int = field(default=0, init=False, repr=False)
+    # the opens among them, each new sequence's once: key -> its prompt's tokens (the next step computes them, as
+    # far as its budget allows)
+    _opening: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
     # answered, next proposal not in yet: key -> when the verdict went out
     _awaited: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)
     _outstanding: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # in, not answered
@@ -218,11 +221,11 @@ class PhasePlanner:
         elif not isinstance(command, OpenCmd):
             return
         elif command.key not in self._answered and command.key not in self._outstanding:
-            self._prompt_tokens += len(command.prompt_token_ids)  # a new sequence's (not a duplicate open's)
+            self._opening.setdefault(command.key, len(command.prompt_token_ids))  # a new sequence's, once
         self.num_present += 1
 
     def stream_closed(self, stream_id: int) -> None:
-        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered):
+        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered, self._opening):
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
         self._expired = {k for k in self._expired if k.stream_id != stream_id}
@@ -230,7 +233,7 @@ class PhasePlanner:
 
     def step_started(self) -> None:
         self.num_present = 0
-        self._prompt_tokens = 0
+        self._opening.clear()
         self._turns += 1
 
     def stepped(self, num_tokens: int, seconds: float) -> None:
@@ -339,12 +342,12 @@ class PhasePlanner:
         if not arrivals:
             return None
         present = sum(self._block_tokens.get(k, 1) for k in self._outstanding)
-        # a step that computes new prompts merges no phase that is all in before it would end (see the docstring)
-        prompt_step = False
-        if self._prompt_tokens:
-            work = present + self._prompt_tokens
+        # a step that computes new prompts merges none due before it would end (see the docstring)
+        prompt_step_end = -math.inf
+        if self._opening:
+            work = present + sum(self._opening.values())
             work = work if self.max_step_tokens is None else min(work, self.max_step_tokens)
-            prompt_step = max(a[0] for a in arrivals) <= now + self.step_time.predict(work, marginal_beyond=True)
+            prompt_step_end = now + self.step_time.predict(work, marginal_beyond=True)
         arrivals.sort(key=lambda a: a[:3])
         # the steps that answered the sequences present: an awaited one answered by none of them is another phase
         # (present sequences never answered, new ones, are a phase of their own)
@@ -371,7 +374,7 @@ class PhasePlanner:
             merging = False
             if due - hold_started >= saving:
                 another_phase = another_phase or phase not in present_phases
-                merging = may_merge and another_phase and not prompt_step
+                merging = may_merge and another_phase and due > prompt_step_end
             allowed = saving * (self.merge_rounds if merging else 1)
             if due - hold_started < allowed and now - hold_started < allowed:
                 # until they are in, the allowance is spent, or they pass twice their turnaround: one a little
@@ -427,6 +430,7 @@ class PhasePlanner:
         self._outstanding.pop(key, None)
         self._block_tokens.pop(key, None)
         self._answered.pop(key, None)
+        self._opening.pop(key, None)
 
 
 def _add(average: _Average | None, x: float, decay: float) -> _Average:
