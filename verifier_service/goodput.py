@@ -17,12 +17,12 @@ maximise the expected verified tokens per second of the next step (goodput, as i
 
 t also holds the verifier's wait for the next proposals, of which drafting is the part that k changes: the
 draft drafts its sequences' blocks in one batch, one step per token of the longest block L, each step over the
-sequences still drafting, M tokens in all, after C rows of catch-up (DraftTimeModel: a L + b M + c C). For a fixed number of drafted tokens M and a
-bound L on the block length the numerator is largest when it takes the M largest marginal gains
-prod_{m<=j} alpha_{i,m}, j <= L, over all sequences (each sequence's gains fall with j), so the search runs over
-L and M: the best prefix of the merged, sorted marginal gains under each bound. Under heavy load t grows with
-every token and the choice falls to k = 0 (plain decoding through the same path); when the verifier is idle t
-hardly grows and the choice rises to each sequence's cap. Low acceptance lowers k at any load.
+sequences still drafting, M tokens in all, after C rows of catch-up (DraftTimeModel: a L + b M + c C). For a
+fixed number of drafted tokens M and a bound L on the block length the numerator is largest when it takes the M
+largest marginal gains prod_{m<=j} alpha_{i,m}, j <= L, over all sequences (each sequence's gains fall with j),
+so the search runs over L and M: the best prefix of the merged, sorted marginal gains under each bound. Under
+heavy load t grows with every token and the choice falls to k = 0 (plain decoding through the same path); when the
+verifier is idle t hardly grows and the choice rises to each sequence's cap. Low acceptance lowers k at any load.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """What the goodput controller (verifier_service.goodput) learns from the verifier's own steps: the step's time
 as a function of its tokens (StepTimeModel), the draft's time for a round as a function of its longest block,
-the tokens it drafted and the rows of context it fed first (DraftTimeModel), and each sequence's acceptance per draft position, conditional on the
-positions before it having been accepted, shrunk towards the rates of all sequences (AcceptanceTracker)."""
+the tokens it drafted and the rows of context it fed first (DraftTimeModel), and each sequence's acceptance per
+draft position, conditional on the positions before it having been accepted, shrunk towards the rates of all
+sequences (AcceptanceTracker)."""
 
 from __future__ import annotations
 
@@ -148,10 +149,9 @@ class DraftTimeModel:
     Least squares over the rounds, weighted by `decay` per round, shrunk by `shrink` of each coefficient's own
     weight towards a prior that prices a row at `row_cost` of a step's fixed part (the figures above, read as
     a (1 + r rows), give r = 0.16 at 16 rows, 0.11 at 32 and 0.09 at 64), a catch-up row as a drafted one, and a
-    step as a recent one took. While every round
-    drafts for the same number of sequences (M = r L) a and b cannot be told apart, and the fit stays at the prior,
-    which prices those rounds as they took; rounds for more or fewer sequences (fragments of the batch, probes, a
-    load that changes) move it."""
+    step as a recent one took. While every round drafts for the same number of sequences (M = r L) a and b cannot
+    be told apart, and the fit stays at the prior, which prices those rounds as they took; rounds for more or fewer
+    sequences (fragments of the batch, probes, a load that changes) move it."""
 
     decay: float = 0.9
     shrink: float = 0.02
