@@ -905,7 +905,7 @@ def test_after_a_plain_choice_drafting_must_gain_the_switch_tolerance():
 
     def controller() -> DraftLengthController:
         return DraftLengthController(4, step_time=step, probe_every=0, tolerance=0.03, switch_tolerance=0.08,
-                                     acceptance=AcceptanceTracker(4, default_rate=0.9))
+                                     plain_margin=0.03, acceptance=AcceptanceTracker(4, default_rate=0.9))
 
     drafting = controller()
     assert sum(drafting.choose(caps).draft_lengths.values()) > 0  # no choice before: the tolerance's
@@ -923,6 +923,41 @@ def test_after_a_plain_choice_drafting_must_gain_the_switch_tolerance():
     assert sum(plain.choose(caps).draft_lengths.values()) == 0
     plain.step_time = model_of(lambda n: 0.15 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
     assert sum(plain.choose(caps).draft_lengths.values()) > 0
+
+
+def test_drafting_must_gain_the_plain_margin_even_where_the_last_choice_drafted():
+    """The plain margin: with no plain choice before (no hysteresis), a gain of 4 % over plain decoding is
+    within the default margin of 8 % and plain decoding is taken; 15 % drafts; and where the last choice was plain,
+    drafting must gain the switch tolerance (12 % by default): 10 % keeps a drafting controller drafting and a
+    plain one plain."""
+    from verifier_service.goodput import DraftLengthController
+
+    sizes = (1, 2, 3, 4, 8, 16, 32, 64, 128)
+    small, gain_10, large = (model_of(lambda n, a=a: a + 0.01 * n, sizes=sizes) for a in (0.08, 0.13, 0.2))
+    plain_best = model_of(lambda n: 0.01 + 0.01 * n, sizes=sizes)
+    caps = {i: 4 for i in range(32)}
+
+    def controller(step, **kw) -> DraftLengthController:
+        return DraftLengthController(4, step_time=step, probe_every=0, acceptance=AcceptanceTracker(4, default_rate=0.9), **kw)
+
+    def gain(step) -> float:
+        chosen = choose_draft_lengths([Candidate(i, 4, (0.9,) * 4) for i in caps], step, tolerance=0.03)
+        return chosen.goodput / chosen.plain_goodput  # the choice's gain, the tolerance's (the controller's 3 %)
+
+    assert 1.03 < gain(small) < 1.06 and 1.09 < gain(gain_10) < 1.11 and gain(large) > 1.15
+    assert not any(controller(small).choose(caps).draft_lengths.values())  # the default margin, 8 %
+    assert any(controller(small, plain_margin=0.03).choose(caps).draft_lengths.values())
+    assert any(controller(large).choose(caps).draft_lengths.values())
+    drafting = controller(large)
+    assert any(drafting.choose(caps).draft_lengths.values())
+    drafting.step_time = gain_10
+    assert any(drafting.choose(caps).draft_lengths.values())  # past the margin, within the switch tolerance
+    plain = controller(plain_best)
+    assert not any(plain.choose(caps).draft_lengths.values())
+    plain.step_time = gain_10
+    assert not any(plain.choose(caps).draft_lengths.values())  # held: 10 % is within the switch tolerance
+    plain.step_time = large
+    assert any(plain.choose(caps).draft_lengths.values())
 
 
 def test_the_switch_tolerance_judges_the_choice_between_catching_up_and_not_once_made():
@@ -949,7 +984,7 @@ def test_the_hysteresis_is_per_draft_process_and_the_trial_s_plain_arm_leaves_it
     even = model_of(lambda n: 0.04 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))  # 16 drafting: 5.5 %
     plain_best = model_of(lambda n: 0.01 + 0.01 * n, sizes=(1, 2, 3, 4, 8, 16, 32, 64, 128))
     c = DraftLengthController(4, step_time=plain_best, probe_every=0, tolerance=0.03, switch_tolerance=0.08,
-                              acceptance=AcceptanceTracker(4, default_rate=0.9,
+                              plain_margin=0.03, acceptance=AcceptanceTracker(4, default_rate=0.9,
                                                            group_of=lambda key: key.stream_id))
     a = {SeqKey(1, i): 4 for i in range(16)}
     b = {SeqKey(2, i): 4 for i in range(16)}

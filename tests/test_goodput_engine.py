@@ -222,10 +222,13 @@ def test_the_plain_arm_of_the_trial_sends_zero_and_the_output_stays_exact(pair):
     assert chosen[next(iter(chosen))][0] == 6
 
 
-def test_the_switch_tolerance_flag_reaches_the_controller(pair):
+def test_the_switch_tolerance_and_plain_margin_flags_reach_the_controller(pair):
     target, _ = pair
-    assert _engine(target)[0].goodput.switch_tolerance == VerifierConfig(model="m").goodput_switch_tolerance == 0.08
+    default = VerifierConfig(model="m")
+    assert _engine(target)[0].goodput.switch_tolerance == default.goodput_switch_tolerance == 0.12
+    assert _engine(target)[0].goodput.plain_margin == default.goodput_plain_margin == 0.08
     assert _engine(target, goodput_switch_tolerance=0.25)[0].goodput.switch_tolerance == 0.25
+    assert _engine(target, goodput_plain_margin=0.02)[0].goodput.plain_margin == 0.02
 
 
 def test_the_trial_is_given_the_predicted_plain_rate(pair):
@@ -334,6 +337,7 @@ def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_draf
         engine, _ = _engine(target, FixedStepTime(fixed=0.5, per_token=0.05))
         engine.goodput.acceptance = FixedAcceptance(0.5)
         engine.goodput.tolerance = 0.0  # the best goodput, not a longer draft near it
+        engine.goodput.plain_margin = 0.0  # nor plain decoding near it
         for key, prompt in zip(keys[:n], prompts[:n], strict=True):
             engine.submit(OpenCmd(key, tuple(prompt), greedy))
         done = dict.fromkeys(keys[:n], 0)

@@ -90,10 +90,13 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")
-    goodput_switch_tolerance: float = option(0.08, "with --goodput, where every draft process's last choice drafted "
+    goodput_plain_margin: float = option(0.08, "with --goodput, the share by which drafting's predicted goodput "
+                                         "must beat plain decoding's before it is chosen (its unpriced costs: "
+                                         "see docs/load.md)")
+    goodput_switch_tolerance: float = option(0.12, "with --goodput, where every draft process's last choice drafted "
                                              "nothing, the share by which drafting's predicted goodput must beat "
                                              "plain decoding's before it is chosen again (hysteresis; elsewhere "
-                                             "the choice's own tolerance, 0.03, holds; see docs/load.md)")
+                                             "--goodput-plain-margin holds; see docs/load.md)")
     whole_batch_goodput: bool = option(False, "with --goodput and --phases hold, choose draft lengths for the "
                                        "whole batch the phase plan waits for, not only the sequences a step "
                                        "answered (see docs/load.md: it helped no measured load on the default "
@@ -135,8 +138,9 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not 0.0 <= self.goodput_switch_tolerance < 1.0:
-            raise ValueError(f"goodput_switch_tolerance must be in [0, 1), got {self.goodput_switch_tolerance}")
+        for name in ("goodput_plain_margin", "goodput_switch_tolerance"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         if self.sequence_idle_timeout_s < 0:

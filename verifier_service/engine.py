@@ -73,7 +73,8 @@ class VerifierEngine:
                  max_tree_nodes: int = 0,
                  static: StaticForward | None = None, goodput: bool = True,
                  speculation_trial: bool = True,
-                 goodput_switch_tolerance: float = DraftLengthController.switch_tolerance) -> None:
+                 goodput_switch_tolerance: float = DraftLengthController.switch_tolerance,
+                 goodput_plain_margin: float = DraftLengthController.plain_margin) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -82,7 +83,8 @@ class VerifierEngine:
                              max_tree_nodes=min(max_tree_nodes, max_num_batched_tokens - 1),
                              max_tree_depth=_tree_depth_limit(loaded))
         # --speculation auto's other half: None with --no-goodput (no choice is sent; drafts decide alone)
-        self.goodput = (DraftLengthController(max_draft_tokens, switch_tolerance=goodput_switch_tolerance)
+        self.goodput = (DraftLengthController(max_draft_tokens, switch_tolerance=goodput_switch_tolerance,
+                                              plain_margin=goodput_plain_margin)
                         if goodput else None)
         # the goodput choice on trial against plain decoding, on the output measured (speculation_trial.py)
         self.trial = SpeculationTrial() if goodput and speculation_trial else None

@@ -63,6 +63,7 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           max_sequences=config.max_sequences, max_waiting_tokens=config.max_waiting_tokens,
                           max_q_support=config.max_q_support, max_tree_nodes=config.max_tree_nodes,
                           goodput=config.goodput, goodput_switch_tolerance=config.goodput_switch_tolerance,
+                          goodput_plain_margin=config.goodput_plain_margin,
                           speculation_trial=config.speculation_trial)
 
 
