@@ -938,7 +938,8 @@ def test_drafting_must_gain_the_plain_margin_even_where_the_last_choice_drafted(
     caps = {i: 4 for i in range(32)}
 
     def controller(step, **kw) -> DraftLengthController:
-        return DraftLengthController(4, step_time=step, probe_every=0, acceptance=AcceptanceTracker(4, default_rate=0.9), **kw)
+        return DraftLengthController(4, step_time=step, probe_every=0,
+                                     acceptance=AcceptanceTracker(4, default_rate=0.9), **kw)
 
     def gain(step) -> float:
         chosen = choose_draft_lengths([Candidate(i, 4, (0.9,) * 4) for i in caps], step, tolerance=0.03)
@@ -958,6 +959,48 @@ def test_drafting_must_gain_the_plain_margin_even_where_the_last_choice_drafted(
     assert not any(plain.choose(caps).draft_lengths.values())  # held: 10 % is within the switch tolerance
     plain.step_time = large
     assert any(plain.choose(caps).draft_lengths.values())
+
+
+def test_the_plain_margin_counts_only_the_sequences_that_may_draft_and_bounds_the_hysteresis():
+    """8 sequences that may draft beside 32 whose cap is 0 (their requests' last rounds, a client's k = 0): the bar
+    is per sequence that may draft, so the 32 neither raise it (they would, by 5x, per candidate) nor lower it. And a
+    plain margin above the switch tolerance holds where the hysteresis does: it is the larger of the two."""
+    from verifier_service.goodput import DraftLengthController
+    from verifier_service.metrics import VerifierMetrics
+    from verifier_service.types import StepStats
+
+    sizes = (1, 2, 4, 8, 16, 32, 40, 64, 128, 256)
+    step = model_of(lambda n: 0.3 + 0.01 * n, sizes=sizes)
+    drafting = [Candidate(("d", i), 4, (0.9,) * 4) for i in range(8)]
+    idle = [Candidate(("z", i), 0, ()) for i in range(32)]
+    alone = choose_draft_lengths(drafting, step, tolerance=0.03)
+    per_seq = (alone.goodput - alone.plain_goodput) * alone.plain_step_s / 8
+    assert per_seq > 0.1
+    both = choose_draft_lengths([*drafting, *idle], step, tolerance=0.03)
+    gain = (both.goodput - both.plain_goodput) * both.plain_step_s / 8
+    assert gain > 0.05
+    kept = choose_draft_lengths([*drafting, *idle], step, tolerance=0.03, plain_tolerance=gain * 0.9)
+    assert kept.declined_gain is None and any(kept.draft_lengths.values())
+    turned = choose_draft_lengths([*drafting, *idle], step, tolerance=0.03, plain_tolerance=gain * 1.1)
+    assert not any(turned.draft_lengths.values()) and turned.declined_gain == pytest.approx(gain)
+    assert turned.goodput == pytest.approx(both.plain_goodput)
+
+    metrics = VerifierMetrics()
+    metrics.observe_step(StepStats(declined_gain=turned.declined_gain))
+    metrics.observe_step(StepStats())
+    assert metrics.registry.get_sample_value("specwire_goodput_plain_margin_declined_total") == 1
+
+    # the hysteresis bounded below by the margin: 10 % (after the tolerance) drafts under a switch tolerance of 5 %
+    # alone, not under a margin of 15 %
+    caps = {i: 4 for i in range(32)}
+    gain_10 = model_of(lambda n: 0.13 + 0.01 * n, sizes=sizes)
+    plain_best = model_of(lambda n: 0.01 + 0.01 * n, sizes=sizes)
+    for margin, drafts in ((0.03, True), (0.15, False)):
+        c = DraftLengthController(4, step_time=plain_best, probe_every=0, switch_tolerance=0.05, plain_margin=margin,
+                                  acceptance=AcceptanceTracker(4, default_rate=0.9))
+        assert not any(c.choose(caps).draft_lengths.values())  # plain decoding chosen: held from here
+        c.step_time = gain_10
+        assert any(c.choose(caps).draft_lengths.values()) is drafts
 
 
 def test_the_switch_tolerance_judges_the_choice_between_catching_up_and_not_once_made():

@@ -271,6 +271,9 @@ class AsyncEngine:
                  phases=self.phases.plan.num_phases if self.phases and self.phases.plan else None,
                  chosen_draft_tokens=sum(s.chosen_draft_lengths) if s.chosen_draft_lengths else None,
                  predicted_goodput=None if s.predicted_goodput is None else round(s.predicted_goodput, 1),
+                 predicted_plain_goodput=(None if s.predicted_plain_goodput is None
+                                          else round(s.predicted_plain_goodput, 1)),
+                 plain_margin_declined=None if s.declined_gain is None else round(s.declined_gain, 3),
                  speculation_arm=s.speculation_arm,
                  **({} if s.priced_wait is None else {
                      "wait_ms": round(s.priced_wait[0] * 1e3, 1),

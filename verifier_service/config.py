@@ -91,12 +91,14 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")
     goodput_plain_margin: float = option(0.08, "with --goodput, the share by which drafting's predicted goodput "
-                                         "must beat plain decoding's before it is chosen (its unpriced costs: "
-                                         "see docs/load.md)")
+                                         "must beat plain decoding's before it is chosen (its unpriced costs; at "
+                                         "most 0.03, the choice's own tolerance, it changes nothing; see "
+                                         "docs/load.md)")
     goodput_switch_tolerance: float = option(0.12, "with --goodput, where every draft process's last choice drafted "
                                              "nothing, the share by which drafting's predicted goodput must beat "
                                              "plain decoding's before it is chosen again (hysteresis; elsewhere "
-                                             "--goodput-plain-margin holds; see docs/load.md)")
+                                             "--goodput-plain-margin holds, and below it, it holds here too; "
+                                             "see docs/load.md)")
     whole_batch_goodput: bool = option(False, "with --goodput and --phases hold, choose draft lengths for the "
                                        "whole batch the phase plan waits for, not only the sequences a step "
                                        "answered (see docs/load.md: it helped no measured load on the default "

@@ -275,6 +275,8 @@ class VerifierEngine:
             return verdicts
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
+        stats.predicted_plain_goodput = chosen.plain_goodput if chosen.plain_step_s > 0 else None
+        stats.declined_gain = chosen.declined_gain
         stats.priced_wait = control.last_price
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]

@@ -88,6 +88,10 @@ class VerifierMetrics:
                                              buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64))
         self.goodput_predicted = Gauge("specwire_goodput_predicted_tokens_per_second", "Verified tokens per second "
                                        "the last choice of draft lengths expects of its step", registry=r)
+        self.plain_margin_declined = Counter("specwire_goodput_plain_margin_declined",
+                                             "Choices of draft lengths that drafted, turned to plain decoding by "
+                                             "the plain margin or the hysteresis (--goodput-plain-margin, "
+                                             "--goodput-switch-tolerance)", registry=r)
         self.goodput = Gauge("specwire_goodput_tokens_per_second", "Verified tokens per second of step time "
                              "(the ratio of moving sums over about 16 steps)", registry=r)
         self.speculation_arm = Gauge("specwire_speculation_trial_plain", "1 while the verifier's choice follows "
@@ -135,6 +139,8 @@ class VerifierMetrics:
             self.draft_length_chosen.observe(k)
         if stats.predicted_goodput is not None:
             self.goodput_predicted.set(stats.predicted_goodput)
+        if stats.declined_gain is not None:
+            self.plain_margin_declined.inc()
         if stats.speculation_arm is not None:
             self.speculation_arm.set(1 if stats.speculation_arm == "plain" else 0)
         if stats.step_time_s > 0:  # tokens over seconds, each a moving sum: a prefill step weighs by its time

@@ -170,6 +170,10 @@ class StepStats:
     tokens_by_stream: dict[int, int] = field(default_factory=dict)  # streams with work -> tokens scheduled
     chosen_draft_lengths: list[int] = field(default_factory=list)  # the next lengths chosen after this step
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
+    predicted_plain_goodput: float | None = None  # and what it expects of plain decoding over the same sequences
+    # the gain of a choice that drafted which the plain margin (or hysteresis) turned to plain decoding, in expected
+    # tokens a plain step per sequence that may draft (goodput.Allocation.declined_gain); None: none was turned
+    declined_gain: float | None = None
     # how the choice priced the verifier's wait: seconds no length changes, per token of the longest block, per
     # drafted token, where nothing is drafted (None: as the first), and per row of a draft's catch-up
     priced_wait: tuple[float, float, float, float | None, float] | None = None
