@@ -961,10 +961,11 @@ def test_drafting_must_gain_the_plain_margin_even_where_the_last_choice_drafted(
     assert any(plain.choose(caps).draft_lengths.values())
 
 
-def test_the_plain_margin_counts_only_the_sequences_that_may_draft_and_bounds_the_hysteresis():
+def test_the_plain_margin_counts_the_sequences_the_choice_drafts_for_and_bounds_the_hysteresis():
     """8 sequences that may draft beside 32 whose cap is 0 (their requests' last rounds, a client's k = 0): the bar
-    is per sequence that may draft, so the 32 neither raise it (they would, by 5x, per candidate) nor lower it. And a
-    plain margin above the switch tolerance holds where the hysteresis does: it is the larger of the two."""
+    is per sequence the choice drafts for, so the 32 neither raise it (they would, by 5x, per candidate) nor lower
+    it. And a plain margin above the switch tolerance holds where the hysteresis does: it is the larger of the
+    two."""
     from verifier_service.goodput import DraftLengthController
     from verifier_service.metrics import VerifierMetrics
     from verifier_service.types import StepStats
@@ -984,6 +985,16 @@ def test_the_plain_margin_counts_only_the_sequences_that_may_draft_and_bounds_th
     turned = choose_draft_lengths([*drafting, *idle], step, tolerance=0.03, plain_tolerance=gain * 1.1)
     assert not any(turned.draft_lengths.values()) and turned.declined_gain == pytest.approx(gain)
     assert turned.goodput == pytest.approx(both.plain_goodput)
+    # nor do 32 that may draft but whose drafts are all but never accepted (a hostile or a poor draft): the choice
+    # drafts nothing for them, and the bar counts the sequences it drafts for
+    junk = [Candidate(("j", i), 1, (0.01,)) for i in range(32)]
+    mixed = choose_draft_lengths([*drafting, *junk], step)  # the best (no longer draft near it)
+    assert not any(mixed.draft_lengths[c.key] for c in junk) and all(mixed.draft_lengths[c.key] for c in drafting)
+    mixed_gain = (mixed.goodput - mixed.plain_goodput) * mixed.plain_step_s / 8
+    assert any(choose_draft_lengths([*drafting, *junk], step,
+                                    plain_tolerance=mixed_gain * 0.9).draft_lengths.values())
+    assert choose_draft_lengths([*drafting, *junk], step,
+                                plain_tolerance=mixed_gain * 1.1).declined_gain == pytest.approx(mixed_gain)
 
     metrics = VerifierMetrics()
     metrics.observe_step(StepStats(declined_gain=turned.declined_gain))

@@ -90,10 +90,10 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
     goodput: bool = option(True, "choose each sequence's next draft length from the batch's load and acceptance "
                            "(maximising verified tokens per second) and send it with its verdict, for drafts that "
                            "ask (--speculation auto); false: drafts decide alone")
-    goodput_plain_margin: float = option(0.08, "with --goodput, the share by which drafting's predicted goodput "
-                                         "must beat plain decoding's before it is chosen (its unpriced costs; at "
-                                         "most 0.03, the choice's own tolerance, it changes nothing; see "
-                                         "docs/load.md)")
+    goodput_plain_margin: float = option(0.08, "with --goodput, what drafting must gain over plain decoding "
+                                         "before it is chosen, in expected tokens a plain step per sequence it "
+                                         "drafts for (its unpriced costs; at most 0.03, the choice's own "
+                                         "tolerance, it changes nothing; see docs/load.md)")
     goodput_switch_tolerance: float = option(0.12, "with --goodput, where every draft process's last choice drafted "
                                              "nothing, the share by which drafting's predicted goodput must beat "
                                              "plain decoding's before it is chosen again (hysteresis; elsewhere "

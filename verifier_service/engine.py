@@ -276,7 +276,8 @@ class VerifierEngine:
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
         stats.predicted_goodput = chosen.goodput if chosen.predicted_step_s > 0 else None
         stats.predicted_plain_goodput = chosen.plain_goodput if chosen.plain_step_s > 0 else None
-        stats.declined_gain = chosen.declined_gain
+        # the margin's doing, not the trial's plain arm's (whose zeros are its own)
+        stats.declined_gain = chosen.declined_gain if stats.speculation_arm != Arm.PLAIN.value else None
         stats.priced_wait = control.last_price
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]

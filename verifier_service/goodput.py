@@ -59,7 +59,7 @@ class Allocation:
     plain_goodput: float = 0.0  # what the same step would yield per second with k = 0 for every candidate
     plain_step_s: float = 0.0  # and that step's predicted time, the idle time included (0: no model yet)
     # where `plain_tolerance` turned a choice that drafted to plain decoding: that choice's predicted gain over it,
-    # per sequence that could draft, in its expected tokens a plain step (None: nothing was turned)
+    # per sequence it drafted for, in expected tokens a plain step (None: nothing was turned)
     declined_gain: float | None = None
 
     @property
@@ -109,8 +109,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
     best goodput, plain decoding if it is one of them, else the one with the most drafted tokens, at most one a
     candidate more than the best's, is taken. `plain_tolerance` (None: `tolerance`): plain decoding is then taken
-    where that choice gains at most this fraction over it, in expected tokens a plain step per candidate that may
-    draft (max_k > 0; the caller's plain margin or hysteresis, DraftLengthController.plain_margin and
+    where that choice gains at most this fraction over it, in expected tokens a plain step per sequence it drafts
+    for (the caller's plain margin or hysteresis, DraftLengthController.plain_margin and
     switch_tolerance; no near draft is looked for past `tolerance`). Without a step observed yet every candidate
     gets its cap.
 
@@ -146,9 +146,11 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     if plain_tolerance is None or plain_tolerance <= tolerance or not any(chosen.draft_lengths.values()):
         return chosen
     # the choice against plain decoding (every search's first option) once more, by the expected tokens of the
-    # candidates that may draft: those that may not (a request's last rounds, a client's k = 0) neither gain nor
-    # cost what the margin stands for, and must not raise the bar for the others
-    gain = (chosen.goodput - chosen.plain_goodput) * chosen.plain_step_s / max(1, sum(c.max_k > 0 for c in cands))
+    # sequences it drafts for: the others (a request's last rounds, a client's k = 0, a draft the choice gives
+    # nothing for its acceptance, those the catch-up's search held at 0) neither gain nor cost what the margin
+    # stands for, and must not raise the bar for the rest
+    drafting = sum(1 for k in chosen.draft_lengths.values() if k > 0)
+    gain = (chosen.goodput - chosen.plain_goodput) * chosen.plain_step_s / drafting
     if gain > plain_tolerance:
         return chosen
     return Allocation(dict.fromkeys(chosen.draft_lengths, 0), base + other_output, base + other_tokens,

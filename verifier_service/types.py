@@ -172,7 +172,8 @@ class StepStats:
     predicted_goodput: float | None = None  # verified tokens/s the choice expects of the next step
     predicted_plain_goodput: float | None = None  # and what it expects of plain decoding over the same sequences
     # the gain of a choice that drafted which the plain margin (or hysteresis) turned to plain decoding, in expected
-    # tokens a plain step per sequence that may draft (goodput.Allocation.declined_gain); None: none was turned
+    # tokens a plain step per sequence it drafted for (goodput.Allocation.declined_gain; a probe may still draft
+    # a token for a few); None: none was turned, or the trial's plain arm ran
     declined_gain: float | None = None
     # how the choice priced the verifier's wait: seconds no length changes, per token of the longest block, per
     # drafted token, where nothing is drafted (None: as the first), and per row of a draft's catch-up
