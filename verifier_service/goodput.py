@@ -313,17 +313,16 @@ class DraftLengthController:
     # goodput of 19.4 tokens/s where plain steps had predicted 19.0 to 19.2, and that round took 1.98 s for 23
     # tokens where plain steps gave 8 every 0.42 s
     switch_tolerance: float = 0.12
-    # and elsewhere drafting must gain more than this over plain decoding (in expected tokens a plain step per
-    # sequence the choice drafts for; choose_draft_lengths): drafting costs what the price does not hold. Sequences that draft finish apart,
-    # as their acceptance differs, where plain decoding keeps a batch of equal requests in step: closed-loop
-    # clients then send the next wave's requests one by one, and that wave starts in steps of a few sequences,
-    # each new one a round apart from the rest. Measured at 8 streams (default pair, 2 cores, 2161d25): drafting
-    # on a predicted gain of 6 to 15 % gave 17.6 tokens/s within the first wave against plain steps' 16.7, and the
-    # turn between the waves (10 s of steps of 1 to 7 sequences, holds of up to 0.7 s) took that and more: 0.946x
-    # k = 0 over the level, 0.90 to 0.96x in four runs. Below 1 / 0.95 - 1 = 5 % of true gain plain decoding
-    # is within the 0.95x of the better that auto is held to anyway. (It does not price those edges: the gains it
-    # judges are the waves'. The next two runs gave that level 0.85x, drafting on 11 to 20 %, and 0.96x; see
-    # docs/benchmarks.md.)
+    # and elsewhere drafting must gain more than this over plain decoding (in expected tokens a plain step per sequence
+    # the choice drafts for; choose_draft_lengths): drafting costs what the price does not hold. Sequences that draft
+    # finish apart, as their acceptance differs, where plain decoding keeps a batch of equal requests in step:
+    # closed-loop clients then send the next wave's requests one by one, and that wave starts in steps of a few
+    # sequences, each new one a round apart from the rest. Measured at 8 streams (default pair, 2 cores, 2161d25):
+    # drafting on a predicted gain of 6 to 15 % gave 17.6 tokens/s within the first wave against plain steps' 16.7, and
+    # the turn between the waves (10 s of steps of 1 to 7 sequences, holds of up to 0.7 s) took that and more: 0.946x k
+    # = 0 over the level, 0.90 to 0.96x in four runs. Below 1 / 0.95 - 1 = 5 % of true gain plain decoding is within the
+    # 0.95x of the better that auto is held to anyway. (It does not price those edges: the gains it judges are the
+    # waves'. The next two runs gave that level 0.85x, drafting on 11 to 20 %, and 0.96x; see docs/benchmarks.md.)
     plain_margin: float = 0.08
     idle_decay: float = 0.8
     max_idle_s: float = 1.0  # a long quiet spell says the verifier is idle, not by how much
