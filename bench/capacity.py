@@ -36,6 +36,8 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import shlex
 import statistics
 import sys
 import tempfile
@@ -288,6 +290,10 @@ def main() -> int:
                         "mode's levels after another (a drift of the host's speed then falls on whole modes)")
     p.add_argument("--auto-k", type=int, default=None,
                    help="the auto draft's cap on k (its --num-speculative-tokens; default: the service's, 4)")
+    p.add_argument("--draft-args", default="",
+                   help="more draft-service flags for every mode's draft, as one string (--draft-args=--pipeline)")
+    p.add_argument("--verifier-args", default="",
+                   help="more verifier flags for every mode's verifier, as one string (--verifier-args='--phases split')")
     p.add_argument("--models", type=Path, default=ROOT / ".models")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "capacity")
     args = p.parse_args()
@@ -311,9 +317,13 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
+    for extra in (args.verifier_args, args.draft_args):
+        stem += f"-{re.sub(r'[^a-z0-9]+', '-', extra.lower()).strip('-')}" if extra else ""
     title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
              f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
-             f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}")
+             f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}"
+             f"{f', verifier {args.verifier_args}' if args.verifier_args else ''}"
+             f"{f', draft {args.draft_args}' if args.draft_args else ''}")
 
     def write() -> str:
         """The JSON and the table of the rows so far (after every measurement: a run that fails late keeps them;
@@ -339,8 +349,9 @@ def main() -> int:
                 stacks.pop(other).close()
             if own not in stacks:
                 cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
-                stacks[own] = ModeStack(own, target, draft, args.rtt_ms, args.pin, log_dir, extra_verifier,
-                                        [*extra_draft, *cap], name=f"{own}-from-c{c}")  # logs: one per start
+                stacks[own] = ModeStack(own, target, draft, args.rtt_ms, args.pin, log_dir,
+                                        [*extra_verifier, *shlex.split(args.verifier_args)],
+                                        [*extra_draft, *cap, *shlex.split(args.draft_args)], name=f"{own}-from-c{c}")  # logs: one per start
                 stacks[own].warm(prompts)
             row = stacks[own].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests, mode)
             rows.append(row)
