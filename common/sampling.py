@@ -51,6 +51,13 @@ class SamplingParams:
         return self.wire_mode is WireMode.COUPLED and not self.is_greedy
 
     @property
+    def output_ignores_drafts(self) -> bool:
+        """Greedy or coupled: each token is the target's alone (its argmax, or argmax p / E with the noise of its
+        seed and position), so neither the drafts nor where rounds start ever change the output. Rejection
+        sampling decides a drafted position and a bonus one differently: there they do."""
+        return self.is_greedy or self.is_coupled
+
+    @property
     def sends_draft_probs(self) -> bool:
         """Sampled with q sent on its top tokens (sparse): the only mode whose proposals carry draft_probs."""
         return self.wire_mode is WireMode.SPARSE and not self.is_greedy

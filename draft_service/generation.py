@@ -148,13 +148,18 @@ class Generator:
             while not finished:
                 t_draft = time.perf_counter()
                 k, flight.max_draft_tokens = length.next_round()
+                # tokens this sequence may still emit, where the verifier verifies no draft past them (greedy and
+                # coupled output ignores where rounds end); None: every block is drafted and verified whole
+                left = self._tokens_left(seq, len(prompt), max_model_len)
+                if left is not None:
+                    k = min(k, max(0, left - 1))
                 if self.due is not None:
                     self.due.left(seq_id)  # before its drafting job or its wait for the batch (in one loop turn)
                 if block is None:
                     block = await self._draft(seq, k, length)
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
                 width = self.pipeline.width_for(k)
-                branches = await self.pipeline.draft_branches(seq, block, k, width, flight)
+                branches = await self.pipeline.draft_branches(seq, block, k, width, flight, tokens_left=left)
                 # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
                 # while the model has nothing to draft, sooner while recent rounds draft (never for k = 0
                 # requests: they never draft, and are not counted); not while the verifier chose 0 for it, which
@@ -224,6 +229,16 @@ class Generator:
                                       pooled=self._pooled_own)
         return prompt, seq, length, identity.max_model_len
 
+    @staticmethod
+    def _tokens_left(seq: DraftSequence, num_prompt_tokens: int, max_model_len: int) -> int | None:
+        """What the sequence may still emit (max_tokens, and the target's context) where its output ignores the
+        drafts: the verifier verifies no draft past that (a block of k yields up to k + 1 tokens), so none is
+        drafted. None for rejection sampling, whose blocks go whole (a seeded request's tokens would change with
+        where its last round ends)."""
+        if not seq.sampling.output_ignores_drafts:
+            return None
+        return min(seq.sampling.max_tokens - (seq.num_tokens - num_prompt_tokens), max_model_len - seq.num_tokens)
+
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
         if length.follows_verifier and k == 0:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
@@ -267,7 +282,7 @@ class Generator:
         the fixed k, so the same seed gives the same tokens from the same service whatever the load. Greedy and
         coupled output never depend on k. `requested`: the request's parameters (its own seed or none), with its
         wire mode decided."""
-        seeded_rejection = requested.seed is not None and not requested.is_greedy and not requested.is_coupled
+        seeded_rejection = requested.seed is not None and not requested.output_ignores_drafts
         return self.speculation != "fixed" and k > 0 and not seeded_rejection
 
     def _sampling(self, sampling: SamplingParams, identity: VerifierIdentity) -> SamplingParams:

@@ -152,24 +152,39 @@ class Pipeline:
             self.width.observe(width_used, stall_s, round_s)
 
     async def draft_branches(self, seq: DraftSequence, block: DraftBlock, k: int, width: int,
-                             flight: Flight) -> list[Branch]:
+                             flight: Flight, tokens_left: int | None = None) -> list[Branch]:
         """While `block`'s verdict is in flight, draft and propose up to `width` branches of `k` drafts each:
         the full-acceptance branch first, then the best guess at each position (earliest first), then the second
-        best. All branches draft in one batch, sharing the sequence's cache blocks."""
+        best. All branches draft in one batch, sharing the sequence's cache blocks. `tokens_left`: what the
+        sequence may still emit before `block`'s verdict, where no draft past it is verified (Generator's
+        _tokens_left): each branch drafts within what its verdict would leave, and none follows a verdict
+        that would end the sequence."""
         if not width or block.num_draft_tokens == 0 or k == 0:
             return []
-        plans: list[tuple[int, int | None, DraftSequence]] = [
-            (len(block.path_token_ids), None, seq.branch(list(block.path_token_ids)))]
+        plans: list[tuple[int, int | None, DraftSequence]] = []
+        lengths: list[int] = []
+
+        def plan(j: int, guess: int | None, assumed: list[int]) -> None:
+            # the verdict it assumes emits j + 1 tokens: j accepted drafts and a correction (or the bonus)
+            room = k if tokens_left is None else min(k, tokens_left - (j + 1) - 1)
+            if room > 0:
+                plans.append((j, guess, seq.branch(assumed)))
+                lengths.append(room)
+
+        plan(len(block.path_token_ids), None, list(block.path_token_ids))
         alternatives = block.alternatives or ()
         ranks = max((len(a) for a in alternatives), default=0)
         guesses = [(j, alts[rank]) for rank in range(ranks) for j, alts in enumerate(alternatives) if rank < len(alts)]
         for j, alternative in guesses[:max(0, width - 1)]:
-            plans.append((j, alternative, seq.branch([*block.path_token_ids[:j], alternative])))
+            plan(j, alternative, [*block.path_token_ids[:j], alternative])
+        if not plans:
+            return []
         try:
             # the full-acceptance branch drafts its guess of the bonus token, then the block after it as the
             # next unpipelined round would: a pipelined proposal is always the one that round would send
-            drafted = await asyncio.gather(*(self.drafter.draft_after_guess(branch, k) if guess is None
-                                             else self.drafter.draft(branch, k) for _, guess, branch in plans),
+            drafted = await asyncio.gather(*(self.drafter.draft_after_guess(branch, n) if guess is None
+                                             else self.drafter.draft(branch, n)
+                                             for (_, guess, branch), n in zip(plans, lengths, strict=True)),
                                            return_exceptions=True)
             return await self._propose_branches(seq, plans, drafted, flight)
         except BaseException:

@@ -100,7 +100,8 @@ def _next_token_dists(model_dir, prompt: list[int]) -> torch.Tensor:  # [vocab] 
 
 @pytest.mark.parametrize("context", [[], [40], [101, 7]])
 def test_coupled_acceptance_is_the_coupling_probability(coupled_stack, context):
-    """One drafted position (k = 1 and max_tokens = 1, so a request's num_accepted is the match indicator): over
+    """One drafted position (k = 1 and max_tokens = 2: the first round verifies one draft, and the second, if any,
+    has one token left and drafts nothing, so a request's num_accepted is the match indicator): over
     N seeds the match rate agrees with the exact P(argmax p / E = argmax q / E) within 4 sigma, and is at least
     (1 - TV) / (1 + TV) - 4 sigma. q is the draft's distribution as it races: its top --q-max-support tokens,
     renormalised. Independent noise on the two sides would match with probability sum p q, about 0.1 here."""
@@ -121,7 +122,7 @@ def test_coupled_acceptance_is_the_coupling_probability(coupled_stack, context):
 
             async def one(seed):
                 async with sem:
-                    return await client.generate(prompt_token_ids=prompt, max_tokens=1, temperature=1.0, seed=seed,
+                    return await client.generate(prompt_token_ids=prompt, max_tokens=2, temperature=1.0, seed=seed,
                                                  num_speculative_tokens=1, ignore_eos=True)
             return await asyncio.gather(*[one(s) for s in range(n)])
 

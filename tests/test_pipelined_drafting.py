@@ -655,3 +655,38 @@ def test_pipeline_width_narrows_while_drafting_ahead_stalls_verdicts_and_probes_
     fixed = PipelineWidth(max_width=8, width=2, learn=False)  # --pipeline-width 2
     fixed.observe(2, stall_s=0.09, round_s=0.1)
     assert fixed.next_width() == 2
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("sampling", list(SAMPLINGS))
+def test_no_draft_is_drafted_past_what_a_greedy_or_coupled_request_may_still_emit(reference_model, sampling, pipeline):
+    """A block of k yields up to k + 1 tokens, and the verifier verifies no greedy or coupled draft past the
+    request's max_tokens: the last rounds, and the branches drafted ahead of them, draft only that far. Blocks under
+    rejection sampling go whole (a seeded request's tokens would change with where its last round ends)."""
+    params, mode = SAMPLINGS[sampling]
+    link = FakeVerifier(_model_target(reference_model))
+
+    async def run():
+        service = _service(link, pipeline=pipeline, width=8)
+        try:
+            for i, prompt in enumerate(_prompts("model")):
+                for max_tokens in (2, 5, 7, 9, 12):
+                    sampled = dataclasses.replace(params, max_tokens=max_tokens)
+                    out = await _tokens(service.generator, _request(prompt + [i, max_tokens], sampled, mode))
+                    assert len(out) == max_tokens
+            assert service.model.blocks.num_free_blocks == NUM_BLOCKS
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
+    capped = 0
+    for seq_id, verified in link.verified.items():
+        s = link.seqs[seq_id]
+        for start, tokens, _ in verified:
+            room = s.max_tokens - (start - s.num_prompt)
+            if sampling == "seeded":
+                assert len(tokens) == 4
+            else:
+                assert len(tokens) + 1 <= room
+                capped += len(tokens) < 4
+    assert sampling == "seeded" or capped > 0

@@ -195,6 +195,10 @@ class Scheduler:
             # never feed past the context length: drop the drafts that would not fit
             room = self.max_model_len - seq.num_tokens
             proposal = proposal.truncated(room - 1)
+            if seq.sampling.output_ignores_drafts:
+                # nor verify drafts past what the sequence may still emit (a block of k yields up to k + 1
+                # tokens): a fixed k's last rounds, a pipelined branch drafted before the room was known
+                proposal = proposal.within_positions(seq.sampling.max_tokens - seq.num_generated - 1)
             end = seq.num_tokens + proposal.num_draft_tokens
             if end - seq.num_cached <= budget:
                 candidates.append(ScheduledSeq(seq, seq.num_cached, end, proposal,

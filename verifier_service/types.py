@@ -79,6 +79,17 @@ class ProposeCmd:
         return dataclasses.replace(self, draft_token_ids=self.draft_token_ids[:num_draft_tokens],
                                    draft_probs=draft_probs, draft_parents=parents)
 
+    def within_positions(self, num_positions: int) -> ProposeCmd:
+        """The same proposal without its drafts past its first `num_positions` positions: a chain's first
+        positions; a tree's nodes that shallow, when they come first (a tree drafted depth by depth lists them
+        so), else the whole tree."""
+        if num_positions >= self.num_positions:
+            return self
+        keep = sum(1 for depth in self.depths if depth < num_positions)
+        if any(depth >= num_positions for depth in self.depths[:keep]):
+            return self
+        return self.truncated(keep)
+
 
 @dataclass(frozen=True)
 class CloseCmd:
