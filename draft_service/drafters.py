@@ -128,7 +128,8 @@ class ModelDrafter:
         if drafted.guess is None:
             return None
         seq.assumed_token_ids.append(drafted.guess)
-        return drafted.guess, drafted.block
+        # k = 0 (the request's last token): the guess alone, and the empty block an unpipelined round sends
+        return drafted.guess, drafted.block if k else EMPTY_BLOCK
 
     async def release(self, *seqs: DraftSequence) -> None:
         await self.batcher.release(*seqs)

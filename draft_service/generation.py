@@ -151,6 +151,7 @@ class Generator:
                 # tokens this sequence may still emit, where the verifier verifies no draft past them (greedy and
                 # coupled output ignores where rounds end); None: every block is drafted and verified whole
                 left = self._tokens_left(seq, len(prompt), max_model_len)
+                ending = left is not None and left <= 1  # the request's last token: nothing to draft, whatever k
                 if left is not None:
                     k = min(k, max(0, left - 1))
                 if self.due is not None:
@@ -168,8 +169,8 @@ class Generator:
                 # of its rounds): a probe, or a later choice to draft, catches it up (draft_model's bound)
                 drafted = bool(block.num_draft_tokens or branches)
                 chose_plain = length.follows_verifier and length.choice == 0
-                warming = not drafted and length.k > 0 and not chose_plain
-                if length.k > 0:
+                warming = not drafted and length.k > 0 and not chose_plain and not ending
+                if length.k > 0 and not ending:
                     self.drafter.note_round(drafted, self._running)
                 if warming:
                     self.drafter.warm(seq)

@@ -158,7 +158,8 @@ class Pipeline:
         best. All branches draft in one batch, sharing the sequence's cache blocks. `tokens_left`: what the
         sequence may still emit before `block`'s verdict, where no draft past it is verified (Generator's
         _tokens_left): each branch drafts within what its verdict would leave, and none follows a verdict
-        that would end the sequence."""
+        that would end the sequence (one that would leave a single token gets a branch of no drafts: that
+        token's proposal is then at the verifier already, as before)."""
         if not width or block.num_draft_tokens == 0 or k == 0:
             return []
         plans: list[tuple[int, int | None, DraftSequence]] = []
@@ -167,7 +168,7 @@ class Pipeline:
         def plan(j: int, guess: int | None, assumed: list[int]) -> None:
             # the verdict it assumes emits j + 1 tokens: j accepted drafts and a correction (or the bonus)
             room = k if tokens_left is None else min(k, tokens_left - (j + 1) - 1)
-            if room > 0:
+            if room >= 0:
                 plans.append((j, guess, seq.branch(assumed)))
                 lengths.append(room)
 

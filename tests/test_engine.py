@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import ErrorCode
-from common.sampling import SamplingParams, WireMode
+from common.sampling import SamplingParams, SparseProbs, WireMode
 from verifier_service.config import VerifierConfig
 from verifier_service.server import build_engine
 from verifier_service.types import CloseCmd, CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
@@ -506,33 +506,37 @@ def test_a_request_that_ends_on_accepted_drafts_leaves_them_in_the_prefix_cache(
     assert engine.blocks.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("params, verified", [
-    (SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 2),  # greedy: at most 3 tokens, 2 drafts
-    (SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, wire_mode=WireMode.COUPLED), 2),
-    (SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), 0),
-    (SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True), 4),  # room for all of them
+@pytest.mark.parametrize("params, verified, resumed", [
+    (SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True), 2, 2),  # 2 of 5 emitted before a resume
+
+    (SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), 2, 0),  # greedy: at most 3 tokens, 2 drafts
+    (SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, wire_mode=WireMode.COUPLED), 2, 0),
+    (SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), 0, 0),
+    (SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True), 4, 0),  # room for all of them
     # rejection sampling decides a drafted position and a bonus one differently: a seeded request's tokens would
     # change with where its last round is cut, so its drafts are verified as sent
-    (SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, wire_mode=WireMode.SPARSE), 4),
+    (SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True, wire_mode=WireMode.SPARSE), 4, 0),
 ])
-def test_drafts_past_what_a_sequence_may_still_emit_are_not_verified(pair, params, verified):
+def test_drafts_past_what_a_sequence_may_still_emit_are_not_verified(pair, params, verified, resumed):
     """A block of k yields up to k + 1 tokens: a proposal longer than the request's room (a fixed k's last round,
     a pipelined branch drafted before its room was known) is verified only as far as it may emit."""
     target, _ = pair
     engine = _engine(target, num_blocks=64)
-    prompt = (5, 9, 11, 4, 8, 6)
+    prompt = [5, 9, 11, 4, 8, 6]
+    prompt += greedy_continuation(target, prompt, resumed)  # a resume: its earlier output ends the prompt
     key = SeqKey(1, 0)
-    engine.submit(OpenCmd(key, prompt, params.with_seed()))
-    drafts = tuple(greedy_continuation(target, list(prompt), 4))  # the target's own: all accepted when verified
+    engine.submit(OpenCmd(key, tuple(prompt), params.with_seed(), num_output_tokens=resumed))
+    drafts = tuple(greedy_continuation(target, prompt, 4))  # the target's own: all accepted when verified
     engine.submit(ProposeCmd(key, len(prompt), drafts, None))
     result = engine.step()
     (verdict,) = [o for o in result.outcomes if isinstance(o, VerdictOut)]
     assert result.stats.num_draft_tokens == verified
     assert result.stats.num_tokens == len(prompt) + verified
-    assert len(verdict.token_ids) <= min(params.max_tokens, verified + 1)
+    left = params.max_tokens - resumed
+    assert len(verdict.token_ids) <= min(left, verified + 1)
     if params.is_greedy:  # every draft accepted: the room's tokens, the target's own
-        assert list(verdict.token_ids) == greedy_continuation(target, list(prompt), min(params.max_tokens, 5))
-        assert (verdict.finish_reason is not None) == (params.max_tokens <= 5)
+        assert list(verdict.token_ids) == greedy_continuation(target, prompt, min(left, 5))
+        assert (verdict.finish_reason is not None) == (left <= 5)
     engine.submit(CloseCmd(key))
     engine.step()
     assert engine.blocks.num_used_blocks == 0
@@ -547,5 +551,9 @@ def test_a_proposal_within_positions_keeps_the_shallow_nodes_that_come_first():
     tree = ProposeCmd(key, 5, (4, 5, 6, 7, 8, 9), None, draft_parents=(-1, -1, 0, 0, 1, 3))  # depths 0 0 1 1 1 2
     assert tree.within_positions(2).draft_parents == (-1, -1, 0, 0, 1)
     assert tree.within_positions(1).draft_token_ids == (4, 5) and tree.within_positions(1).draft_parents == (-1, -1)
-    late = ProposeCmd(key, 5, (4, 5, 6), None, draft_parents=(-1, 0, -1))  # a shallow node after a deep one
-    assert late.within_positions(1) is late
+    late = ProposeCmd(key, 5, (4, 5, 6, 7), None, draft_parents=(-1, 0, -1, 2))  # depths 0 1 0 1: not by depth
+    cut = late.within_positions(1)
+    assert cut.draft_token_ids == (4, 6) and cut.draft_parents == (-1, -1)
+    sparse = ProposeCmd(key, 5, (4, 5, 6), tuple(SparseProbs((t,), (1.0,)) for t in (4, 5, 6)), draft_parents=(-1, 0, -1))
+    assert [q.token_ids for q in sparse.within_positions(1).draft_probs] == [(4,), (6,)]
+    assert late.within_positions(0).num_draft_tokens == 0

@@ -665,9 +665,22 @@ def test_no_draft_is_drafted_past_what_a_greedy_or_coupled_request_may_still_emi
     rejection sampling go whole (a seeded request's tokens would change with where its last round ends)."""
     params, mode = SAMPLINGS[sampling]
     link = FakeVerifier(_model_target(reference_model))
+    propose, sent = link.propose, []
+
+    def recorded(seq_id, start, block, *, send_draft_probs, assumed_token_ids=(), **kwargs):
+        sent.append((len(block.token_ids), bool(assumed_token_ids)))
+        return propose(seq_id, start, block, send_draft_probs=send_draft_probs, assumed_token_ids=assumed_token_ids,
+                       **kwargs)
+    link.propose = recorded
+
+    rounds = []  # what the drafter was told of each round: (drafted, warmed)
 
     async def run():
         service = _service(link, pipeline=pipeline, width=8)
+        drafter = service.generator.drafter
+        drafter.note_round = lambda drafted, running: rounds.append(("noted", drafted))
+        warm = drafter.warm
+        drafter.warm = lambda seq: rounds.append(("warmed", seq)) or warm(seq)
         try:
             for i, prompt in enumerate(_prompts("model")):
                 for max_tokens in (2, 5, 7, 9, 12):
@@ -690,3 +703,10 @@ def test_no_draft_is_drafted_past_what_a_greedy_or_coupled_request_may_still_emi
                 assert len(tokens) + 1 <= room
                 capped += len(tokens) < 4
     assert sampling == "seeded" or capped > 0
+    if pipeline and sampling != "seeded":
+        # a branch after a verdict that would leave one token drafts nothing, and is proposed so: that token's
+        # round trip is saved as before
+        assert (0, True) in sent
+    # a request's last round, left one token, drafts nothing for want of room, not of drafting's worth: it is not
+    # counted as a round that drafted nothing (the warming share), nor warmed
+    assert rounds and all(event == ("noted", True) for event in rounds)

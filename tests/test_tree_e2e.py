@@ -107,9 +107,10 @@ def test_trees_yield_more_tokens_per_round_than_the_chain(tree_stack):
         per_round[name] = sum(r.stats.num_generated_tokens for r in rs) / rounds[name]
     assert per_round["b3-n16"] >= per_round["chain"], per_round
     # depth 4 and 16 nodes: every round's tree branches (the counter of the trees sent, by shape), but a request's
-    # last when one token is left: greedy, it drafts nothing past max_tokens
+    # last two at most: greedy, it drafts nothing past max_tokens, so with two tokens left its round is a chain
+    # of one draft (a tree needs k > 1), and with one left it drafts nothing
     sent = trees("branched") - branched_before
-    assert rounds["b3-n16"] - len(PROMPTS) <= sent <= rounds["b3-n16"] and not trees("chain")
+    assert rounds["b3-n16"] - 2 * len(PROMPTS) <= sent <= rounds["b3-n16"] and not trees("chain")
 
 
 def test_coupled_output_is_the_same_with_and_without_trees(tree_stack):

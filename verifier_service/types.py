@@ -81,14 +81,20 @@ class ProposeCmd:
 
     def within_positions(self, num_positions: int) -> ProposeCmd:
         """The same proposal without its drafts past its first `num_positions` positions: a chain's first
-        positions; a tree's nodes that shallow, when they come first (a tree drafted depth by depth lists them
-        so), else the whole tree."""
+        positions; a tree's nodes that shallow, in their order (a shallow node's ancestors are shallower: they
+        stay a tree)."""
         if num_positions >= self.num_positions:
             return self
-        keep = sum(1 for depth in self.depths if depth < num_positions)
-        if any(depth >= num_positions for depth in self.depths[:keep]):
-            return self
-        return self.truncated(keep)
+        if self.draft_parents is None:
+            return self.truncated(max(0, num_positions))
+        keep = [i for i, depth in enumerate(self.depths) if depth < num_positions]
+        if not keep:
+            return self.truncated(0)
+        index = {node: k for k, node in enumerate(keep)}
+        return dataclasses.replace(
+            self, draft_token_ids=tuple(self.draft_token_ids[i] for i in keep),
+            draft_probs=tuple(self.draft_probs[i] for i in keep) if self.draft_probs else self.draft_probs,
+            draft_parents=tuple(index[p] if (p := self.draft_parents[i]) >= 0 else -1 for i in keep))
 
 
 @dataclass(frozen=True)
