@@ -317,8 +317,8 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
-    for extra in (args.verifier_args, args.draft_args):
-        stem += f"-{re.sub(r'[^a-z0-9]+', '-', extra.lower()).strip('-')}" if extra else ""
+    for side, extra in (("v", args.verifier_args), ("d", args.draft_args)):  # which side's flags: in the name too
+        stem += f"-{side}-{re.sub(r'[^a-z0-9]+', '-', extra.lower()).strip('-')}" if extra else ""
     title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
              f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
              f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}"

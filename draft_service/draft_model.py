@@ -157,9 +157,12 @@ class DraftModel:
     def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         """`seq` continues as `branch` (the pipelined guess that held): its cache blocks and cached tokens."""
         self.blocks.free(seq)
-        if self.blocks.has(branch):
+        held = self.blocks.has(branch)
+        if held:
             self.blocks.rename(branch, seq)
         seq.adopt(branch)
+        if not held:  # a branch that drafted nothing (its request's last token) never forked a block: none cached
+            seq.cached_token_ids = []
 
     @torch.inference_mode()
     def draft(self, jobs: list[DraftJob]) -> list[Drafted | Prefilling | ServiceError]:

@@ -710,3 +710,19 @@ def test_no_draft_is_drafted_past_what_a_greedy_or_coupled_request_may_still_emi
     # a request's last round, left one token, drafts nothing for want of room, not of drafting's worth: it is not
     # counted as a round that drafted nothing (the warming share), nor warmed
     assert rounds and all(event == ("noted", True) for event in rounds)
+
+
+def test_adopting_a_branch_that_drafted_nothing_caches_nothing():
+    """A branch of no drafts (its request's last token) is proposed without a drafting job, so it never forked the
+    sequence's cache blocks: adopted, the sequence holds no blocks and claims no cached tokens."""
+    model = _draft_model()
+    seq = DraftSequence(SamplingParams(temperature=0.0, max_tokens=8), [3, 4, 5, 6, 7])
+    block = model.draft([DraftJob(seq, 2)])[0].block
+    assert seq.num_cached > 0 and model.blocks.has(seq)
+    seq.extend(block.token_ids[:1])
+    seq.roll_back()
+    branch = seq.branch([block.token_ids[1] + 1])
+    assert branch.num_cached > 0  # it shares the sequence's cached prefix, on blocks it never forked
+    model.adopt(seq, branch)
+    assert seq.num_cached == 0 and not model.blocks.has(seq)
+    assert model.blocks.num_free_blocks == NUM_BLOCKS
