@@ -19,6 +19,12 @@ draft teacher-forced in one bfloat16 forward, so near-ties may fall otherwise th
   among the draft's B likeliest and those nodes fit in N. The oracle knows the continuation; a tree of any other
   shape (a child that is not among its parent's likeliest) is not bounded by it.
 
+- **chain and a lookup branch** (`--lookup L`): the chain, and beside it the tokens that followed the latest
+  earlier occurrence of the context's longest suffix (prompt lookup, draft_service.ngram, at most L of them), a
+  branch from the root that shares the chain's nodes while both are the target's tokens; the chain gives up as
+  many nodes as the branch adds, so both verify N. A round takes the longer of the two accepted paths. Greedy and
+  coupled trees may hold any tokens, so this shape is lossless there; it is not one of the draft's likeliest.
+
 A tree the draft builds without knowing the continuation takes at most the oracle's; the gap between the chain and
 the oracle is what trees can win at all on this pair. The draft's confidence where its argmax is right and where
 it is wrong says how well a tree built from its probabilities can place its branches.
@@ -68,7 +74,8 @@ def ranks_and_confidence(target_dir: Path, draft_dir: Path, prompts: list[str], 
         for j, token in enumerate(cont):
             hit = (top.indices[j] == token).nonzero().flatten().tolist()
             ranks.append(hit[0] if hit else TOP)
-        out.append({"prompt_tokens": n_prompt, "continuation": cont, "ranks": ranks, "p1": top.values[:, 0].tolist()})
+        out.append({"prompt_tokens": n_prompt, "prompt": ids[0].tolist(), "continuation": cont, "ranks": ranks,
+                    "p1": top.values[:, 0].tolist()})
     return out
 
 
@@ -101,7 +108,31 @@ def oracle_tree_rounds(ranks: list[int], n: int, branches: int) -> int:
     return rounds
 
 
-def summarize(per_prompt: list[dict], sizes: list[int], branches: list[int]) -> dict:
+def lookup_tree_rounds(prompt: list[int], continuation: list[int], ranks: list[int], n: int, lookup: int) -> int:
+    """Rounds a tree of n nodes takes that is the chain plus a prompt-lookup branch of at most `lookup` tokens
+    from the root (module docstring): the branch's nodes past the ones it shares with the chain come off the
+    chain's depth."""
+    from draft_service.ngram import propose_ngram
+
+    start = rounds = 0
+    while start < len(ranks):
+        chain_ok = 0  # the chain's drafts that are the target's tokens, from here
+        while start + chain_ok < len(ranks) and ranks[start + chain_ok] == 0:
+            chain_ok += 1
+        branch = propose_ngram(prompt + continuation[:start], lookup) if lookup else []
+        branch_ok = 0
+        while branch_ok < len(branch) and start + branch_ok < len(continuation) and \
+                branch[branch_ok] == continuation[start + branch_ok]:
+            branch_ok += 1
+        shared = min(chain_ok, branch_ok)  # both the target's tokens there: the same nodes
+        depth = n - (len(branch) - shared)
+        accepted = max(min(chain_ok, depth), branch_ok)
+        start += accepted + 1
+        rounds += 1
+    return rounds
+
+
+def summarize(per_prompt: list[dict], sizes: list[int], branches: list[int], lookups: tuple[int, ...] = ()) -> dict:
     rows = []
     for n in sizes:
         chain = [len(p["ranks"]) / chain_rounds(p["ranks"], n) for p in per_prompt]
@@ -111,6 +142,11 @@ def summarize(per_prompt: list[dict], sizes: list[int], branches: list[int]) -> 
             row[f"oracle_b{b}"] = tree
             row[f"oracle_b{b}_median"] = statistics.median(tree)
             row[f"oracle_b{b}_ratio_median"] = statistics.median(t / c for t, c in zip(tree, chain, strict=True))
+        for lookup in lookups:
+            tree = [len(p["ranks"]) / lookup_tree_rounds(p["prompt"], p["continuation"], p["ranks"], n, lookup)
+                    for p in per_prompt]
+            row[f"lookup{lookup}_median"] = statistics.median(tree)
+            row[f"lookup{lookup}_ratio_median"] = statistics.median(t / c for t, c in zip(tree, chain, strict=True))
         rows.append(row)
     right = [p1 for p in per_prompt for r, p1 in zip(p["ranks"], p["p1"], strict=True) if r == 0]
     wrong = [p1 for p in per_prompt for r, p1 in zip(p["ranks"], p["p1"], strict=True) if r > 0]
@@ -127,14 +163,17 @@ def _quantiles(values: list[float]) -> list[float]:
     return [round(values[int(q * (len(values) - 1))], 3) for q in (0.1, 0.25, 0.5, 0.75, 0.9)]
 
 
-def tables(summary: dict, branches: list[int]) -> str:
-    head = "| N | chain tokens/round | " + " | ".join(f"oracle tree B = {b} | ratio | per prompt" for b in branches) + " |"
-    lines = [head, "|" + "---|" * (2 + 3 * len(branches))]
+def tables(summary: dict, branches: list[int], lookups: tuple[int, ...] = ()) -> str:
+    head = "| N | chain tokens/round | " + " | ".join(f"oracle tree B = {b} | ratio | per prompt" for b in branches)
+    head += "".join(f" | chain + lookup of {lookup} | per prompt" for lookup in lookups) + " |"
+    lines = [head, "|" + "---|" * (2 + 3 * len(branches) + 2 * len(lookups))]
     for row in summary["sizes"]:
         cells = [str(row["N"]), f"{row['chain_median']:.2f}"]
         for b in branches:
             value = row[f"oracle_b{b}_median"]
             cells += [f"{value:.2f}", f"{value / row['chain_median']:.2f}x", f"{row[f'oracle_b{b}_ratio_median']:.2f}x"]
+        for lookup in lookups:
+            cells += [f"{row[f'lookup{lookup}_median']:.2f}", f"{row[f'lookup{lookup}_ratio_median']:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
     by_rank = summary["wrong_by_rank"]
     lines += ["", f"The draft's argmax was the target's token at {summary['right']} positions and not at "
@@ -152,6 +191,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--nodes", default="4,8,16")
     parser.add_argument("--branches", default="2,3")
+    parser.add_argument("--lookup", default="", help="also a chain with a prompt-lookup branch of at most these many "
+                        "tokens (comma-separated, e.g. 4,8)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -163,8 +204,9 @@ def main() -> int:
     models = Path(args.models)
     per_prompt = ranks_and_confidence(models / "target", models / "draft", data["code"][:args.prompts],
                                       args.tokens, args.threads)
-    summary = summarize(per_prompt, sizes, branches)
-    text = tables(summary, branches)
+    lookups = tuple(int(x) for x in args.lookup.split(",") if x)
+    summary = summarize(per_prompt, sizes, branches, lookups)
+    text = tables(summary, branches, lookups)
     sys.stdout.write(f"code prompts 1 to {args.prompts}, {args.tokens} tokens, greedy; medians over prompts (ratio: of "
                      f"the medians; per prompt: the median of each prompt's ratio)\n\n"
                      f"{text}\n")
