@@ -65,6 +65,11 @@ def check_prompt_length(num_prompt_tokens: int, identity: VerifierIdentity) -> N
                                "to generate")
 
 
+def tokens_left(seq: DraftSequence, num_prompt_tokens: int, max_model_len: int) -> tuple[int, int]:
+    """(the tokens the request may still emit, the tokens the target's context still holds)."""
+    return seq.sampling.max_tokens - (seq.num_tokens - num_prompt_tokens), max_model_len - seq.num_tokens
+
+
 def draft_room(tokens_left: int, context_left: int) -> int:
     """The draft tokens a sequence's next block may hold, as the verifier caps its choice: a block of k yields
     k + 1 tokens, within what the request may still emit and what the target's context still holds."""
@@ -195,8 +200,7 @@ class Generator:
                 flight.resumed = False
                 seq.roll_back()
                 tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
-                room = None if finished else draft_room(seq.sampling.max_tokens - (seq.num_tokens - len(prompt)),
-                                                        max_model_len - seq.num_tokens)
+                room = None if finished else draft_room(*tokens_left(seq, len(prompt), max_model_len))
                 self._record_round(stats, length, seq, verified, verdict, tokens, t0, t_sent - t_draft,
                                    t_verdict - t_sent, room)
                 stats.finish_reason = FinishReason.STOP if stopped else verdict.finish_reason
@@ -238,7 +242,7 @@ class Generator:
         where its last round ends)."""
         if not seq.sampling.output_ignores_drafts:
             return None
-        return min(seq.sampling.max_tokens - (seq.num_tokens - num_prompt_tokens), max_model_len - seq.num_tokens)
+        return min(tokens_left(seq, num_prompt_tokens, max_model_len))
 
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
         if length.follows_verifier and k == 0:

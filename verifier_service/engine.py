@@ -221,7 +221,7 @@ class VerifierEngine:
                     other_drafted += item.proposal.num_draft_tokens
                 continue
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
-            room = min(seq.sampling.max_tokens - seq.num_generated, self.limits.max_model_len - seq.num_tokens) - 1
+            room = min(seq.num_output_left, self.limits.max_model_len - seq.num_tokens) - 1
             caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
             sizes[seq.key] = (seq.num_tokens, room + 1)
         away_caps: dict[SeqKey, int] = {}

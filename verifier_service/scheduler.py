@@ -198,7 +198,7 @@ class Scheduler:
             if seq.sampling.output_ignores_drafts:
                 # nor verify drafts past what the sequence may still emit (a block of k yields up to k + 1
                 # tokens): a fixed k's last rounds, a pipelined branch drafted before the room was known
-                proposal = proposal.within_positions(seq.sampling.max_tokens - seq.num_generated - 1)
+                proposal = proposal.within_positions(seq.num_output_left - 1)
             end = seq.num_tokens + proposal.num_draft_tokens
             if end - seq.num_cached <= budget:
                 candidates.append(ScheduledSeq(seq, seq.num_cached, end, proposal,

@@ -41,6 +41,11 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def num_output_left(self) -> int:
+        """The tokens the request may still emit (its max_tokens less what it has)."""
+        return self.sampling.max_tokens - self.num_generated
+
+    @property
     def needs_prefill(self) -> bool:
         """Tokens before the last are not all cached yet (a new prompt, or a preempted sequence)."""
         return self.num_cached < self.num_tokens - 1
