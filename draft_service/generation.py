@@ -152,6 +152,7 @@ class Generator:
         try:
             while not finished:
                 t_draft = time.perf_counter()
+                max_model_len = self._context_length(seq_id, max_model_len)
                 k, flight.max_draft_tokens = length.next_round()
                 # tokens this sequence may still emit, where the verifier verifies no draft past them (greedy and
                 # coupled output ignores where rounds end); None: every block is drafted and verified whole
@@ -192,9 +193,12 @@ class Generator:
                     if warming:
                         await self.drafter.settle(seq)  # before seq changes (or is released)
                 self.pipeline.observe(width, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
+                if verdict.finish_reason is None:
+                    self.pipeline.observe_verdict(block, verdict)
                 seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)
                 finished = verdict.finish_reason is not None
+                max_model_len = self._context_length(seq_id, max_model_len)  # a resume may have moved it
                 verified, block = block, await self.pipeline.settle(seq, block, verdict, branches, flight, finished)
                 branches = []
                 flight.resumed = False
@@ -233,6 +237,12 @@ class Generator:
                                       weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
                                       pooled=self._pooled_own)
         return prompt, seq, length, identity.max_model_len
+
+    def _context_length(self, seq_id: int, known: int) -> int:
+        """The target's context length on the verifier the sequence is open on now: the one it was opened on, or,
+        after a resume, the one it moved to (which may take a longer or shorter context than the first)."""
+        identity = self.link.identity_of(seq_id)
+        return identity.max_model_len if identity is not None else known
 
     @staticmethod
     def _tokens_left(seq: DraftSequence, num_prompt_tokens: int, max_model_len: int) -> int | None:

@@ -66,6 +66,9 @@ class OneTokenVerifier:
     async def ensure_connected(self, retry_s: float) -> VerifierIdentity:
         return self.identity
 
+    def identity_of(self, seq_id: int) -> VerifierIdentity:
+        return self.identity
+
     async def open(self, prompt_token_ids, sampling, **_) -> int:
         self.opened.append(list(prompt_token_ids))
         seq_id = next(self._ids)

@@ -104,6 +104,9 @@ class FakeVerifier:
     async def ensure_connected(self, retry_s: float) -> VerifierIdentity:
         return self.identity
 
+    def identity_of(self, seq_id: int) -> VerifierIdentity:
+        return self.identity
+
     async def open(self, prompt_token_ids, sampling, *, retry_s, deadline=None, **_) -> int:
         seq_id = next(self._ids)
         self.seqs[seq_id] = _Seq(list(prompt_token_ids), len(prompt_token_ids), sampling.max_tokens)
@@ -726,3 +729,110 @@ def test_adopting_a_branch_that_drafted_nothing_caches_nothing():
     model.adopt(seq, branch)
     assert seq.num_cached == 0 and not model.blocks.has(seq)
     assert model.blocks.num_free_blocks == NUM_BLOCKS
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["chain", "pipelined"])
+def test_the_room_follows_the_context_of_the_verifier_a_sequence_is_on_now(reference_model, pipeline):
+    """A greedy sequence drafts no further than the target's context leaves room for, taken from the verifier the
+    sequence is open on now: once a resume moves it to a verifier with a longer context (here: the identity the
+    link reports for it changes after its first verdict), its blocks are drafted whole again, not cut to the
+    first verifier's context."""
+    link = FakeVerifier(_model_target(reference_model))
+    prompt = _prompts("model")[0]
+    short = dataclasses.replace(link.identity, max_model_len=len(prompt) + 4)
+    link.identity = short
+    lengths = []  # (the context length the link reported when the block was sent, its drafts)
+    propose, serve = link.propose, link._serve
+
+    def recorded(seq_id, start, block, **kwargs):
+        lengths.append((link.identity.max_model_len, len(block.token_ids)))
+        return propose(seq_id, start, block, **kwargs)
+
+    async def moved(seq_id, s):
+        await serve(seq_id, s)
+        link.identity = dataclasses.replace(short, max_model_len=4096)  # after the first verdict: resumed elsewhere
+    link.propose, link._serve = recorded, moved
+
+    async def run():
+        service = _service(link, pipeline=pipeline)
+        try:
+            sampling = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+            assert len(await _tokens(service.generator, _request(prompt, sampling))) == 20
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
+    assert lengths[0] == (len(prompt) + 4, 3)  # the first verifier's context: 4 tokens left, 3 drafts and a bonus
+    later = [n for context, n in lengths if context == 4096]
+    assert later and max(later) == 4, lengths  # the longer context's blocks: k = 4 again
+
+
+def test_the_learned_width_drafts_only_the_alternatives_verdicts_adopt():
+    """No stall, yet a branch after a rejection is dropped once such branches are not adopted: each verdict says
+    which planned alternative it would have confirmed, drafted or not. Alternatives adopted again widen it back;
+    a fixed --pipeline-width stays."""
+    from draft_service.pipelining import PipelineWidth
+
+    width = PipelineWidth(max_width=4, width=2)
+    assert width.next_width() == 2
+    for _ in range(40):  # every block accepted whole: no alternative adopted
+        width.observe_verdict(None, num_alternatives=6)
+        width.observe(width.next_width(), stall_s=0.0, round_s=0.1)
+    assert width.next_width() == 1
+    for round_ in range(40):  # the second alternative confirmed in a fifth of the verdicts
+        width.observe_verdict(1 if round_ % 5 == 0 else None, num_alternatives=6)
+        width.observe(width.next_width(), stall_s=0.0, round_s=0.1)
+    assert width.next_width() == 3  # up to it, the first one with it
+    for _ in range(40):  # blocks of one draft plan one alternative: the others' shares are not touched
+        width.observe_verdict(None, num_alternatives=1)
+    assert width.next_width() == 3
+    fixed = PipelineWidth(max_width=8, width=3, learn=False)
+    for _ in range(40):
+        fixed.observe_verdict(None, num_alternatives=6)
+    assert fixed.next_width() == 3
+
+
+def test_a_verdict_names_the_planned_alternative_it_confirms():
+    from draft_service.pipelining import Pipeline, PipelineWidth
+
+    block = DraftBlock((5, 6, 7), None, alternatives=((8, 9), (10, 11), (12, 13)))
+    assert Pipeline.planned_guesses(block) == [(0, 8), (1, 10), (2, 12), (0, 9), (1, 11), (2, 13)]
+    seen = []
+    pipeline = Pipeline(None, DraftMetrics(), PipelineWidth(max_width=8))
+    pipeline.width.observe_verdict = lambda adopted, n: seen.append((adopted, n))
+    for tokens in ((5, 10), (5, 6, 7, 4), (13,), (9,), (5, 6, 13), (5, 6, 12)):
+        pipeline.observe_verdict(block, VerdictEvent(0, len(tokens) - 1, tokens, None, 1))
+    assert seen == [(1, 6), (None, 6), (None, 6), (3, 6), (5, 6), (2, 6)]
+
+
+def test_a_draft_that_always_agrees_pipelines_one_branch_a_round(reference_model):
+    """Through the generation loop with a learned width: against a verifier that accepts every draft, the
+    branches after a rejection are soon no longer drafted (the full-acceptance branch alone is)."""
+    def agreeing(tokens: list[int]) -> int:
+        with torch.inference_mode():
+            return int(reference_model(torch.tensor([tokens])).logits[0, -1].argmax())
+
+    link = FakeVerifier(agreeing)
+    assumed = []  # per pipelined proposal, the sequence and what it assumed
+    propose = link.propose
+
+    def recorded(seq_id, start, block, *, assumed_token_ids=(), **kwargs):
+        if assumed_token_ids:
+            assumed.append(seq_id)
+        return propose(seq_id, start, block, assumed_token_ids=assumed_token_ids, **kwargs)
+    link.propose = recorded
+
+    async def run():
+        service = _service(link, pipeline=True, width=0)  # 0: learned, from 2
+        try:
+            sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+            for prompt in _prompts("model") * 2:  # 8 verdicts each
+                assert len(await _tokens(service.generator, _request(prompt, sampling))) == 40
+        finally:
+            await service.stop()
+
+    asyncio.run(run())
+    first, last = min(link.seqs), max(link.seqs)
+    rounds_of = {s: len(link.verified[s]) for s in (first, last)}
+    assert assumed.count(first) > rounds_of[first]  # at first two branches a round...
+    assert assumed.count(last) <= rounds_of[last]  # ...at the end one
