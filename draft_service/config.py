@@ -56,7 +56,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                             "assuming the current one is fully accepted (and guessing the bonus token) and send it "
                             "at once; hides the round trip when the verifier is on another host")
     pipeline_width: int = option(0, "with --pipeline: branches drafted ahead per round, fixed (1: only the "
-                                 "full-acceptance guess; at most 8); 0: learned from the measured stall")
+                                 "full-acceptance guess; at most 8); 0: learned from the measured stall and from "
+                                 "which branches the verdicts adopt")
     adaptive_k: bool = option(False, "the same as --speculation adaptive (kept for older command lines)")
     draft_confidence_threshold: float = option(0.0, "end a draft block early when the draft's top probability "
                                                "falls below this")

@@ -165,7 +165,7 @@ class Generator:
                 if block is None:
                     block = await self._draft(seq, k, length)
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
-                width = self.pipeline.width_for(k)
+                width = self.pipeline.width_for(block, k)
                 branches = await self.pipeline.draft_branches(seq, block, k, width, flight, tokens_left=left)
                 # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
                 # while the model has nothing to draft, sooner while recent rounds draft (never for k = 0

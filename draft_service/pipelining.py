@@ -13,6 +13,7 @@ round drafts, from what drafting ahead costs the rounds beside it.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,10 +92,12 @@ class PipelineWidth:
     only decides which proposals are sent early, never what is verified: outputs do not depend on it. With
     `learn` False the width stays as set (--pipeline-width).
 
-    A branch after a rejection is drafted only while such branches are adopted: every verdict says which of the
-    alternatives (in the order branches are planned, Pipeline.planned_guesses) it would have confirmed, whether
-    that branch was drafted or not, and the width stops after the last alternative adopted in at least
-    `min_use_share` of recent rounds (a rate decaying by `use_decay` a verdict, from `use_prior`). The stall
+    A branch after a rejection is drafted only while such branches are adopted. Each alternative is known by its
+    guess's rank and position, (rank, j) (Pipeline.planned_guesses), and every verdict of a block says which of
+    the block's planned alternatives it would have confirmed, drafted or not: per (rank, j), the share of recent
+    verdicts that confirmed it (decaying by `use_decay` a verdict that planned it, from `use_prior`). A round's
+    width stops after the last of its block's planned alternatives with a share of at least `min_use_share`. The
+    stall
     alone does not price a branch that is never adopted: drafting it delays the proposals that drafting ahead
     sends for the verifier's next step (with a draft that always agrees, on a core of its own, the learned
     width drafted the agreeing pair's 16 streams at 413 to 441 tokens/s against 507 to 511 with one branch).
@@ -110,36 +113,36 @@ class PipelineWidth:
     use_decay: float = 0.95
     use_prior: float = 0.1
     _off_rounds: int = 0
-    # per alternative (the branch after the first, in planned order): the recent share of verdicts it would
-    # have guessed
-    _use: list[float] = field(default_factory=list, repr=False)
+    # per alternative, (its guess's rank, its position): the recent share of verdicts that confirmed it
+    _use: dict[tuple[int, int], float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.width < 0:
             self.width = self.max_width
-        self._use = [self.use_prior] * max(0, self.max_width - 1)
 
-    def next_width(self) -> int:
+    def next_width(self, slots: Sequence[tuple[int, int]] = ()) -> int:
+        """The round's width; `slots`: its block's planned alternatives, (rank, j), in planned order."""
         if self.width > 0:
-            return min(self.width, self.useful_width())
+            return min(self.width, self.useful_width(slots))
         self._off_rounds += 1
         if self._off_rounds >= self.probe_rounds:
             self._off_rounds = 0
             return 1
         return 0
 
-    def useful_width(self) -> int:
-        """1, and the alternatives up to the last one adopted often enough (the learned width's bound)."""
+    def useful_width(self, slots: Sequence[tuple[int, int]]) -> int:
+        """1, and `slots` up to the last one adopted often enough (the learned width's bound)."""
         if not self.learn:
             return self.max_width
-        return 1 + max((i + 1 for i, share in enumerate(self._use) if share >= self.min_use_share), default=0)
+        return 1 + max((i + 1 for i, slot in enumerate(slots)
+                        if self._use.get(slot, self.use_prior) >= self.min_use_share), default=0)
 
-    def observe_verdict(self, adopted: int | None, num_alternatives: int) -> None:
-        """A verdict of a block with `num_alternatives` planned alternatives: `adopted` is the one it confirms
-        (0: the first alternative), None: none of them (the whole block accepted, or a correction the draft
-        did not guess)."""
-        for i in range(min(num_alternatives, len(self._use))):
-            self._use[i] = self.use_decay * self._use[i] + (1.0 - self.use_decay) * (i == adopted)
+    def observe_verdict(self, adopted: tuple[int, int] | None, slots: Sequence[tuple[int, int]]) -> None:
+        """A verdict of a block whose planned alternatives are `slots`: `adopted` is the one it confirms, None:
+        none of them (the whole block accepted, or a correction the draft did not guess)."""
+        for slot in slots:
+            share = self._use.get(slot, self.use_prior)
+            self._use[slot] = self.use_decay * share + (1.0 - self.use_decay) * (slot == adopted)
 
     def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
         if not self.learn or width_used == 0 or round_s <= 0:
@@ -171,22 +174,26 @@ class Pipeline:
             width = PipelineWidth(MAX_BRANCHES, width=fixed_width if fixed else 2, learn=not fixed)
         return cls(drafter, metrics, width)
 
-    def width_for(self, k: int) -> int:
-        """Branches to draft beside a block of `k` drafts: no more than there are guesses."""
-        return min(self.width.next_width(), 1 + k * ALTERNATIVES) if self.width else 0
+    def width_for(self, block: DraftBlock, k: int) -> int:
+        """Branches to draft beside `block` (in flight), of `k` drafts each: no more than there are guesses."""
+        if not self.width:
+            return 0
+        slots = [(rank, j) for rank, j, _ in self.planned_guesses(block)]
+        return min(self.width.next_width(slots), 1 + k * ALTERNATIVES)
 
     def observe(self, width_used: int, stall_s: float, round_s: float) -> None:
         if self.width:
             self.width.observe(width_used, stall_s, round_s)
 
     @staticmethod
-    def planned_guesses(block: DraftBlock) -> list[tuple[int, int]]:
-        """The verdicts the branches after the first assume, in the order they are drafted: (j, token), j drafts
-        of the block's path accepted and the next corrected to token; the best guess at each position, earliest
-        first, then the second best."""
+    def planned_guesses(block: DraftBlock) -> list[tuple[int, int, int]]:
+        """The verdicts the branches after the first assume, in the order they are drafted: (rank, j, token), j
+        drafts of the block's path accepted and the next corrected to token, the draft's rank-th other guess
+        there; the best guess at each position, earliest first, then the second best."""
         alternatives = block.alternatives or ()
         ranks = max((len(a) for a in alternatives), default=0)
-        return [(j, alts[rank]) for rank in range(ranks) for j, alts in enumerate(alternatives) if rank < len(alts)]
+        return [(rank, j, alts[rank]) for rank in range(ranks) for j, alts in enumerate(alternatives)
+                if rank < len(alts)]
 
     def observe_verdict(self, block: DraftBlock, verdict: VerdictEvent) -> None:
         """Which planned alternative `verdict` of `block` confirms, drafted or not (PipelineWidth.observe_verdict)."""
@@ -196,8 +203,9 @@ class Pipeline:
         path, tokens = block.path_token_ids, verdict.token_ids
         adopted = None
         if len(tokens) <= len(path) and tuple(path[:len(tokens) - 1]) == tokens[:-1]:
-            adopted = next((i for i, guess in enumerate(guesses) if guess == (len(tokens) - 1, tokens[-1])), None)
-        self.width.observe_verdict(adopted, len(guesses))
+            adopted = next(((rank, j) for rank, j, token in guesses if (j, token) == (len(tokens) - 1, tokens[-1])),
+                           None)
+        self.width.observe_verdict(adopted, [(rank, j) for rank, j, _ in guesses])
 
     async def draft_branches(self, seq: DraftSequence, block: DraftBlock, k: int, width: int,
                              flight: Flight, tokens_left: int | None = None) -> list[Branch]:
@@ -221,7 +229,7 @@ class Pipeline:
                 lengths.append(room)
 
         plan(len(block.path_token_ids), None, list(block.path_token_ids))
-        for j, alternative in self.planned_guesses(block)[:max(0, width - 1)]:
+        for _, j, alternative in self.planned_guesses(block)[:max(0, width - 1)]:
             plan(j, alternative, [*block.path_token_ids[:j], alternative])
         if not plans:
             return []

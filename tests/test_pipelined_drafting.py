@@ -34,6 +34,7 @@ from draft_service.pipelining import Flight
 from draft_service.sequence import DraftSequence
 from draft_service.tree_drafting import TreeShape
 from draft_service.types import (
+    EMPTY_BLOCK,
     DraftBlock,
     DroppedEvent,
     ErrorEvent,
@@ -641,23 +642,24 @@ def test_pipeline_width_narrows_while_drafting_ahead_stalls_verdicts_and_probes_
     from draft_service.pipelining import PipelineWidth
 
     width = PipelineWidth(max_width=3)
-    assert width.next_width() == 3
+    slots = [(rank, j) for rank in range(2) for j in range(4)]  # a block of 4 drafts' alternatives, none seen
+    assert width.next_width(slots) == 3
     width.observe(3, stall_s=0.05, round_s=0.1)  # the verdict waited half the round for the drafts
-    assert width.next_width() == 2
+    assert width.next_width(slots) == 2
     width.observe(2, stall_s=0.05, round_s=0.1)
     width.observe(1, stall_s=0.05, round_s=0.1)
-    assert [width.next_width() for _ in range(15)] == [0] * 15  # off...
-    assert width.next_width() == 1  # ...then one branch is tried again
+    assert [width.next_width(slots) for _ in range(15)] == [0] * 15  # off...
+    assert width.next_width(slots) == 1  # ...then one branch is tried again
     width.observe(1, stall_s=0.0, round_s=0.1)  # it fit: widen step by step up to the cap
-    assert width.next_width() == 2
+    assert width.next_width(slots) == 2
     width.observe(2, stall_s=0.0, round_s=0.1)
     width.observe(3, stall_s=0.0, round_s=0.1)
-    assert width.next_width() == 3
+    assert width.next_width(slots) == 3
     width.observe(3, stall_s=0.01, round_s=0.1)  # in between: stays
-    assert width.next_width() == 3
+    assert width.next_width(slots) == 3
     fixed = PipelineWidth(max_width=8, width=2, learn=False)  # --pipeline-width 2
     fixed.observe(2, stall_s=0.09, round_s=0.1)
-    assert fixed.next_width() == 2
+    assert fixed.next_width(slots) == 2
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
@@ -769,40 +771,50 @@ def test_the_room_follows_the_context_of_the_verifier_a_sequence_is_on_now(refer
 
 def test_the_learned_width_drafts_only_the_alternatives_verdicts_adopt():
     """No stall, yet a branch after a rejection is dropped once such branches are not adopted: each verdict says
-    which planned alternative it would have confirmed, drafted or not. Alternatives adopted again widen it back;
-    a fixed --pipeline-width stays."""
+    which planned alternative, (rank, position), it would have confirmed, drafted or not. An alternative adopted
+    again widens it back to that alternative, wherever a block's length puts it in the planned order; a fixed
+    --pipeline-width stays."""
     from draft_service.pipelining import PipelineWidth
 
-    width = PipelineWidth(max_width=4, width=2)
-    assert width.next_width() == 2
+    def slots(length):  # the planned order of a chain of `length` drafts, two guesses a position
+        return [(rank, j) for rank in range(2) for j in range(length)]
+
+    width = PipelineWidth(max_width=8, width=2)
+    assert width.next_width(slots(6)) == 2
     for _ in range(40):  # every block accepted whole: no alternative adopted
-        width.observe_verdict(None, num_alternatives=6)
-        width.observe(width.next_width(), stall_s=0.0, round_s=0.1)
-    assert width.next_width() == 1
-    for round_ in range(40):  # the second alternative confirmed in a fifth of the verdicts
-        width.observe_verdict(1 if round_ % 5 == 0 else None, num_alternatives=6)
-        width.observe(width.next_width(), stall_s=0.0, round_s=0.1)
-    assert width.next_width() == 3  # up to it, the first one with it
-    for _ in range(40):  # blocks of one draft plan one alternative: the others' shares are not touched
-        width.observe_verdict(None, num_alternatives=1)
-    assert width.next_width() == 3
+        width.observe_verdict(None, slots(6))
+        width.observe(width.next_width(slots(6)), stall_s=0.0, round_s=0.1)
+    assert width.next_width(slots(6)) == 1
+    for round_ in range(40):  # position 1's best guess confirmed in a fifth of the verdicts
+        width.observe_verdict((0, 1) if round_ % 5 == 0 else None, slots(6))
+        width.observe(width.next_width(slots(6)), stall_s=0.0, round_s=0.1)
+    assert width.next_width(slots(6)) == 3  # up to it, the first alternative with it
+    assert width.next_width(slots(1)) == 1  # a block of one draft plans no (0, 1)
+    assert width.next_width(slots(2)) == 3  # one of two plans it second too
+    for _ in range(40):  # blocks of one draft: the alternatives they do not plan keep their shares
+        width.observe_verdict(None, slots(1))
+    assert width.next_width(slots(6)) == 3
     fixed = PipelineWidth(max_width=8, width=3, learn=False)
     for _ in range(40):
-        fixed.observe_verdict(None, num_alternatives=6)
-    assert fixed.next_width() == 3
+        fixed.observe_verdict(None, slots(3))
+    assert fixed.next_width(slots(3)) == 3
 
 
 def test_a_verdict_names_the_planned_alternative_it_confirms():
     from draft_service.pipelining import Pipeline, PipelineWidth
 
     block = DraftBlock((5, 6, 7), None, alternatives=((8, 9), (10, 11), (12, 13)))
-    assert Pipeline.planned_guesses(block) == [(0, 8), (1, 10), (2, 12), (0, 9), (1, 11), (2, 13)]
+    assert Pipeline.planned_guesses(block) == [(0, 0, 8), (0, 1, 10), (0, 2, 12), (1, 0, 9), (1, 1, 11), (1, 2, 13)]
     seen = []
     pipeline = Pipeline(None, DraftMetrics(), PipelineWidth(max_width=8))
-    pipeline.width.observe_verdict = lambda adopted, n: seen.append((adopted, n))
-    for tokens in ((5, 10), (5, 6, 7, 4), (13,), (9,), (5, 6, 13), (5, 6, 12)):
+    pipeline.width.observe_verdict = lambda adopted, slots: seen.append((adopted, len(slots)))
+    # a correction at 1 to the best guess; the whole block; a correction not guessed; the second guess at 0;
+    # the second guess at 2, then the best; a verdict that left the path (7 is no draft at 1) ending on a guess
+    for tokens in ((5, 10), (5, 6, 7, 4), (13,), (9,), (5, 6, 13), (5, 6, 12), (5, 7, 12)):
         pipeline.observe_verdict(block, VerdictEvent(0, len(tokens) - 1, tokens, None, 1))
-    assert seen == [(1, 6), (None, 6), (None, 6), (3, 6), (5, 6), (2, 6)]
+    assert seen == [((0, 1), 6), (None, 6), (None, 6), ((1, 0), 6), ((1, 2), 6), ((0, 2), 6), (None, 6)]
+    pipeline.observe_verdict(EMPTY_BLOCK, VerdictEvent(0, 0, (4,), None, 1))  # no draft: nothing planned
+    assert len(seen) == 7
 
 
 def test_a_draft_that_always_agrees_pipelines_one_branch_a_round(reference_model):
@@ -824,6 +836,7 @@ def test_a_draft_that_always_agrees_pipelines_one_branch_a_round(reference_model
 
     async def run():
         service = _service(link, pipeline=True, width=0)  # 0: learned, from 2
+        service.generator.pipeline.width.narrow_share = float("inf")  # no stall narrows it: what adoption does
         try:
             sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
             for prompt in _prompts("model") * 2:  # 8 verdicts each
