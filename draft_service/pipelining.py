@@ -96,11 +96,14 @@ class PipelineWidth:
     guess's rank and position, (rank, j) (Pipeline.planned_guesses), and every verdict of a block says which of
     the block's planned alternatives it would have confirmed, drafted or not: per (rank, j), the share of recent
     verdicts that confirmed it (decaying by `use_decay` a verdict that planned it, from `use_prior`). A round's
-    width stops after the last of its block's planned alternatives with a share of at least `min_use_share`. The
-    stall
-    alone does not price a branch that is never adopted: drafting it delays the proposals that drafting ahead
-    sends for the verifier's next step (with a draft that always agrees, on a core of its own, the learned
-    width drafted the agreeing pair's 16 streams at 413 to 441 tokens/s against 507 to 511 with one branch).
+    width stops after the last of its block's planned alternatives with a share of at least `min_use_share` (a
+    block with none, e.g. prompt lookup's, drafts one branch, and a stall then turns pipelining off at once).
+    The stall alone does not price a branch that is never adopted: drafting it delays the proposals that
+    drafting ahead sends for the verifier's next step (with a draft that always agrees, on a core of its own,
+    the width learned from the stall alone drafted the agreeing pair's 16 streams at 413 and 441 tokens/s
+    against 507 and 511 with one branch). A token tree's alternatives are the best tokens outside a node's
+    children, so its rank-r guess at j is not always the draft's same rank there: a looser bound, not a wrong
+    one.
     """
 
     max_width: int
