@@ -205,7 +205,7 @@ class Pipeline:
         guesses = self.planned_guesses(block)
         path, tokens = block.path_token_ids, verdict.token_ids
         adopted = None
-        if len(tokens) <= len(path) and tuple(path[:len(tokens) - 1]) == tokens[:-1]:
+        if 0 < len(tokens) <= len(path) and tuple(path[:len(tokens) - 1]) == tokens[:-1]:
             adopted = next(((rank, j) for rank, j, token in guesses if (j, token) == (len(tokens) - 1, tokens[-1])),
                            None)
         self.width.observe_verdict(adopted, [(rank, j) for rank, j, _ in guesses])

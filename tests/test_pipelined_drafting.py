@@ -815,6 +815,9 @@ def test_a_verdict_names_the_planned_alternative_it_confirms():
     assert seen == [((0, 1), 6), (None, 6), (None, 6), ((1, 0), 6), ((1, 2), 6), ((0, 2), 6), (None, 6)]
     pipeline.observe_verdict(EMPTY_BLOCK, VerdictEvent(0, 0, (4,), None, 1))  # no draft: nothing planned
     assert len(seen) == 7
+    one = DraftBlock((5,), None, alternatives=((8, 9),))
+    pipeline.observe_verdict(one, VerdictEvent(0, 0, (), None, 1))  # no token (a verifier's bug): none adopted
+    assert seen[-1] == (None, 2)
 
 
 def test_a_draft_that_always_agrees_pipelines_one_branch_a_round(reference_model):
