@@ -145,6 +145,7 @@ class Generator:
         seq_id = await self.link.open(prompt, seq.sampling, retry_s=self._retry_s(req.deadline),
                                       deadline=req.deadline, cache_salt=req.cache_salt)
         structlog.contextvars.bind_contextvars(seq_id=seq_id)
+        max_model_len = self._context_length(seq_id, max_model_len)  # the verifier it was placed on
         flight = Flight(self.link, seq_id, metrics=self.metrics)
         finished = False
         block: DraftBlock | None = None  # the block in flight at the sequence's end, once drafted
@@ -152,7 +153,6 @@ class Generator:
         try:
             while not finished:
                 t_draft = time.perf_counter()
-                max_model_len = self._context_length(seq_id, max_model_len)
                 k, flight.max_draft_tokens = length.next_round()
                 # tokens this sequence may still emit, where the verifier verifies no draft past them (greedy and
                 # coupled output ignores where rounds end); None: every block is drafted and verified whole
