@@ -9,7 +9,9 @@ modes of one level are measured minutes apart rather than half an hour (the auto
 mode's stack stops as soon as another mode runs, and starts again where its mode is next measured). Every stack
 first serves each prompt once, so that all start a level with the prompts in their prefix cache. Mode `0@auto`
 sends k = 0 requests to the auto stack: plain decoding through auto's own verifier process, where `0` runs on a
-stack of its own (two processes of the same code can differ by a tenth in speed: see SAME_STACK_K0). Per
+stack of its own (two processes of the same code can differ by a tenth in speed: see SAME_STACK_K0); `4@auto`
+sends requests of a fixed k = 4 there (the request's speculation FIXED; the auto draft then starts with
+--allow-request-fixed), so a fixed k is compared with auto on the same two processes. Per
 concurrency and mode it reports:
 - aggregate output tokens/s (all tokens over the window's wall time);
 - time to first token, p50 and p99 over requests;
@@ -72,25 +74,34 @@ def percentile(values: list[float], q: float) -> float:
 # auto's one-sequence forwards 1.07-1.13x k = 0's in one run and 0.96-0.97x in the next, the stacks started in
 # the other order), and a ratio between two stacks carries that; this one does not.
 SAME_STACK_K0 = "0@auto"
+ON_AUTO = "@auto"  # `K@auto`: requests of a fixed k on the auto stack (K = 0: SAME_STACK_K0)
 
 
 def stack_of(mode: str) -> str:
-    """The stack a mode runs on: its own, but the auto stack for SAME_STACK_K0."""
-    return "auto" if mode == SAME_STACK_K0 else mode
+    """The stack a mode runs on: its own, but the auto stack for `K@auto`."""
+    return "auto" if mode.endswith(ON_AUTO) else mode
+
+
+def k_of(mode: str) -> int | None:
+    """The k a mode's requests ask for (None: the draft service's own, auto's cap)."""
+    return None if mode == "auto" else int(mode.removesuffix(ON_AUTO))
 
 
 def label_of(mode: str) -> str:
-    return {"0": "k = 0", "auto": "auto", SAME_STACK_K0: "k = 0 on auto's stack"}.get(mode, f"k = {mode}")
+    if mode.endswith(ON_AUTO):
+        return f"k = {k_of(mode)} on auto's stack"
+    return {"0": "k = 0", "auto": "auto"}.get(mode, f"k = {mode}")
 
 
-def _request(prompt: str | list[int], k: int | None) -> dict:
-    """A request's prompt (text or token ids) and draft length (None: the draft service's own) as client kwargs."""
+def _request(prompt: str | list[int], k: int | None, fixed: bool = False) -> dict:
+    """A request's prompt (text or token ids), draft length (None: the draft service's own) and, with `fixed`,
+    its k every round whatever the verifier chooses (the auto draft's --allow-request-fixed), as client kwargs."""
     return {"prompt_token_ids" if isinstance(prompt, list) else "prompt": prompt,
-            **({} if k is None else {"num_speculative_tokens": k})}
+            **({} if k is None else {"num_speculative_tokens": k}), **({"speculation": "fixed"} if fixed else {})}
 
 
 async def run_level(address: str, concurrency: int, prompts: list, tokens: int, k: int | None, *,
-                    per_stream: int = 2, min_requests: int = 8) -> dict:
+                    per_stream: int = 2, min_requests: int = 8, fixed: bool = False) -> dict:
     """`concurrency` streams, back to back, until max(min_requests, per_stream * concurrency) requests are done."""
     total = max(min_requests, per_stream * concurrency)
     next_request = iter(range(total))
@@ -105,7 +116,7 @@ async def run_level(address: str, concurrency: int, prompts: list, tokens: int, 
             t0 = time.perf_counter()
             first = last = None
             n = 0
-            stream = client.stream(**_request(prompt, k), max_tokens=tokens, temperature=0.0, ignore_eos=True)
+            stream = client.stream(**_request(prompt, k, fixed), max_tokens=tokens, temperature=0.0, ignore_eos=True)
             async for chunk in stream:
                 if not chunk.token_ids:
                     continue
@@ -174,13 +185,14 @@ class ModeStack:
 
     def measure(self, concurrency: int, prompts: list, tokens: int, per_stream: int, min_requests: int,
                 mode: str | None = None) -> dict:
-        """`mode`: SAME_STACK_K0 on the auto stack (its requests ask for k = 0); else this stack's own."""
+        """`mode`: `K@auto` on the auto stack (its requests ask for a fixed k = K); else this stack's own."""
         mode = mode or self.mode
-        k = 0 if mode == SAME_STACK_K0 else self.k
+        k = k_of(mode)
         before = _spec_counters(self.metrics_url)
         cpu_before = _cpu_s(self.verifier.proc.pid), _cpu_s(self.draft.proc.pid)
         row = {"mode": mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, k,
-                                                     per_stream=per_stream, min_requests=min_requests))}
+                                                     per_stream=per_stream, min_requests=min_requests,
+                                                     fixed=mode.endswith(ON_AUTO) and bool(k)))}
         after = _spec_counters(self.metrics_url)
         # CPU seconds each service used in the level (both share the cores unless pinned)
         row["verifier_cpu_s"] = _cpu_s(self.verifier.proc.pid) - cpu_before[0]
@@ -279,7 +291,8 @@ def main() -> int:
                         "greedy acceptance 1 at the target's cost")
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     p.add_argument("--modes", default="0,4", help="k = 0, fixed ks, `auto` (a draft with --speculation auto), and "
-                                                  f"`{SAME_STACK_K0}`: k = 0 requests on the auto stack")
+                                                  f"`K{ON_AUTO}`: requests of a fixed k = K on the auto stack "
+                                                  "(its draft then takes --allow-request-fixed)")
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level: this many per stream")
     p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
@@ -343,12 +356,14 @@ def main() -> int:
             # and trial state carry from one level to the next. A fixed mode learns nothing, so in level order its
             # stack starts again where it is next measured.
             own = stack_of(mode)
-            # the auto stack also serves SAME_STACK_K0: in mode order too it stays while the modes between them run
-            keep_auto = args.order == "level" or SAME_STACK_K0 in modes
+            # the auto stack also serves `K@auto`: in mode order too it stays while the modes between them run
+            keep_auto = args.order == "level" or any(m.endswith(ON_AUTO) for m in modes)
             for other in [m for m in stacks if m != own and not (keep_auto and m == "auto")]:
                 stacks.pop(other).close()
             if own not in stacks:
                 cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
+                if own == "auto" and any(m.endswith(ON_AUTO) and k_of(m) for m in modes):
+                    cap.append("--allow-request-fixed")
                 stacks[own] = ModeStack(own, target, draft, args.rtt_ms, args.pin, log_dir,
                                         [*extra_verifier, *shlex.split(args.verifier_args)],
                                         [*extra_draft, *cap, *shlex.split(args.draft_args)], name=f"{own}-from-c{c}")  # logs: one per start

@@ -50,6 +50,10 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                               "costs; 0 under heavy load), adaptive (this sequence's own tokens/s alone, no "
                               "verifier choice) or fixed (k every round). Seeded requests verified by rejection "
                               "sampling (sparse, one-hot) always draft k", choices=SPECULATION_MODES)
+    allow_request_fixed: bool = option(False, "honour a request's speculation FIXED (its k every round, whatever "
+                                       "the verifier chooses): for comparing the modes on one set of processes; a "
+                                       "client could otherwise draft under load the verifier would run plain, "
+                                       "slowing every sequence of its steps")
     proposer: str = option("model", "model: the draft model; ngram: prompt lookup, no model weights used",
                            choices=PROPOSERS)
     pipeline: bool = option(False, "pipelined drafting: while a verdict is in flight, draft the next block "

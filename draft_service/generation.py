@@ -230,10 +230,14 @@ class Generator:
         check_prompt_length(len(prompt), identity)  # before the draft prefills it
         self._check_trees(identity)
         k = self._num_speculative_tokens(req, identity)
+        if req.fixed_k and not self.config.allow_request_fixed:
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, "this draft service does not take a request's "
+                               "speculation FIXED (start it with --allow-request-fixed): a fixed k drafts under load "
+                               "the verifier would run plain")
         requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
         sampling = self._sampling(requested.with_seed(), identity)
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity))
-        length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k),
+        length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k) and not req.fixed_k,
                                       weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
                                       pooled=self._pooled_own)
         return prompt, seq, length, identity.max_model_len

@@ -28,6 +28,7 @@ def request_from_proto(msg: draft_pb2.GenerateRequest, deadline: float | None = 
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         deadline=deadline,
         cache_salt=wire.cache_salt_from_proto(msg),
+        fixed_k=msg.speculation == draft_pb2.REQUEST_SPECULATION_FIXED,
     )
 
 

@@ -140,6 +140,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None
     deadline: float | None = None  # time.monotonic() of the client's deadline; None: none
     cache_salt: str | None = None  # the verifier shares cached prefix blocks only within one salt
+    fixed_k: bool = False  # the request asked for its k every round (needs --allow-request-fixed)
 
 
 @dataclass(frozen=True)

@@ -53,14 +53,17 @@ def build_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] 
                   top_p: float = 1.0, seed: int | None = None, stop: Sequence[str] | None = None,
                   num_speculative_tokens: int | None = None, ignore_eos: bool = False,
                   wire_mode: str | WireMode | None = None,
-                  cache_salt: str | None = None) -> draft_pb2.GenerateRequest:
+                  cache_salt: str | None = None, speculation: str | None = None) -> draft_pb2.GenerateRequest:
     """The request both clients send: its keyword arguments are `stream`'s and `generate`'s, defined here once.
 
     Give `prompt` (text) or `prompt_token_ids`. `wire_mode` ("sparse", "one-hot" or "coupled") overrides the
     draft service's for this request: "coupled" makes a seeded output the target-alone output for that seed,
     whatever the draft, k or pipelining. `cache_salt` (1 to 256 characters; vLLM's cache_salt) isolates the
     request's prefix cache on the verifier: it shares cached KV blocks only with requests of the same salt, so
-    one tenant cannot tell from latency whether another's prompt is cached. Give each tenant its own."""
+    one tenant cannot tell from latency whether another's prompt is cached. Give each tenant its own. `speculation`
+    "fixed" drafts `num_speculative_tokens` (or the service's k) every round, whatever the verifier chooses from
+    its load; a draft service takes it only when started with --allow-request-fixed (for comparing modes on one
+    set of processes, as bench/capacity.py does)."""
     if (prompt is None) == (prompt_token_ids is None):
         raise ValueError("give exactly one of prompt and prompt_token_ids")
     if max_tokens < 1:  # caught before sending: the service would answer the same
@@ -80,6 +83,10 @@ def build_request(prompt: str | None = None, *, prompt_token_ids: Sequence[int] 
         except ValueError:
             raise InvalidArgumentError(f"wire_mode must be one of {', '.join(m.value for m in WireMode)}, got "
                                        f"{wire_mode!r}") from None
+    if speculation is not None:
+        if speculation != "fixed":
+            raise InvalidArgumentError(f"speculation must be 'fixed' (or None: the service's own), got {speculation!r}")
+        req.speculation = draft_pb2.REQUEST_SPECULATION_FIXED
     if cache_salt is not None:  # judged by the service (1 to 256 characters)
         req.cache_salt = cache_salt
     return req

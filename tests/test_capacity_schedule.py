@@ -40,8 +40,8 @@ def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
 
     asked = []
 
-    async def run_level(address, concurrency, prompts, tokens, k, **_):
-        asked.append(k)
+    async def run_level(address, concurrency, prompts, tokens, k, fixed=False, **_):
+        asked.append((k, fixed))
         return {"tok_s": 1.0}
 
     monkeypatch.setattr(capacity, "run_level", run_level)
@@ -52,4 +52,8 @@ def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
     assert capacity.stack_of(capacity.SAME_STACK_K0) == "auto" and capacity.stack_of("4") == "4"
     assert stack.measure(2, [], 8, 1, 1, capacity.SAME_STACK_K0)["mode"] == capacity.SAME_STACK_K0
     assert stack.measure(2, [], 8, 1, 1)["mode"] == "auto"
-    assert asked == [0, None]
+    # `K@auto`: requests of a fixed k = K on the same stack (its draft started with --allow-request-fixed)
+    assert capacity.stack_of("4@auto") == "auto" and capacity.label_of("4@auto") == "k = 4 on auto's stack"
+    assert stack.measure(2, [], 8, 1, 1, "4@auto")["mode"] == "4@auto"
+    assert asked == [(0, False), (None, False), (4, True)]
+    assert capacity._request("p", 4, True) == {"prompt": "p", "num_speculative_tokens": 4, "speculation": "fixed"}

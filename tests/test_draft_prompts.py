@@ -992,3 +992,44 @@ def test_a_choice_the_sequence_capped_below_k_itself_is_no_word_on_the_load():
     assert length.load_choice(room=4) == 2  # a room of k bounds nothing
     assert length.load_choice(room=3) is None
     assert length.load_choice(room=None) is None
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_a_request_that_asks_for_a_fixed_k_drafts_it_whatever_the_verifier_chooses(allowed):
+    """Under --speculation auto, a request with speculation FIXED (bench/capacity.py's `4@auto`: the modes compared
+    on one set of processes) drafts its k every round, and its verdicts' choices are no word on the load for the
+    next request; a service without --allow-request-fixed refuses it, since it drafts under load the verifier
+    would run plain."""
+    link = ChoosingVerifier([0, 0, 1, 0])
+    drafter = RecordingDrafter()
+    gen = Generator(DraftConfig(model="m", proposer="ngram", allow_request_fixed=allowed), BlockingTokenizer(),
+                    VOCAB, link, drafter)
+
+    async def request(fixed: bool) -> None:
+        req = GenerationRequest(sampling=SamplingParams(temperature=0.0, max_tokens=10), prompt_text=None,
+                                prompt_token_ids=(1, 2, 3), num_speculative_tokens=3, fixed_k=fixed)
+        [event async for event in gen.generate(req)]
+
+    if not allowed:
+        with pytest.raises(ServiceError) as err:
+            asyncio.run(asyncio.wait_for(request(True), 10))
+        gen.prompts.close()
+        assert err.value.code == ErrorCode.FAILED_PRECONDITION and "--allow-request-fixed" in str(err.value)
+        assert drafter.lengths == [] and link.opened == []
+        return
+    asyncio.run(asyncio.wait_for(request(True), 10))
+    assert drafter.lengths == [3] * 4 and drafter.may_defer == [False] * 4
+    assert gen._recent_choice is None
+    link._round, drafter.lengths = 0, []
+    asyncio.run(asyncio.wait_for(request(False), 10))  # the same service's own mode for a request that asks nothing
+    gen.prompts.close()
+    assert drafter.lengths == [3, 0, 0, 1]
+
+
+def test_the_request_speculation_field_reaches_the_generation_and_the_client_checks_it():
+    from draft_service.servicer import request_from_proto
+    from specwire.client import InvalidArgumentError, build_request
+    assert request_from_proto(build_request("x", speculation="fixed")).fixed_k
+    assert not request_from_proto(build_request("x")).fixed_k
+    with pytest.raises(InvalidArgumentError, match="speculation"):
+        build_request("x", speculation="auto")

@@ -25,23 +25,25 @@ _sym_db = _symbol_database.Default()
 from specwire.v1 import common_pb2 as specwire_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specwire/v1/draft.proto\x12\x0bspecwire.v1\x1a\x18specwire/v1/common.proto\"\xa6\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specwire.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specwire.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12(\n\twire_mode\x18\x06 \x01(\x0e\x32\x15.specwire.v1.WireMode\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x02\x88\x01\x01\x42\x08\n\x06promptB\x19\n\x17_num_speculative_tokensB\r\n\x0b_cache_salt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"d\n\x10GenerateResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.specwire.v1.ChunkH\x00\x12#\n\x05stats\x18\x02 \x01(\x0b\x32\x12.specwire.v1.StatsH\x00\x42\x06\n\x04kind\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xc7\x03\n\x05Stats\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specwire.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_rounds\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x1c\n\x14\x64rafted_per_position\x18\x08 \x03(\r\x12\x13\n\x0bwall_time_s\x18\t \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\x0b \x01(\x01\x12\x15\n\rverify_wait_s\x18\x0c \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\r \x01(\r\x12\x15\n\rverify_time_s\x18\x0e \x01(\x01\x12\x1b\n\x13num_rejected_rounds\x18\x0f \x01(\r\x12\x16\n\x0eproposal_bytes\x18\x10 \x01(\x04\x32R\n\x05\x44raft\x12I\n\x08Generate\x12\x1c.specwire.v1.GenerateRequest\x1a\x1d.specwire.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specwire/v1/draft.proto\x12\x0bspecwire.v1\x1a\x18specwire/v1/common.proto\"\xdc\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x15.specwire.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specwire.v1.SamplingParams\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\x05H\x01\x88\x01\x01\x12(\n\twire_mode\x18\x06 \x01(\x0e\x32\x15.specwire.v1.WireMode\x12\x17\n\ncache_salt\x18\x07 \x01(\tH\x02\x88\x01\x01\x12\x34\n\x0bspeculation\x18\x08 \x01(\x0e\x32\x1f.specwire.v1.RequestSpeculationB\x08\n\x06promptB\x19\n\x17_num_speculative_tokensB\r\n\x0b_cache_salt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"d\n\x10GenerateResponse\x12#\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x12.specwire.v1.ChunkH\x00\x12#\n\x05stats\x18\x02 \x01(\x0b\x32\x12.specwire.v1.StatsH\x00\x42\x06\n\x04kind\"(\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\xc7\x03\n\x05Stats\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.specwire.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x1c\n\x14num_generated_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_rounds\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x1c\n\x14\x64rafted_per_position\x18\x08 \x03(\r\x12\x13\n\x0bwall_time_s\x18\t \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\n \x01(\x01\x12\x14\n\x0c\x64raft_time_s\x18\x0b \x01(\x01\x12\x15\n\rverify_wait_s\x18\x0c \x01(\x01\x12\x1e\n\x16num_speculative_tokens\x18\r \x01(\r\x12\x15\n\rverify_time_s\x18\x0e \x01(\x01\x12\x1b\n\x13num_rejected_rounds\x18\x0f \x01(\r\x12\x16\n\x0eproposal_bytes\x18\x10 \x01(\x04*X\n\x12RequestSpeculation\x12#\n\x1fREQUEST_SPECULATION_UNSPECIFIED\x10\x00\x12\x1d\n\x19REQUEST_SPECULATION_FIXED\x10\x01\x32R\n\x05\x44raft\x12I\n\x08Generate\x12\x1c.specwire.v1.GenerateRequest\x1a\x1d.specwire.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specwire.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REQUESTSPECULATION']._serialized_start=1044
+  _globals['_REQUESTSPECULATION']._serialized_end=1132
   _globals['_GENERATEREQUEST']._serialized_start=67
-  _globals['_GENERATEREQUEST']._serialized_end=361
-  _globals['_TOKENIDS']._serialized_start=363
-  _globals['_TOKENIDS']._serialized_end=386
-  _globals['_GENERATERESPONSE']._serialized_start=388
-  _globals['_GENERATERESPONSE']._serialized_end=488
-  _globals['_CHUNK']._serialized_start=490
-  _globals['_CHUNK']._serialized_end=530
-  _globals['_STATS']._serialized_start=533
-  _globals['_STATS']._serialized_end=988
-  _globals['_DRAFT']._serialized_start=990
-  _globals['_DRAFT']._serialized_end=1072
+  _globals['_GENERATEREQUEST']._serialized_end=415
+  _globals['_TOKENIDS']._serialized_start=417
+  _globals['_TOKENIDS']._serialized_end=440
+  _globals['_GENERATERESPONSE']._serialized_start=442
+  _globals['_GENERATERESPONSE']._serialized_end=542
+  _globals['_CHUNK']._serialized_start=544
+  _globals['_CHUNK']._serialized_end=584
+  _globals['_STATS']._serialized_start=587
+  _globals['_STATS']._serialized_end=1042
+  _globals['_DRAFT']._serialized_start=1134
+  _globals['_DRAFT']._serialized_end=1216
 # @@protoc_insertion_point(module_scope)

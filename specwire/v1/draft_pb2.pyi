@@ -1,5 +1,6 @@
 from specwire.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -7,8 +8,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RequestSpeculation(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REQUEST_SPECULATION_UNSPECIFIED: _ClassVar[RequestSpeculation]
+    REQUEST_SPECULATION_FIXED: _ClassVar[RequestSpeculation]
+REQUEST_SPECULATION_UNSPECIFIED: RequestSpeculation
+REQUEST_SPECULATION_FIXED: RequestSpeculation
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "stop", "num_speculative_tokens", "wire_mode", "cache_salt")
+    __slots__ = ("text", "token_ids", "sampling", "stop", "num_speculative_tokens", "wire_mode", "cache_salt", "speculation")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +24,7 @@ class GenerateRequest(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WIRE_MODE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: _common_pb2.SamplingParams
@@ -23,7 +32,8 @@ class GenerateRequest(_message.Message):
     num_speculative_tokens: int
     wire_mode: _common_pb2.WireMode
     cache_salt: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., wire_mode: _Optional[_Union[_common_pb2.WireMode, str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    speculation: RequestSpeculation
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., num_speculative_tokens: _Optional[int] = ..., wire_mode: _Optional[_Union[_common_pb2.WireMode, str]] = ..., cache_salt: _Optional[str] = ..., speculation: _Optional[_Union[RequestSpeculation, str]] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
