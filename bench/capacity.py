@@ -202,6 +202,10 @@ class ModeStack:
                                                 if drafts else 0.0)
         row["acceptance"] = ((after["accepted"] - before["accepted"])
                              / max(1.0, after["draft_tokens"] - before["draft_tokens"]))
+        if mode.endswith(ON_AUTO) and k and row["draft_tokens_per_verification"] < k / 2:
+            # a draft that ignored the request's speculation FIXED (one older than the field) runs it as auto
+            row["warning"] = f"k = {k} requested fixed, {row['draft_tokens_per_verification']:.2f} drafted a verification"
+            print(f"WARNING: {mode} at {concurrency} streams: {row['warning']}", file=sys.stderr, flush=True)
         return row
 
     def close(self) -> None:
@@ -234,13 +238,19 @@ def _spec_counters(url: str) -> dict[str, float]:
 def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     head = "| streams | " + " | ".join(f"{label_of(m)} tok/s" for m in modes)
-    head += " | auto / best fixed | " + " | ".join(f"{label_of(m)} TTFT p50/p99 ms" for m in modes)
+    same_stack = [m for m in modes if m.endswith(ON_AUTO)]
+    head += " | auto / best fixed" + (" | auto / best on auto's stack" if same_stack else "")
+    head += " | " + " | ".join(f"{label_of(m)} TTFT p50/p99 ms" for m in modes)
     head += " | " + " | ".join(f"{label_of(m)} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in levels:
         cells = [f"{by[(m, c)]['tok_s']:.1f}" if (m, c) in by else "" for m in modes]
         fixed = [by[(m, c)]["tok_s"] for m in modes if m != "auto" and (m, c) in by]
         ratio = (f"{by[('auto', c)]['tok_s'] / max(fixed):.2f}x" if ("auto", c) in by and fixed else "")
+        if same_stack:  # the ratio between modes of one pair of processes, without the spread between processes
+            on_auto = [by[(m, c)]["tok_s"] for m in same_stack if (m, c) in by]
+            ratio += " | " + (f"{by[('auto', c)]['tok_s'] / max(on_auto):.2f}x" if ("auto", c) in by and on_auto
+                              else "")
         ttft = [f"{by[(m, c)]['ttft_p50_ms']:.0f} / {by[(m, c)]['ttft_p99_ms']:.0f}" if (m, c) in by else ""
                 for m in modes]
         itl = [f"{by[(m, c)]['itl_p50_ms']:.0f} / {by[(m, c)]['itl_p99_ms']:.0f}" if (m, c) in by else ""

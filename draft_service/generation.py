@@ -225,15 +225,12 @@ class Generator:
         """The request checked against this service and its verifier: (prompt ids, the sequence, its rounds'
         draft length, the verifier's context length)."""
         check_stop_strings(req.stop)
+        self._check_fixed(req)  # before the prompt is tokenized or a verifier waited for
         prompt = await self._prompt_ids(req)
         identity = await self.link.ensure_connected(self._retry_s(req.deadline))
         check_prompt_length(len(prompt), identity)  # before the draft prefills it
         self._check_trees(identity)
         k = self._num_speculative_tokens(req, identity)
-        if req.fixed_k and not self.config.allow_request_fixed:
-            raise ServiceError(ErrorCode.FAILED_PRECONDITION, "this draft service does not take a request's "
-                               "speculation FIXED (start it with --allow-request-fixed): a fixed k drafts under load "
-                               "the verifier would run plain")
         requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
         sampling = self._sampling(requested.with_seed(), identity)
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity))
@@ -241,6 +238,16 @@ class Generator:
                                       weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
                                       pooled=self._pooled_own)
         return prompt, seq, length, identity.max_model_len
+
+    def _check_fixed(self, req: GenerationRequest) -> None:
+        """A request's speculation FIXED needs --allow-request-fixed where it changes anything (a k above 0 on a
+        service whose rounds may vary): it drafts under load the verifier would run plain, which slows every
+        sequence of its steps."""
+        k = self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
+        if req.fixed_k and k > 0 and self.speculation != "fixed" and not self.config.allow_request_fixed:
+            raise ServiceError(ErrorCode.FAILED_PRECONDITION, "this draft service does not take a request's "
+                               "speculation FIXED (start it with --allow-request-fixed): a fixed k drafts under load "
+                               "the verifier would run plain")
 
     def _context_length(self, seq_id: int, known: int) -> int:
         """The target's context length on the verifier the sequence is open on now: the one it was opened on, or,

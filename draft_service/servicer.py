@@ -8,7 +8,7 @@ import time
 import grpc
 import structlog
 
-from common.errors import ServiceError
+from common.errors import ServiceError, invalid_argument
 from common.tokenizer import INLINE_PROMPT_IDS
 from draft_service.generation import Generator
 from draft_service.types import GenerationRequest, TextChunk
@@ -28,8 +28,16 @@ def request_from_proto(msg: draft_pb2.GenerateRequest, deadline: float | None = 
         num_speculative_tokens=msg.num_speculative_tokens if msg.HasField("num_speculative_tokens") else None,
         deadline=deadline,
         cache_salt=wire.cache_salt_from_proto(msg),
-        fixed_k=msg.speculation == draft_pb2.REQUEST_SPECULATION_FIXED,
+        fixed_k=_fixed_k(msg.speculation),
     )
+
+
+def _fixed_k(value: int) -> bool:
+    """GenerateRequest.speculation: FIXED, or unset (the service's own mode). An unknown value is INVALID_ARGUMENT,
+    as for wire_mode: a silent fallback to the service's mode would run a request as it did not ask."""
+    if value not in (draft_pb2.REQUEST_SPECULATION_UNSPECIFIED, draft_pb2.REQUEST_SPECULATION_FIXED):
+        raise invalid_argument(f"unknown speculation {value}; this service knows FIXED (or unset for its own mode)")
+    return value == draft_pb2.REQUEST_SPECULATION_FIXED
 
 
 class DraftServicer(draft_pb2_grpc.DraftServicer):

@@ -1000,30 +1000,48 @@ def test_a_request_that_asks_for_a_fixed_k_drafts_it_whatever_the_verifier_choos
     on one set of processes) drafts its k every round, and its verdicts' choices are no word on the load for the
     next request; a service without --allow-request-fixed refuses it, since it drafts under load the verifier
     would run plain."""
-    link = ChoosingVerifier([0, 0, 1, 0])
+    class CapRecordingVerifier(ChoosingVerifier):
+        def __init__(self, choices):
+            super().__init__(choices)
+            self.caps: list[int | None] = []
+            self.connected = 0
+
+        async def ensure_connected(self, retry_s):
+            self.connected += 1
+            return self.identity
+
+        def propose(self, seq_id, start_position, block, *, max_draft_tokens=None, **kwargs):
+            self.caps.append(max_draft_tokens)
+            return super().propose(seq_id, start_position, block, **kwargs)
+
+    link = CapRecordingVerifier([0, 0, 1, 0])
     drafter = RecordingDrafter()
     gen = Generator(DraftConfig(model="m", proposer="ngram", allow_request_fixed=allowed), BlockingTokenizer(),
                     VOCAB, link, drafter)
 
-    async def request(fixed: bool) -> None:
+    async def request(fixed: bool, k: int = 3) -> None:
         req = GenerationRequest(sampling=SamplingParams(temperature=0.0, max_tokens=10), prompt_text=None,
-                                prompt_token_ids=(1, 2, 3), num_speculative_tokens=3, fixed_k=fixed)
+                                prompt_token_ids=(1, 2, 3), num_speculative_tokens=k, fixed_k=fixed)
         [event async for event in gen.generate(req)]
 
     if not allowed:
         with pytest.raises(ServiceError) as err:
             asyncio.run(asyncio.wait_for(request(True), 10))
-        gen.prompts.close()
+        # refused before the verifier is waited for or a sequence opened
         assert err.value.code == ErrorCode.FAILED_PRECONDITION and "--allow-request-fixed" in str(err.value)
-        assert drafter.lengths == [] and link.opened == []
+        assert drafter.lengths == [] and link.opened == [] and link.connected == 0
+        asyncio.run(asyncio.wait_for(request(True, k=0), 10))  # a fixed k of 0 changes nothing: taken
+        gen.prompts.close()
+        assert drafter.lengths == [0] * 4
         return
     asyncio.run(asyncio.wait_for(request(True), 10))
     assert drafter.lengths == [3] * 4 and drafter.may_defer == [False] * 4
+    assert link.caps == [None] * 4  # no cap sent: the verifier does not count it as following its choice
     assert gen._recent_choice is None
-    link._round, drafter.lengths = 0, []
+    link._round, drafter.lengths, link.caps = 0, [], []
     asyncio.run(asyncio.wait_for(request(False), 10))  # the same service's own mode for a request that asks nothing
     gen.prompts.close()
-    assert drafter.lengths == [3, 0, 0, 1]
+    assert drafter.lengths == [3, 0, 0, 1] and link.caps == [3] * 4
 
 
 def test_the_request_speculation_field_reaches_the_generation_and_the_client_checks_it():
@@ -1033,3 +1051,23 @@ def test_the_request_speculation_field_reaches_the_generation_and_the_client_che
     assert not request_from_proto(build_request("x")).fixed_k
     with pytest.raises(InvalidArgumentError, match="speculation"):
         build_request("x", speculation="auto")
+    unknown = build_request("x")
+    unknown.speculation = 7  # a later value this service does not know: refused, not run in the service's mode
+    with pytest.raises(ServiceError) as err:
+        request_from_proto(unknown)
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT and "speculation 7" in str(err.value)
+
+
+def test_a_service_of_fixed_k_takes_a_request_that_asks_for_it_without_the_flag():
+    drafter = RecordingDrafter()
+    gen = Generator(DraftConfig(model="m", proposer="ngram", speculation="fixed"), BlockingTokenizer(), VOCAB,
+                    ChoosingVerifier([0, 0]), drafter)
+    req = GenerationRequest(sampling=SamplingParams(temperature=0.0, max_tokens=2), prompt_text=None,
+                            prompt_token_ids=(1, 2, 3), num_speculative_tokens=2, fixed_k=True)
+
+    async def run():
+        return [event async for event in gen.generate(req)]
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+    gen.prompts.close()
+    assert drafter.lengths == [1, 0]  # the fixed k, within what the request may still emit
