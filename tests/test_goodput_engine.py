@@ -365,6 +365,54 @@ def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_draf
     assert min(two_back_first(None, n=8)) >= 1
 
 
+@pytest.mark.parametrize("prompt_len", [40, 8])
+def test_a_prompt_arriving_beside_plain_decoding_is_priced_once_not_as_the_next_step_s_work(pair, prompt_len):
+    """12 sequences decode plainly (acceptance 0.5, a step of 0.5 s + 0.05 s per token: one token drafted each
+    costs goodput at 12). A new request's prompt in their step comes once: the next step holds their blocks alone,
+    and stays plain. Priced as the next step's work, even 7 prompt tokens made drafting look cheap beside them. (A
+    chunk of a prompt not done yet is work the next step has again: test_the_tokens_a_step_item_feeds_again.)"""
+    target, _ = pair
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_seed()
+    prompts = [[5 + i, 9, 11 + i % 7, 4, 8] for i in range(12)]
+    keys = [SeqKey(1, i + 1) for i in range(12)]
+    engine, _ = _engine(target, FixedStepTime(fixed=0.5, per_token=0.05))
+    engine.goodput.acceptance = FixedAcceptance(0.5)
+    engine.goodput.tolerance = 0.0
+    engine.goodput.plain_margin = 0.0
+    for key, prompt in zip(keys, prompts, strict=True):
+        engine.submit(OpenCmd(key, tuple(prompt), greedy))
+    done = dict.fromkeys(keys, 0)
+
+    def step() -> list[int | None]:
+        for key, prompt in zip(keys, prompts, strict=True):
+            engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4))
+        result = engine.step()
+        outcomes = [o for o in result.outcomes if isinstance(o, VerdictOut)]
+        assert len(outcomes) == 12, result.stats
+        for o in outcomes:
+            done[o.key] += len(o.token_ids)
+        return [o.next_draft_tokens for o in outcomes]
+
+    step()
+    assert set(step()) == {0}  # the 12 alone: plain decoding
+    engine.submit(OpenCmd(SeqKey(1, 99), tuple(range(3, 3 + prompt_len)), greedy))  # no proposal yet: a chunk
+    assert set(step()) == {0}
+
+
+def test_the_tokens_a_step_item_feeds_again_next_step():
+    from types import SimpleNamespace
+
+    from verifier_service.engine import _recurring_tokens
+    from verifier_service.types import ScheduledSeq
+    seq = SimpleNamespace(num_tokens=100)
+    assert _recurring_tokens(ScheduledSeq(seq, 0, 60, None, num_prefill_tokens=60)) == 39  # the rest of the prompt
+    assert _recurring_tokens(ScheduledSeq(seq, 60, 99, None, num_prefill_tokens=39)) == 0  # its last chunk
+    assert _recurring_tokens(ScheduledSeq(seq, 0, 30, None, num_prefill_tokens=30)) == 30  # at most a chunk's size
+    proposal = SimpleNamespace(num_draft_tokens=4)
+    # a fixed-k verification with the rest of its prompt (40 of it): 1 + 4 again
+    assert _recurring_tokens(ScheduledSeq(seq, 59, 104, proposal, num_prefill_tokens=40)) == 5
+
+
 def test_the_engine_forgets_an_ended_sequences_next_block(pair):
     target, _ = pair
     engine, _ = _engine(target, IDLE)

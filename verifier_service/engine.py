@@ -36,6 +36,7 @@ from verifier_service.types import (
     Outcome,
     ProposeCmd,
     RefusedCmd,
+    ScheduledSeq,
     SchedulerOutput,
     SeqKey,
     StepResult,
@@ -56,6 +57,16 @@ class _NextBlock:
     positions: int  # model-drafted positions (0: none drafted by a model)
     cap: int | None  # its cap on the goodput choice; None: it follows no choice (fixed k)
     drafted: int = 0  # model-drafted tokens (a tree's nodes)
+
+
+def _recurring_tokens(item: ScheduledSeq) -> int:
+    """Of a step item that follows no choice, the tokens its sequence's next step will feed again: a verification's
+    block (1 + its drafts; the rest of a prompt fed with it comes once), a prefill chunk's next chunk where the
+    prompt is not done (at most this chunk's size; none once it is: the prompt's last token comes with the first
+    verification)."""
+    if item.proposal is not None:
+        return item.num_tokens - item.num_prefill_tokens
+    return max(0, min(item.num_tokens, item.seq.num_tokens - 1 - item.end))
 
 
 def _tree_depth_limit(loaded: LoadedModel) -> int | None:
@@ -188,9 +199,13 @@ class VerifierEngine:
         """Goodput: the step's time and each verification's acceptance go into the controller, which then chooses
         the next draft length of every sequence that asked for one (Proposal.max_draft_tokens) and goes on. The
         step priced is this one's work again: those sequences' next blocks, plus the tokens of what follows no
-        choice (prefill chunks, fixed-k verifications), and the sequences away at their drafts that the phase plan
-        waits for (`awaited`, _away): those that follow the choice are chosen for with these (what they get
-        applies at their next verdict), the others are other work."""
+        choice (fixed-k verifications, and prefill chunks of prompts not done yet), and the sequences away at their
+        drafts that the phase plan waits for (`awaited`, _away): those that follow the choice are chosen for with
+        these (what they get applies at their next verdict), the others are other work. A prompt's tokens come
+        once (_recurring_tokens): priced as the next step's too, they made drafting look cheap beside them
+        whenever new requests arrived (default pair, 2 cores, 8 and 16 streams: a step with 13 to 29 prompt tokens
+        among 16 plain ones chose 4 tokens for 7 sequences after 30 s of plain decoding, and the draft's catch-ups
+        and the batch split that followed cost the level a tenth against k = 0)."""
         control = self.goodput
         if control is None:
             return verdicts
@@ -202,7 +217,7 @@ class VerifierEngine:
         self._observe_drafting(scheduled, control, prefill=stats.num_prefill_tokens > 0)
         caps: dict[SeqKey, int] = {}
         sizes: dict[SeqKey, tuple[int, int]] = {}  # context and tokens it may still emit: its catch-up's price
-        other_tokens = sum(item.num_tokens for item in scheduled.scheduled if item.proposal is None)
+        other_tokens = sum(_recurring_tokens(item) for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
         other_longest = 0  # their longest model-drafted block: drafted again whatever is chosen
         other_drafted = 0  # and their model-drafted tokens
@@ -214,7 +229,7 @@ class VerifierEngine:
             control.observe_verification(seq.key, item.proposal.num_positions, verdict.num_accepted)
             seq.follows_choice = item.proposal.max_draft_tokens is not None
             if item.proposal.max_draft_tokens is None:
-                other_tokens += item.num_tokens
+                other_tokens += _recurring_tokens(item)
                 other_output += len(verdict.token_ids)
                 if item.proposal.draft_seconds is not None:
                     other_longest = max(other_longest, item.proposal.num_positions)
