@@ -365,12 +365,14 @@ def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_draf
     assert min(two_back_first(None, n=8)) >= 1
 
 
-@pytest.mark.parametrize("prompt_len", [40, 8])
-def test_a_prompt_arriving_beside_plain_decoding_is_priced_once_not_as_the_next_step_s_work(pair, prompt_len):
+@pytest.mark.parametrize("prompt_len, fixed", [(40, False), (8, False), (40, True)])
+def test_a_prompt_arriving_beside_plain_decoding_is_priced_once_not_as_the_next_step_s_work(pair, prompt_len, fixed):
     """12 sequences decode plainly (acceptance 0.5, a step of 0.5 s + 0.05 s per token: one token drafted each
     costs goodput at 12). A new request's prompt in their step comes once: the next step holds their blocks alone,
-    and stays plain. Priced as the next step's work, even 7 prompt tokens made drafting look cheap beside them. (A
-    chunk of a prompt not done yet is work the next step has again: test_the_tokens_a_step_item_feeds_again.)"""
+    and stays plain. Priced as the next step's work, even 7 prompt tokens made drafting look cheap beside them.
+    The same for a fixed-k request whose first block comes with its prompt (a verification that follows no
+    choice: its block, 1 + k, comes again). (A chunk of a prompt not done yet is work the next step has again:
+    test_the_tokens_a_step_item_feeds_again.)"""
     target, _ = pair
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_seed()
     prompts = [[5 + i, 9, 11 + i % 7, 4, 8] for i in range(12)]
@@ -379,6 +381,7 @@ def test_a_prompt_arriving_beside_plain_decoding_is_priced_once_not_as_the_next_
     engine.goodput.acceptance = FixedAcceptance(0.5)
     engine.goodput.tolerance = 0.0
     engine.goodput.plain_margin = 0.0
+    engine.goodput.switch_tolerance = 0.0  # nor the hysteresis that keeps plain decoding once chosen
     for key, prompt in zip(keys, prompts, strict=True):
         engine.submit(OpenCmd(key, tuple(prompt), greedy))
     done = dict.fromkeys(keys, 0)
@@ -387,7 +390,7 @@ def test_a_prompt_arriving_beside_plain_decoding_is_priced_once_not_as_the_next_
         for key, prompt in zip(keys, prompts, strict=True):
             engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4))
         result = engine.step()
-        outcomes = [o for o in result.outcomes if isinstance(o, VerdictOut)]
+        outcomes = [o for o in result.outcomes if isinstance(o, VerdictOut) and o.key in done]
         assert len(outcomes) == 12, result.stats
         for o in outcomes:
             done[o.key] += len(o.token_ids)
@@ -395,7 +398,10 @@ def test_a_prompt_arriving_beside_plain_decoding_is_priced_once_not_as_the_next_
 
     step()
     assert set(step()) == {0}  # the 12 alone: plain decoding
-    engine.submit(OpenCmd(SeqKey(1, 99), tuple(range(3, 3 + prompt_len)), greedy))  # no proposal yet: a chunk
+    new = tuple(range(3, 3 + prompt_len))
+    engine.submit(OpenCmd(SeqKey(1, 99), new, greedy))  # no proposal yet: a prefill chunk
+    if fixed:  # its first block of 2 with it, asking for no choice
+        engine.submit(ProposeCmd(SeqKey(1, 99), len(new), (1, 2), None, max_draft_tokens=None))
     assert set(step()) == {0}
 
 
