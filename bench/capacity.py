@@ -87,6 +87,11 @@ def k_of(mode: str) -> int | None:
     return None if mode == "auto" else int(mode.removesuffix(ON_AUTO))
 
 
+def fixed_on_auto(mode: str) -> bool:
+    """Whether a mode's requests ask the auto stack for a fixed k above 0 (speculation FIXED)."""
+    return mode.endswith(ON_AUTO) and bool(k_of(mode))
+
+
 def label_of(mode: str) -> str:
     if mode.endswith(ON_AUTO):
         return f"k = {k_of(mode)} on auto's stack"
@@ -150,7 +155,7 @@ class ModeStack:
     def __init__(self, mode: str, target: Path, draft: Path, rtt_ms: float, pin: bool, log_dir: Path,
                  extra_verifier: list[str], extra_draft: list[str], name: str = "") -> None:
         self.mode = mode
-        self.k = None if mode == "auto" else int(mode)
+        self.k = k_of(mode)
         verifier_cpus, draft_cpus = ({0}, {1}) if pin else (None, None)
         self._exit = ExitStack()
         stack = self._exit.enter_context(Stack())
@@ -192,7 +197,7 @@ class ModeStack:
         cpu_before = _cpu_s(self.verifier.proc.pid), _cpu_s(self.draft.proc.pid)
         row = {"mode": mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, k,
                                                      per_stream=per_stream, min_requests=min_requests,
-                                                     fixed=mode.endswith(ON_AUTO) and bool(k)))}
+                                                     fixed=fixed_on_auto(mode)))}
         after = _spec_counters(self.metrics_url)
         # CPU seconds each service used in the level (both share the cores unless pinned)
         row["verifier_cpu_s"] = _cpu_s(self.verifier.proc.pid) - cpu_before[0]
@@ -202,7 +207,7 @@ class ModeStack:
                                                 if drafts else 0.0)
         row["acceptance"] = ((after["accepted"] - before["accepted"])
                              / max(1.0, after["draft_tokens"] - before["draft_tokens"]))
-        if mode.endswith(ON_AUTO) and k and row["draft_tokens_per_verification"] < k / 2:
+        if fixed_on_auto(mode) and row["draft_tokens_per_verification"] < k / 2:
             # a draft that ignored the request's speculation FIXED (one older than the field) runs it as auto
             row["warning"] = f"k = {k} requested fixed, {row['draft_tokens_per_verification']:.2f} drafted a verification"
             print(f"WARNING: {mode} at {concurrency} streams: {row['warning']}", file=sys.stderr, flush=True)
@@ -372,7 +377,7 @@ def main() -> int:
                 stacks.pop(other).close()
             if own not in stacks:
                 cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
-                if own == "auto" and any(m.endswith(ON_AUTO) and k_of(m) for m in modes):
+                if own == "auto" and any(fixed_on_auto(m) for m in modes):
                     cap.append("--allow-request-fixed")
                 stacks[own] = ModeStack(own, target, draft, args.rtt_ms, args.pin, log_dir,
                                         [*extra_verifier, *shlex.split(args.verifier_args)],

@@ -243,8 +243,7 @@ class Generator:
         """A request's speculation FIXED needs --allow-request-fixed where it changes anything (a k above 0 on a
         service whose rounds may vary): it drafts under load the verifier would run plain, which slows every
         sequence of its steps."""
-        k = self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
-        if req.fixed_k and k > 0 and self.speculation != "fixed" and not self.config.allow_request_fixed:
+        if req.fixed_k and self._requested_k(req) > 0 and self.speculation != "fixed" and not self.config.allow_request_fixed:
             raise ServiceError(ErrorCode.FAILED_PRECONDITION, "this draft service does not take a request's "
                                "speculation FIXED (start it with --allow-request-fixed): a fixed k drafts under load "
                                "the verifier would run plain")
@@ -353,8 +352,12 @@ class Generator:
         self.check_num_prompt_ids(len(ids))
         return await self.prompts.call(checked_prompt_ids, ids, self.vocab_size, inline=len(ids) <= INLINE_PROMPT_IDS)
 
+    def _requested_k(self, req: GenerationRequest) -> int:
+        """The request's k, or this service's where it names none (not yet checked)."""
+        return self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
+
     def _num_speculative_tokens(self, req: GenerationRequest, identity: VerifierIdentity) -> int:
-        k = self.config.num_speculative_tokens if req.num_speculative_tokens is None else req.num_speculative_tokens
+        k = self._requested_k(req)
         if k < 0:
             raise invalid_argument(f"num_speculative_tokens must be >= 0, got {k}")
         if k > identity.max_draft_tokens:
