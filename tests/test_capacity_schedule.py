@@ -57,3 +57,29 @@ def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
     assert stack.measure(2, [], 8, 1, 1, "4@auto")["mode"] == "4@auto"
     assert asked == [(0, False), (None, False), (4, True)]
     assert capacity._request("p", 4, True) == {"prompt": "p", "num_speculative_tokens": 4, "speculation": "fixed"}
+
+
+def test_full_load_rate_counts_only_the_span_before_the_first_stream_runs_out():
+    import capacity
+
+    # two streams: 10 tokens a second each until t = 10, when the first finds no request left; the second then
+    # runs a tail of 4 s at 5 tokens a second (a request that drafted and finished out of step, say)
+    arrivals = [(t + 0.5, 10) for t in range(10) for _ in range(2)] + [(10 + t + 0.5, 5) for t in range(4)]
+    assert capacity.full_load_tok_s(arrivals, 0.0, 10.0) == 20.0
+    assert capacity.full_load_tok_s(arrivals, 0.0, 0.0) == 0.0
+    # a chunk at the very moment counts
+    assert capacity.full_load_tok_s([(1.0, 3), (1.5, 3)], 0.0, 1.0) == 3.0
+
+
+def test_the_table_gives_auto_against_the_best_mode_over_the_level_and_at_full_load():
+    import capacity
+
+    rows = [{"mode": m, "concurrency": 8, "tok_s": tok, "full_load_tok_s": full, "ttft_p50_ms": 1, "ttft_p99_ms": 2,
+             "itl_p50_ms": 3, "itl_p99_ms": 4, "draft_tokens_per_verification": 0.5}
+            for m, tok, full in (("0@auto", 16.0, 17.0), ("4@auto", 15.0, 16.0), ("auto", 14.4, 17.34))]
+    text = capacity.table(rows, ["0@auto", "4@auto", "auto"], [8])
+    head, _, row = text.splitlines()
+    assert "the same at full load" in head
+    cells = [c.strip() for c in row.split("|")]
+    # auto / best fixed (own stacks: none here), auto / best on auto's stack, and that at full load
+    assert cells[5:8] == ["0.90x", "0.90x", "1.02x"]
