@@ -4,31 +4,36 @@ A greedy tree of N nodes beats the chain of N tokens only where it places its fe
 (bench/tree_ceiling.py: at most 1.41x the chain's tokens a round at N = 16 on code, B = 2; the services measured
 1.18x with calibrated probabilities). The calibration (draft_service.tree_calibration) reads the draft's
 probability of a child alone. This asks whether anything else the draft computes tells its misses better: a learnt
-acceptance head on the draft's last hidden state, as SpecDec++ (Huang et al. 2024) trains one to stop drafting.
+acceptance head on the draft's hidden state, as SpecDec++ (Huang et al. 2024) trains one to stop drafting.
 
 1. Positions, teacher-forced (no services; transformers, target float32 and draft bfloat16 as bench/tree_ceiling.py
-   runs them). Training: the first `--train-tokens` tokens of `--train-files` Python files of the standard library
-   of the interpreter that runs this (shuffled with a fixed seed; files shorter than 256 tokens are skipped), the
-   last `--held-out` of them kept apart. Evaluation: the target's greedy continuation (`--tokens`) of the first
-   `--prompts` code prompts of specwire/bench_prompts.json, the text trees are measured on. At each position:
-   the draft's last hidden state, its four likeliest tokens and their probabilities, and the target's argmax; the
-   label is the rank of the target's token among the draft's (0, 1, or further).
+   runs them). Training: tokens 16 to `--train-tokens` of `--train-files` Python files of the standard library of
+   the interpreter that runs this (site-packages, dist-packages and encodings left out; shuffled with a fixed
+   seed; files shorter than 256 tokens skipped), the last `--held-out` of them kept apart; the label is the rank
+   of the target's argmax among the draft's tokens (0, 1, or 2 for further). Evaluation: the target's greedy
+   continuation (`--tokens`) of the first `--prompts` code prompts of specwire/bench_prompts.json, the text trees
+   are measured on, labelled by the continuation's own tokens. At each position: the draft's hidden state after
+   its last layer and after its middle one, and its three likeliest tokens' probabilities.
 2. Heads fitted on the training positions, each giving the chance of each label: a softmax regression on the
-   draft's probabilities alone (log p1, log(1 - p1), log p2, log p3, p1, p2), the same with the hidden state
-   besides (ridge `--ridge`), and a small MLP on both (early stopping on a tenth of the training positions).
-3. How well each separates the draft's hits from its misses (AUC of its chance of label 0; the draft's p1 as the
-   baseline), and the target's token at rank 1 from further ones where the draft missed, on the held-out files
-   and on the evaluation positions; the mean negative log-likelihood of the labels.
+   draft's probabilities alone (log p1, log(1 - p1), log p2, log p3, p1, p2); the same with a hidden state
+   besides (the last layer's, the middle one's), its ridge on the hidden state only and chosen by the loss on the
+   last VALIDATION_FILES training files; an MLP on the probabilities and the last hidden state (early stopping on
+   those files). The draft's raw p1 and p2, and p1 and p2 calibrated by bands on the training positions (offline,
+   in the spirit of the service's online calibration, not its code), are the baselines.
+3. How well each separates the draft's hits from its misses (AUC of its chance of label 0) and, where the draft
+   missed, the target's token at rank 1 from further ones, on the held-out files and on the code continuations;
+   the mean negative log-likelihood of the labels; for the hit AUC, the difference from raw p1 with a 95 %
+   interval from a paired bootstrap over files (held-out) and prompts (code).
 4. A replay of greedy trees over the evaluation continuations (tree_rounds): best-first by path score, B = 2,
-   the child of rank r scored by the head's chance of label r, against the chain and the oracle (the head that
-   knows the labels). The replay knows the draft's rows along the target's path only: the nodes under a child
-   that is not the target's token are scored `OFF_PATH` times their parent's score (rank 1) and `OFF_PATH_SECOND`
-   times it (rank 2), alike for every head. The binned baseline calibrates p1 and p2 on the training positions by
-   bands, as the service's calibration does online.
+   the child of rank r scored by the head's chance of label r, against the chain and an oracle (a head that knows
+   the labels, and may hold a second child without its first sibling). The replay knows the draft's rows along
+   the target's path only: the children of a node off it are scored at the head's mean chances of labels 0 and 1
+   over the evaluation positions. Medians over a few prompts of 96 tokens take few values (96 / rounds): the
+   replay tells heads apart only where they differ a lot.
 
     python bench/acceptance_probe.py [--train-files 48] [--prompts 8] [--out DIR]
 
-Prints markdown and writes acceptance_probe.json and acceptance_probe.md into --out.
+Prints markdown and writes acceptance_probe.json (the training files' paths too) and acceptance_probe.md into --out.
 """
 
 from __future__ import annotations
@@ -49,16 +54,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "bench"))
 
-from tree_ceiling import chain_rounds  # noqa: E402
+from tree_ceiling import TOP, chain_rounds, greedy_continuation  # noqa: E402
 
-TOP = 4
-OFF_PATH, OFF_PATH_SECOND = 0.9, 0.05
 P1_BANDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
 P2_BANDS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
+RIDGES = (1e-3, 1e-2, 1e-1, 1.0)
+VALIDATION_FILES = 8  # of the training files, the last: the ridge's and the MLP's choice
+BOOTSTRAP = 500
+LEFT_OUT = {"site-packages", "dist-packages", "encodings"}
 
 
 def tree_rounds(labels: Sequence[int], first: Sequence[float], second: Sequence[float], n: int, depth: int,
-                off: tuple[float, float] = (OFF_PATH, OFF_PATH_SECOND)) -> int:
+                off: tuple[float, float] = (0.9, 0.05)) -> int:
     """Rounds a greedy tree of at most n nodes, depth `depth`, two children a node, grown best-first by path score,
     takes over a continuation whose position t has label labels[t] (the rank of the target's token among the
     draft's: 0, 1, or 2 for further). first[t] and second[t] score the children of ranks 0 and 1 of the node at
@@ -104,9 +111,12 @@ def oracle_scores(labels: Sequence[int]) -> tuple[list[float], list[float]]:
     return ([1.0 - 1e-3 if v == 0 else 1e-3 for v in labels], [1.0 - 1e-3 if v == 1 else 1e-3 for v in labels])
 
 
-def gather(target, draft, ids_list: list, starts: list[int], limits: list[int]) -> list[dict]:
-    """Per sequence of token ids: from row starts[i] on (the row that predicts the next token), limits[i] rows of
-    the draft's last hidden state (float16), its TOP likeliest tokens' probabilities, and the label."""
+def gather(target, draft, ids_list: list, starts: list[int], limits: list[int], *, generated: bool) -> list[dict]:
+    """Per sequence of token ids (1 x n): from row starts[i] on (row t predicts token t + 1), limits[i] rows of the
+    draft's hidden states after its last and its middle layer (float16), its TOP likeliest tokens' probabilities
+    and the label. `generated`: the ids past the prompt are the target's own greedy tokens, and the label is their
+    rank (the target's argmax of a forward over them may differ at a near-tie, and is counted in "disagree");
+    else the target's argmax of that forward is the truth."""
     import torch
 
     out = []
@@ -117,42 +127,56 @@ def gather(target, draft, ids_list: list, starts: list[int], limits: list[int]) 
         rows = slice(start, start + limit)
         probs = torch.softmax(run.logits[0].float(), -1)[rows]
         top = torch.topk(probs, TOP, -1)
-        truth = target_next[rows]
+        argmax = target_next[rows]
+        truth = ids[0, start + 1:start + 1 + limit] if generated else argmax
         label = torch.full_like(truth, 2)
         label[top.indices[:, 1] == truth] = 1
         label[top.indices[:, 0] == truth] = 0
-        out.append({"hidden": run.hidden_states[-1][0, rows].half(), "top_p": top.values, "label": label})
+        middle = len(run.hidden_states) // 2
+        out.append({"last": run.hidden_states[-1][0, rows].half(), "middle": run.hidden_states[middle][0, rows].half(),
+                    "top_p": top.values, "label": label, "disagree": int((truth != argmax).sum())})
     return out
 
 
-def training_texts(tokenizer, files: int, tokens: int) -> list:
+def training_texts(tokenizer, files: int, tokens: int) -> tuple[list[str], list]:
+    """(paths, token ids) of the training files (module docstring)."""
     import torch
 
-    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(p for p in root.rglob("*.py") if not LEFT_OUT & set(p.relative_to(root).parts))
     random.Random(0).shuffle(paths)
-    out = []
+    chosen, out = [], []
     for path in paths:
         if len(out) >= files:
             break
         ids = tokenizer(path.read_text(errors="ignore"), return_tensors="pt", add_special_tokens=False).input_ids
         if ids.shape[1] >= 256:
+            chosen.append(str(path.relative_to(root)))
             out.append(torch.as_tensor(ids[:, :tokens]))
-    return out
+    return chosen, out
 
 
-def features(batch: list[dict]):
-    """(hidden state and probability features, probability features alone, labels) of the positions of `batch`."""
+def probability_features(top_p):
+    """log p1, log(1 - p1), log p2, log p3, p1, p2 per position (the three likeliest tokens' probabilities)."""
     import torch
 
-    hidden = torch.cat([b["hidden"] for b in batch]).float()
-    top_p = torch.cat([b["top_p"] for b in batch])
     p1, p2 = top_p[:, 0].clamp(1e-6, 1 - 1e-6), top_p[:, 1].clamp(1e-6, 1.0)
-    probs = torch.stack([p1.log(), (1 - p1).log(), p2.log(), top_p[:, 2].clamp(1e-6).log(), p1, p2], 1)
-    return torch.cat([hidden, probs], 1), probs, top_p, torch.cat([b["label"] for b in batch])
+    return torch.stack([p1.log(), (1 - p1).log(), p2.log(), top_p[:, 2].clamp(1e-6).log(), p1, p2], 1)
 
 
-def fit_linear(x, y, ridge: float) -> Callable:
-    """A softmax regression over the 3 labels on standardized x; returns x -> label probabilities."""
+def stacked(batch: list[dict]) -> dict:
+    """The positions of `batch`, concatenated: probability features, hidden states, top probabilities, labels."""
+    import torch
+
+    top_p = torch.cat([b["top_p"] for b in batch])
+    return {"probs": probability_features(top_p), "last": torch.cat([b["last"] for b in batch]).float(),
+            "middle": torch.cat([b["middle"] for b in batch]).float(), "top_p": top_p,
+            "label": torch.cat([b["label"] for b in batch])}
+
+
+def fit_linear(x, y, penalty) -> Callable:
+    """A softmax regression over the 3 labels on standardized x, `penalty` per column of x (its ridge); returns
+    x -> label probabilities."""
     import torch
 
     mean, scale = x.mean(0), x.std(0) + 1e-6
@@ -163,7 +187,7 @@ def fit_linear(x, y, ridge: float) -> Callable:
 
     def closure():
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(xs @ weight + bias, y) + ridge * (weight ** 2).sum()
+        loss = torch.nn.functional.cross_entropy(xs @ weight + bias, y) + (penalty[:, None] * weight ** 2).sum()
         loss.backward()
         return loss
 
@@ -171,29 +195,52 @@ def fit_linear(x, y, ridge: float) -> Callable:
     return lambda z: torch.softmax(((z - mean) / scale) @ weight + bias, 1).detach()
 
 
-def fit_mlp(x, y, hidden: int = 64, epochs: int = 40) -> Callable:
-    """One hidden layer, dropout on the input, AdamW; the epoch with the best loss on a held-out tenth is kept."""
+def nll(chance, labels) -> float:
+    import torch
+
+    return float(-chance[torch.arange(len(labels)), labels].clamp(1e-9).log().mean())
+
+
+def fit_with_hidden(probs, hidden, y, fit_rows, check_rows) -> tuple[Callable, float]:
+    """fit_linear on the probabilities and a hidden state, the ridge on the hidden state only, chosen from RIDGES
+    by the loss on `check_rows` of a fit on `fit_rows`, then fitted on all; returns (predict, ridge)."""
+    import torch
+
+    x = torch.cat([hidden, probs], 1)
+
+    def penalty(ridge: float):
+        return torch.cat([torch.full((hidden.shape[1],), ridge), torch.zeros(probs.shape[1])])
+
+    losses = {r: nll(fit_linear(x[fit_rows], y[fit_rows], penalty(r))(x[check_rows]), y[check_rows]) for r in RIDGES}
+    ridge = min(losses, key=losses.get)
+    return fit_linear(x, y, penalty(ridge)), ridge
+
+
+def fit_mlp(probs, hidden, y, fit_rows, check_rows, width: int = 64, epochs: int = 40) -> Callable:
+    """One hidden layer on the probabilities and a hidden state (dropout on the hidden state's columns only),
+    AdamW; the epoch with the best loss on `check_rows` is kept, then predict(hidden + probabilities)."""
     import torch
 
     torch.manual_seed(0)
-    mean, scale = x.mean(0), x.std(0) + 1e-6
+    x = torch.cat([hidden, probs], 1)
+    mean, scale = x[fit_rows].mean(0), x[fit_rows].std(0) + 1e-6
     xs = (x - mean) / scale
-    order = torch.randperm(len(xs))
-    check, train = order[:len(xs) // 10], order[len(xs) // 10:]
-    net = torch.nn.Sequential(torch.nn.Dropout(0.2), torch.nn.Linear(x.shape[1], hidden), torch.nn.GELU(),
-                              torch.nn.Linear(hidden, 3))
+    keep = torch.cat([torch.ones(hidden.shape[1]), torch.zeros(probs.shape[1])])  # the columns dropout may drop
+    net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], width), torch.nn.GELU(), torch.nn.Linear(width, 3))
     opt = torch.optim.AdamW(net.parameters(), 1e-3, weight_decay=1e-3)
     best = (float("inf"), None)
     for _ in range(epochs):
         net.train()
-        for part in torch.randperm(len(train)).split(256):
-            rows = train[part]
+        for part in torch.randperm(len(fit_rows)).split(256):
+            rows = fit_rows[part]
+            dropped = (torch.rand(len(rows), x.shape[1]) < 0.2) & keep.bool()
             opt.zero_grad()
-            torch.nn.functional.cross_entropy(net(xs[rows]), y[rows]).backward()
+            torch.nn.functional.cross_entropy(net(xs[rows].masked_fill(dropped, 0.0) / torch.where(
+                keep.bool(), 0.8, 1.0)), y[rows]).backward()
             opt.step()
         net.eval()
         with torch.no_grad():
-            loss = torch.nn.functional.cross_entropy(net(xs[check]), y[check]).item()
+            loss = torch.nn.functional.cross_entropy(net(xs[check_rows]), y[check_rows]).item()
         if loss < best[0]:
             best = (loss, {k: v.clone() for k, v in net.state_dict().items()})
     net.load_state_dict(best[1])
@@ -208,7 +255,7 @@ def fit_mlp(x, y, hidden: int = 64, epochs: int = 40) -> Callable:
 
 def fit_bands(top_p, y) -> Callable:
     """p1 and p2 calibrated by bands on the training positions (a band with at most 5 positions keeps the raw
-    probability): the chance of labels 0 and 1."""
+    probability; where the two come to more than 1 they are scaled to 1): the chance of each label."""
     import torch
 
     def table(values, hits, edges):
@@ -220,12 +267,14 @@ def fit_bands(top_p, y) -> Callable:
 
     def look(values, rates, edges):
         bands = torch.bucketize(values.contiguous(), torch.tensor(edges)).tolist()
-        return torch.tensor([rates[b] if rates[b] is not None else v for b, v in zip(bands, values.tolist(),
-                                                                                     strict=True)])
+        return torch.tensor([rates[b] if rates[b] is not None else v
+                             for b, v in zip(bands, values.tolist(), strict=True)])
 
     def predict(p):
         first, second = look(p[:, 0], t1, P1_BANDS), look(p[:, 1], t2, P2_BANDS)
-        return torch.stack([first, second, (1 - first - second).clamp(min=0)], 1)
+        over = (first + second).clamp(min=1.0)
+        first, second = first / over, second / over
+        return torch.stack([first, second, 1 - first - second], 1)
 
     return predict
 
@@ -252,6 +301,23 @@ def auc(score, positive) -> float:
     return wins / (len(pos) * len(neg))
 
 
+def paired_interval(score, baseline, positive, groups: list[int], rounds: int = BOOTSTRAP) -> tuple[float, float]:
+    """A 95 % interval of auc(score) - auc(baseline), resampling whole groups (files, prompts) with replacement;
+    `groups`: each group's number of positions, in order."""
+    bounds = list(itertools.accumulate(groups, initial=0))
+    spans = [range(a, b) for a, b in itertools.pairwise(bounds)]
+    rng = random.Random(1)
+    diffs = []
+    for _ in range(rounds):
+        rows = [i for g in rng.choices(range(len(spans)), k=len(spans)) for i in spans[g]]
+        pick = [positive[i] for i in rows]
+        if all(pick) or not any(pick):
+            continue
+        diffs.append(auc([score[i] for i in rows], pick) - auc([baseline[i] for i in rows], pick))
+    diffs.sort()
+    return diffs[int(0.025 * (len(diffs) - 1))], diffs[int(0.975 * (len(diffs) - 1))]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=".models", help="directory with target/ and draft/")
@@ -261,12 +327,11 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8, help="the first N code prompts")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--nodes", default="8,16")
-    parser.add_argument("--ridge", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if args.held_out >= args.train_files:
-        parser.error("--held-out must be below --train-files")
+    if args.held_out + VALIDATION_FILES >= args.train_files:
+        parser.error(f"--train-files must be above --held-out + {VALIDATION_FILES}")
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -282,58 +347,73 @@ def main() -> int:
     full, starts = [], []
     for text in prompts:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-        with torch.no_grad():
-            full.append(target.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
-                                        top_k=None, top_p=None, temperature=None))
+        full.append(greedy_continuation(target, ids, args.tokens))
         starts.append(ids.shape[1] - 1)
-    evaluation = gather(target, draft, full, starts, [args.tokens] * len(full))
-    texts = training_texts(tokenizer, args.train_files, args.train_tokens)
-    train = gather(target, draft, texts, [16] * len(texts), [t.shape[1] - 16 for t in texts])
+    evaluation = gather(target, draft, full, starts, [args.tokens] * len(full), generated=True)
+    paths, texts = training_texts(tokenizer, args.train_files, args.train_tokens)
+    train = gather(target, draft, texts, [16] * len(texts), [t.shape[1] - 16 for t in texts], generated=False)
     kept, held = train[:-args.held_out], train[-args.held_out:]
-    x, probs, top_p, y = features(kept)
+    fitting = stacked(kept)
+    y = fitting["label"]
+    split = sum(len(b["label"]) for b in kept[:-VALIDATION_FILES])
+    fit_rows, check_rows = torch.arange(split), torch.arange(split, len(y))
 
-    heads = {
-        "draft p1 (raw)": lambda xb, pb, tb: torch.stack([tb[:, 0], tb[:, 1], 1 - tb[:, 0] - tb[:, 1]], 1),
-        "p1, p2 by bands": (lambda f: lambda xb, pb, tb: f(tb))(fit_bands(top_p, y)),
-        "softmax regression, probabilities": (lambda f: lambda xb, pb, tb: f(pb))(fit_linear(probs, y, 1e-3)),
-        "softmax regression, hidden state + probabilities":
-            (lambda f: lambda xb, pb, tb: f(xb))(fit_linear(x, y, args.ridge)),
-        "MLP, hidden state + probabilities": (lambda f: lambda xb, pb, tb: f(xb))(fit_mlp(x, y)),
+    ridges = {}
+
+    def with_hidden(layer: str) -> Callable:
+        predict, ridges[layer] = fit_with_hidden(fitting["probs"], fitting[layer], y, fit_rows, check_rows)
+        return lambda d: predict(torch.cat([d[layer], d["probs"]], 1))
+
+    mlp = fit_mlp(fitting["probs"], fitting["last"], y, fit_rows, check_rows)
+    bands = fit_bands(fitting["top_p"], y)
+    probs_only = fit_linear(fitting["probs"], y, torch.zeros(fitting["probs"].shape[1]))
+    heads: dict[str, Callable] = {
+        "draft p1, p2 (raw)": lambda d: torch.stack(
+            [d["top_p"][:, 0], d["top_p"][:, 1], 1 - d["top_p"][:, 0] - d["top_p"][:, 1]], 1),
+        "p1, p2 by bands": lambda d: bands(d["top_p"]),
+        "regression, probabilities": lambda d: probs_only(d["probs"]),
+        "regression, + last hidden state": with_hidden("last"),
+        "regression, + middle hidden state": with_hidden("middle"),
+        "MLP, + last hidden state": lambda d: mlp(torch.cat([d["last"], d["probs"]], 1)),
     }
     sets = {"held-out library files": held, "code continuations": evaluation}
-    result: dict = {"args": vars(args), "positions": {}, "heads": {}, "replay": []}
-    for name, batch in sets.items():
-        _, _, _, labels = features(batch)
-        result["positions"][name] = [int((labels == r).sum()) for r in range(3)]
+    result: dict = {"args": vars(args), "training_files": paths, "ridges": ridges, "positions": {}, "heads": {},
+                    "replay": [], "disagree": sum(b["disagree"] for b in evaluation)}
     result["positions"]["training"] = [int((y == r).sum()) for r in range(3)]
-    scored = {}
-    for head, predict in heads.items():
+    data = {name: stacked(batch) for name, batch in sets.items()}
+    for name, d in data.items():
+        result["positions"][name] = [int((d["label"] == r).sum()) for r in range(3)]
+    chances = {head: {name: predict(d).clamp(1e-9, 1.0) for name, d in data.items()} for head, predict in heads.items()}
+    raw = "draft p1, p2 (raw)"
+    for head, by_set in chances.items():
         row = {}
-        for name, batch in sets.items():
-            xb, pb, tb, labels = features(batch)
-            chance = predict(xb, pb, tb).clamp(1e-9, 1.0)
+        for name, chance in by_set.items():
+            labels = data[name]["label"]
+            hits = (labels == 0).tolist()
             missed = labels != 0
             row[name] = {
-                "auc_hit": auc(chance[:, 0].tolist(), (labels == 0).tolist()),
+                "auc_hit": auc(chance[:, 0].tolist(), hits),
+                "auc_hit_minus_raw_95": paired_interval(chance[:, 0].tolist(), chances[raw][name][:, 0].tolist(),
+                                                        hits, [len(b["label"]) for b in sets[name]]),
                 "auc_second_given_miss": auc((chance[missed, 1] / (1 - chance[missed, 0]).clamp(1e-9)).tolist(),
                                              (labels[missed] == 1).tolist()),
-                "nll": float(-chance[torch.arange(len(labels)), labels].log().mean()),
+                "nll": nll(chance, labels),
             }
-            if name == "code continuations":
-                scored[head] = chance
         result["heads"][head] = row
     labels_per = [b["label"].tolist() for b in evaluation]
     for n in [int(v) for v in args.nodes.split(",")]:
-        chain = [len(lab) / chain_rounds([0 if v == 0 else 1 for v in lab], n) for lab in labels_per]
-        line = {"N": n, "chain": statistics.median(chain)}
-        line["oracle"] = statistics.median(len(lab) / tree_rounds(lab, *oracle_scores(lab), n, n) for lab in labels_per)
-        for head, chance in scored.items():
-            taken = []
-            offset = 0
+        chain = [len(lab) / chain_rounds([min(v, 1) for v in lab], n) for lab in labels_per]
+        line = {"N": n, "chain": statistics.median(chain),
+                "oracle": statistics.median(len(lab) / tree_rounds(lab, *oracle_scores(lab), n, n)
+                                            for lab in labels_per)}
+        for head, by_set in chances.items():
+            chance = by_set["code continuations"]
+            off = (float(chance[:, 0].mean()), float(chance[:, 1].mean()))
+            taken, offset = [], 0
             for lab in labels_per:
                 part = chance[offset:offset + len(lab)]
                 offset += len(lab)
-                taken.append(len(lab) / tree_rounds(lab, part[:, 0].tolist(), part[:, 1].tolist(), n, n))
+                taken.append(len(lab) / tree_rounds(lab, part[:, 0].tolist(), part[:, 1].tolist(), n, n, off))
             line[head] = statistics.median(taken)
         result["replay"].append(line)
     result["seconds"] = round(time.monotonic() - began)
@@ -349,14 +429,19 @@ def main() -> int:
 
 def table(result: dict) -> str:
     pos = result["positions"]
-    lines = [f"Positions (target's token the draft's 1st / 2nd / further): training {pos['training']}, "
+    lines = [f"Positions (the target's token the draft's 1st / 2nd / further): training {pos['training']}, "
              f"held-out library files {pos['held-out library files']}, code continuations "
-             f"{pos['code continuations']}.", "",
-             "| head | AUC hit, held-out files | AUC hit, code | AUC 2nd given a miss, held-out | AUC 2nd given a miss, "
-             "code | NLL held-out | NLL code |", "|---|---|---|---|---|---|---|"]
+             f"{pos['code continuations']}. Ridges chosen (hidden state): {result['ridges']}. Continuation tokens "
+             f"that a forward's argmax disagrees with: {result['disagree']}.", "",
+             "| head | AUC hit, held-out files | minus raw p1, 95 % | AUC hit, code | minus raw p1, 95 % | "
+             "AUC 2nd given a miss, held-out | AUC 2nd given a miss, code | NLL held-out | NLL code |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for head, row in result["heads"].items():
         h, c = row["held-out library files"], row["code continuations"]
-        lines.append(f"| {head} | {h['auc_hit']:.3f} | {c['auc_hit']:.3f} | {h['auc_second_given_miss']:.3f} | "
+        lo_h, hi_h = h["auc_hit_minus_raw_95"]
+        lo_c, hi_c = c["auc_hit_minus_raw_95"]
+        lines.append(f"| {head} | {h['auc_hit']:.3f} | {lo_h:+.3f} to {hi_h:+.3f} | {c['auc_hit']:.3f} | "
+                     f"{lo_c:+.3f} to {hi_c:+.3f} | {h['auc_second_given_miss']:.3f} | "
                      f"{c['auc_second_given_miss']:.3f} | {h['nll']:.3f} | {c['nll']:.3f} |")
     heads = list(result["heads"])
     lines += ["", "Replay, tokens a round (median over the code prompts; ratio to the chain):", "",

@@ -14,6 +14,11 @@ sends requests of a fixed k = 4 there (the request's speculation FIXED; the auto
 --allow-request-fixed), so a fixed k is compared with auto on the same two processes. Per
 concurrency and mode it reports:
 - aggregate output tokens/s (all tokens over the window's wall time);
+- the same over the level's full-load span (full_load_tok_s): until the first stream finds no request left. The
+  rest is the level's tail, with fewer streams running: a mode whose requests finish apart (drafting: acceptance
+  differs by request) runs a longer, thinner tail than one whose batch stays in step (k = 0, equal requests). The
+  span's figure leaves the tail out and is the shorter, noisier measure; it is a diagnostic beside the level's
+  figure, by which the issue's goals are judged;
 - time to first token, p50 and p99 over requests;
 - inter-token latency, p50 and p99 over requests, each request's (last chunk - first chunk) / (tokens - 1), the
   definition guidellm and aiperf use.

@@ -62,9 +62,8 @@ def ranks_and_confidence(target_dir: Path, draft_dir: Path, prompts: list[str], 
     out = []
     for text in prompts:
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+        full = greedy_continuation(target, ids, tokens)
         with torch.no_grad():
-            full = target.generate(ids, max_new_tokens=tokens, do_sample=False, top_k=None, top_p=None,
-                                   temperature=None, min_new_tokens=tokens)
             logits = draft(full).logits[0].float()
         n_prompt = ids.shape[1]
         cont = full[0, n_prompt:].tolist()
@@ -77,6 +76,15 @@ def ranks_and_confidence(target_dir: Path, draft_dir: Path, prompts: list[str], 
         out.append({"prompt_tokens": n_prompt, "prompt": ids[0].tolist(), "continuation": cont, "ranks": ranks,
                     "p1": top.values[:, 0].tolist()})
     return out
+
+
+def greedy_continuation(target, ids, tokens: int):
+    """The prompt `ids` (1 x n) and exactly `tokens` of the target's greedy continuation, EOS or not."""
+    import torch
+
+    with torch.no_grad():
+        return target.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, top_k=None,
+                               top_p=None, temperature=None)
 
 
 def chain_rounds(ranks: list[int], n: int) -> int:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/kernels.py must not shadow
 
-from acceptance_probe import auc, oracle_scores, tree_rounds  # noqa: E402
+from acceptance_probe import auc, oracle_scores, paired_interval, tree_rounds  # noqa: E402
 from tree_ceiling import chain_rounds, oracle_tree_rounds  # noqa: E402
 
 
@@ -19,7 +19,7 @@ def test_a_tree_whose_second_children_score_nothing_is_the_chain():
             chain_rounds(ranks, n)
 
 
-def test_the_oracle_head_matches_the_ceiling_where_the_true_token_is_first_or_second():
+def test_the_oracle_head_takes_at_least_what_the_ceiling_does_where_the_true_token_is_first_or_second():
     labels = [0, 0, 1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0]
     for n in (4, 8, 16):
         # the replay's tree may hold a second child without its first sibling; the ceiling pays for that sibling
@@ -55,3 +55,15 @@ def test_auc_counts_ties_half_and_orders_by_score():
     assert auc([0.1, 0.8, 0.9], [True, False, False]) == 0.0
     assert auc([0.5, 0.5], [True, False]) == 0.5
     assert auc([0.9, 0.2, 0.5, 0.4], [True, True, False, False]) == 0.5
+
+
+def test_the_paired_interval_is_zero_for_the_same_scores_and_above_zero_for_a_better_ranking():
+    positive = [True, False, True, True, False, False, True, False] * 3
+    baseline = [0.6, 0.7, 0.4, 0.8, 0.5, 0.3, 0.45, 0.55] * 3  # ranks some misses above hits
+    better = [0.9 if p else 0.1 for p in positive]  # ranks every hit above every miss
+    groups = [8, 8, 8]
+    assert paired_interval(baseline, baseline, positive, groups, rounds=50) == (0.0, 0.0)
+    low, high = paired_interval(better, baseline, positive, groups, rounds=50)
+    assert 0.0 < low <= high
+    low, high = paired_interval(baseline, better, positive, groups, rounds=50)
+    assert low <= high < 0.0

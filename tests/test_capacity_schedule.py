@@ -83,3 +83,60 @@ def test_the_table_gives_auto_against_the_best_mode_over_the_level_and_at_full_l
     cells = [c.strip() for c in row.split("|")]
     # auto / best fixed (own stacks: none here), auto / best on auto's stack, and that at full load
     assert cells[5:8] == ["0.90x", "0.90x", "1.02x"]
+    assert head.count("|") == row.count("|")
+    # modes on stacks of their own: the full-load ratio is against them; a row without the figure (an older run's
+    # JSON) leaves the cell empty
+    rows = [dict(r, mode={"0@auto": "0", "4@auto": "4"}.get(r["mode"], r["mode"])) for r in rows]
+    cells = [c.strip() for c in capacity.table(rows, ["0", "4", "auto"], [8]).splitlines()[2].split("|")]
+    assert cells[5:7] == ["0.90x", "1.02x"]
+    # with modes on auto's stack among them, the full-load ratio is against those, as the ratio before it
+    mixed = [dict(rows[0], mode="0@auto"), dict(rows[1], full_load_tok_s=20.0), rows[2]]
+    cells = [c.strip() for c in capacity.table(mixed, ["0@auto", "4", "auto"], [8]).splitlines()[2].split("|")]
+    assert cells[5:8] == ["0.90x", "0.90x", "1.02x"]
+    rows[0].pop("full_load_tok_s")
+    head, _, row = capacity.table(rows, ["0", "4", "auto"], [8]).splitlines()
+    assert [c.strip() for c in row.split("|")][5:7] == ["0.90x", ""] and head.count("|") == row.count("|")
+
+
+def test_a_level_s_full_load_span_ends_when_the_first_stream_finds_no_request_left(monkeypatch):
+    """run_level with a client whose chunks move a clock: two streams, three requests; the second stream's
+    request ends after the first's first request, and it then finds none left while the first runs a slow tail."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import capacity
+
+    clock = [0.0]
+    chunks = {"a": (2, 1.0), "b": (3, 1.0), "c": (6, 2.0)}  # per prompt: chunks of one token, clock step each
+
+    class Client:
+        def __init__(self, address, timeout):
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def generate(self, **_):
+            return None
+
+        async def _chunks(self, prompt):
+            count, step = chunks[prompt]
+            for _ in range(count):
+                await asyncio.sleep(0)
+                clock[0] += step
+                yield SimpleNamespace(token_ids=[1])
+
+        def stream(self, prompt, **_):
+            return self._chunks(prompt)
+
+    monkeypatch.setattr(capacity, "AsyncClient", Client)
+    monkeypatch.setattr(capacity.time, "perf_counter", lambda: clock[0])
+    row = asyncio.run(capacity.run_level("x", 2, ["a", "b", "c"], 48, None, per_stream=1, min_requests=3))
+    # chunks at 1 (a), 2 (b), 3 (a, done: its stream takes c), 4 (b), 6 (c), 7 (b, done: none left), then c's
+    # tail every 2 up to 17
+    assert clock[0] == 17.0
+    assert row["tok_s"] == 11 / 17
+    assert row["full_load_tok_s"] == 6 / 7
