@@ -59,7 +59,9 @@ def test_auc_counts_ties_half_and_orders_by_score():
 
 def test_the_paired_interval_is_zero_for_the_same_scores_and_above_zero_for_a_better_ranking():
     positive = [True, False, True, True, False, False, True, False] * 3
-    baseline = [0.6, 0.7, 0.4, 0.8, 0.5, 0.3, 0.45, 0.55] * 3  # ranks some misses above hits
+    # ranks some misses above hits, differently in each group (a resample's AUC depends on the groups it draws)
+    baseline = [0.6, 0.7, 0.4, 0.8, 0.5, 0.3, 0.45, 0.55] + [0.9, 0.1, 0.8, 0.7, 0.2, 0.3, 0.4, 0.6] + \
+        [0.2, 0.9, 0.3, 0.1, 0.8, 0.7, 0.4, 0.6]
     better = [0.9 if p else 0.1 for p in positive]  # ranks every hit above every miss
     groups = [8, 8, 8]
     assert paired_interval(baseline, baseline, positive, groups, rounds=50) == (0.0, 0.0)
