@@ -58,10 +58,12 @@ from tree_ceiling import TOP, chain_rounds, greedy_continuation  # noqa: E402
 
 P1_BANDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995)
 P2_BANDS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
-RIDGES = (1e-3, 1e-2, 1e-1, 1.0)
+RIDGES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0)
 VALIDATION_FILES = 8  # of the training files, the last: the ridge's and the MLP's choice
 BOOTSTRAP = 500
 LEFT_OUT = {"site-packages", "dist-packages", "encodings"}
+PROBABILITIES = "regression, probabilities"
+HIDDEN_HEADS = ("regression, + last hidden state", "regression, + middle hidden state")
 
 
 def tree_rounds(labels: Sequence[int], first: Sequence[float], second: Sequence[float], n: int, depth: int,
@@ -314,8 +316,10 @@ def paired_interval(score, baseline, positive, groups: list[int], rounds: int = 
         if all(pick) or not any(pick):
             continue
         diffs.append(auc([score[i] for i in rows], pick) - auc([baseline[i] for i in rows], pick))
+    if not diffs:  # every resample held only hits or only misses
+        return float("nan"), float("nan")
     diffs.sort()
-    return diffs[int(0.025 * (len(diffs) - 1))], diffs[int(0.975 * (len(diffs) - 1))]
+    return diffs[round(0.025 * (len(diffs) - 1))], diffs[round(0.975 * (len(diffs) - 1))]
 
 
 def main() -> int:
@@ -371,9 +375,9 @@ def main() -> int:
         "draft p1, p2 (raw)": lambda d: torch.stack(
             [d["top_p"][:, 0], d["top_p"][:, 1], 1 - d["top_p"][:, 0] - d["top_p"][:, 1]], 1),
         "p1, p2 by bands": lambda d: bands(d["top_p"]),
-        "regression, probabilities": lambda d: probs_only(d["probs"]),
-        "regression, + last hidden state": with_hidden("last"),
-        "regression, + middle hidden state": with_hidden("middle"),
+        PROBABILITIES: lambda d: probs_only(d["probs"]),
+        HIDDEN_HEADS[0]: with_hidden("last"),
+        HIDDEN_HEADS[1]: with_hidden("middle"),
         "MLP, + last hidden state": lambda d: mlp(torch.cat([d["last"], d["probs"]], 1)),
     }
     sets = {"held-out library files": held, "code continuations": evaluation}
@@ -399,6 +403,10 @@ def main() -> int:
                                              (labels[missed] == 1).tolist()),
                 "nll": nll(chance, labels),
             }
+            if head in HIDDEN_HEADS:  # the hidden state's own share: against the same regression without it
+                row[name]["auc_hit_minus_probabilities_95"] = paired_interval(
+                    chance[:, 0].tolist(), chances[PROBABILITIES][name][:, 0].tolist(), hits,
+                    [len(b["label"]) for b in sets[name]])
         result["heads"][head] = row
     labels_per = [b["label"].tolist() for b in evaluation]
     for n in [int(v) for v in args.nodes.split(",")]:
@@ -443,6 +451,12 @@ def table(result: dict) -> str:
         lines.append(f"| {head} | {h['auc_hit']:.3f} | {lo_h:+.3f} to {hi_h:+.3f} | {c['auc_hit']:.3f} | "
                      f"{lo_c:+.3f} to {hi_c:+.3f} | {h['auc_second_given_miss']:.3f} | "
                      f"{c['auc_second_given_miss']:.3f} | {h['nll']:.3f} | {c['nll']:.3f} |")
+    lines += ["", "The hidden state's own share: AUC hit minus the regression on the probabilities alone, 95 %:", "",
+              "| head | held-out files | code |", "|---|---|---|"]
+    for head in HIDDEN_HEADS:
+        h, c = (result["heads"][head][name]["auc_hit_minus_probabilities_95"]
+                for name in ("held-out library files", "code continuations"))
+        lines.append(f"| {head} | {h[0]:+.3f} to {h[1]:+.3f} | {c[0]:+.3f} to {c[1]:+.3f} |")
     heads = list(result["heads"])
     lines += ["", "Replay, tokens a round (median over the code prompts; ratio to the chain):", "",
               "| N | chain | oracle | " + " | ".join(heads) + " |", "|---|---|---|" + "---|" * len(heads)]

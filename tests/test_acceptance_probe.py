@@ -69,3 +69,6 @@ def test_the_paired_interval_is_zero_for_the_same_scores_and_above_zero_for_a_be
     assert 0.0 < low <= high
     low, high = paired_interval(baseline, better, positive, groups, rounds=50)
     assert low <= high < 0.0
+    # no resample with both hits and misses: no interval
+    low, high = paired_interval([0.5, 0.6], [0.4, 0.7], [True, True], [1, 1], rounds=10)
+    assert low != low and high != high
