@@ -227,7 +227,7 @@ def fit_mlp(probs, hidden, y, fit_rows, check_rows, width: int = 64, epochs: int
     x = torch.cat([hidden, probs], 1)
     mean, scale = x[fit_rows].mean(0), x[fit_rows].std(0) + 1e-6
     xs = (x - mean) / scale
-    keep = torch.cat([torch.ones(hidden.shape[1]), torch.zeros(probs.shape[1])])  # the columns dropout may drop
+    droppable = torch.cat([torch.ones(hidden.shape[1]), torch.zeros(probs.shape[1])]).bool()  # the hidden state's
     net = torch.nn.Sequential(torch.nn.Linear(x.shape[1], width), torch.nn.GELU(), torch.nn.Linear(width, 3))
     opt = torch.optim.AdamW(net.parameters(), 1e-3, weight_decay=1e-3)
     best = (float("inf"), None)
@@ -235,10 +235,10 @@ def fit_mlp(probs, hidden, y, fit_rows, check_rows, width: int = 64, epochs: int
         net.train()
         for part in torch.randperm(len(fit_rows)).split(256):
             rows = fit_rows[part]
-            dropped = (torch.rand(len(rows), x.shape[1]) < 0.2) & keep.bool()
+            dropped = (torch.rand(len(rows), x.shape[1]) < 0.2) & droppable
             opt.zero_grad()
             torch.nn.functional.cross_entropy(net(xs[rows].masked_fill(dropped, 0.0) / torch.where(
-                keep.bool(), 0.8, 1.0)), y[rows]).backward()
+                droppable, 0.8, 1.0)), y[rows]).backward()
             opt.step()
         net.eval()
         with torch.no_grad():

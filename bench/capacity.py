@@ -260,6 +260,14 @@ def _spec_counters(url: str) -> dict[str, float]:
             "accepted": get("specwire_spec_decode_num_accepted_tokens_total")}
 
 
+def _versus_best(by: dict, level: int, key: str, others: list[str]) -> str:
+    """Auto's figure `key` at `level` over the best of `others`' there, as a table cell ("" where a figure is
+    missing or 0: a row of an older run's JSON, an empty span)."""
+    auto = by[("auto", level)].get(key) if ("auto", level) in by else None
+    theirs = [by[(m, level)].get(key) for m in others if (m, level) in by]
+    return f"{auto / max(theirs):.2f}x" if auto and theirs and all(theirs) else ""
+
+
 def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     head = "| streams | " + " | ".join(f"{label_of(m)} tok/s" for m in modes)
@@ -271,17 +279,12 @@ def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in levels:
         cells = [f"{by[(m, c)]['tok_s']:.1f}" if (m, c) in by else "" for m in modes]
-        fixed = [by[(m, c)]["tok_s"] for m in modes if m != "auto" and (m, c) in by]
-        ratio = (f"{by[('auto', c)]['tok_s'] / max(fixed):.2f}x" if ("auto", c) in by and fixed else "")
+        fixed = [m for m in modes if m != "auto"]
+        ratio = _versus_best(by, c, "tok_s", fixed)
         if same_stack:  # the ratio between modes of one pair of processes, without the spread between processes
-            on_auto = [by[(m, c)]["tok_s"] for m in same_stack if (m, c) in by]
-            ratio += " | " + (f"{by[('auto', c)]['tok_s'] / max(on_auto):.2f}x" if ("auto", c) in by and on_auto
-                              else "")
+            ratio += " | " + _versus_best(by, c, "tok_s", same_stack)
         # the last ratio again, over the streams' full-load spans (full_load_tok_s: without the level's tail)
-        others = same_stack or [m for m in modes if m != "auto"]
-        full = [by[(m, c)].get("full_load_tok_s") for m in others if (m, c) in by]
-        auto_full = by[("auto", c)].get("full_load_tok_s") if ("auto", c) in by else None
-        ratio += " | " + (f"{auto_full / max(full):.2f}x" if auto_full and full and all(full) else "")
+        ratio += " | " + _versus_best(by, c, "full_load_tok_s", same_stack or fixed)
         ttft = [f"{by[(m, c)]['ttft_p50_ms']:.0f} / {by[(m, c)]['ttft_p99_ms']:.0f}" if (m, c) in by else ""
                 for m in modes]
         itl = [f"{by[(m, c)]['itl_p50_ms']:.0f} / {by[(m, c)]['itl_p99_ms']:.0f}" if (m, c) in by else ""
