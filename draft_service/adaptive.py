@@ -69,6 +69,19 @@ class RoundLength:
     choice (`choice`, None before its first), or 0 where the own-cost rule says drafting does not pay this
     sequence at all; under adaptive, the own-cost rule's length.
 
+    Under auto the first round (`opening`) proposes no drafts: its empty block goes out with the prompt, so the
+    verifier computes the prompt and samples the first token in one step, as for k = 0. Beside that step the
+    draft feeds the prompt, guesses the first token and drafts the second round's block after it (`ahead`, a
+    pipelined branch, whatever --pipeline says), of the length last chosen on this process (for_mode's
+    recent_choice), or none where that was 0 (under load: the prompt is not warmed either, as after any choice
+    of 0, and the proposal says it is left to feed). When the guess holds, the
+    second round's block is at the verifier when the first token is; when it misses, the second round drafts
+    after the verdict. Drafted before the prompt was sent (until 2026-12-06), the first block waited for the
+    draft's prompt and drafts, the verifier computed the prompt with no token to emit, and the first token came
+    a step later (one stream, default pair, 2 cores: time to first token 1,007 ms against 529 for k = 0; 16
+    streams, 7.7 s against 5.5). Plain with no block drafted ahead (tried the same day), the second round
+    waited for its drafts after the first token: at one stream 0.86x fixed k = 4's tokens/s.
+
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
     and waiting times. Under auto the verifier prices the batch, the network and its wait for drafting, so only
     the rule's 0 is kept: a draft token that costs this sequence more than it saves (text the draft does not know,
@@ -83,6 +96,8 @@ class RoundLength:
     choice: int | None = None
     probe_every: int = 8
     asked: int | None = None  # the cap the last round sent for the verifier's choice (None: none)
+    opening: bool = True  # no round yet
+    ahead: int = 0  # the last round's block drafted ahead beside it (the opening's; see the class)
     _rounds_at_zero: int = 0
 
     @classmethod
@@ -118,6 +133,10 @@ class RoundLength:
         else:
             self._rounds_at_zero = 0
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
+        self.ahead = 0
+        if self.opening and self.follows_verifier:
+            self.ahead, k_round = k_round, 0  # the class's opening
+        self.opening = False
         self.asked = ask if self.follows_verifier else None
         return k_round, self.asked
 

@@ -305,7 +305,7 @@ class DraftModel:
                 continue  # not rolled back to its context (a block in flight), or a pipelined branch
             stop[-1] = False
             self.blocks.truncate(seq, seq.num_cached)
-            n = min(seq.num_context - 1 - seq.num_cached, room)
+            n = min(seq.num_unfed, room)
             if n <= 0:
                 continue
             # all of what is left at once, or none (pieces held by several sequences would leave none whole),

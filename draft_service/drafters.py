@@ -43,9 +43,15 @@ class Drafter(Protocol):
         """seq continues as its pipelined branch, whose assumed tokens the verifier confirmed."""
         ...
 
-    def warm(self, seq: DraftSequence) -> None:
-        """While seq's round drafts nothing, prepare its next drafting round where there is idle time (its
-        proposal is out; call settle() before seq changes again)."""
+    def warm(self, seq: DraftSequence) -> bool:
+        """While seq's round drafts nothing, prepare its next drafting round where there is idle time (call
+        settle() before seq changes again). Whether it will: its backlog is then fed by the round's verdict,
+        the thread allowing."""
+        ...
+
+    def backlog(self, seq: DraftSequence) -> int:
+        """What seq's next drafting round must feed before its first drafted token, if not warmed first
+        (Proposal.draft_backlog_tokens)."""
         ...
 
     async def settle(self, seq: DraftSequence) -> None:
@@ -140,8 +146,11 @@ class ModelDrafter:
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         await self.batcher.adopt(seq, branch)
 
-    def warm(self, seq: DraftSequence) -> None:
-        self.batcher.warm(seq)
+    def warm(self, seq: DraftSequence) -> bool:
+        return self.batcher.warm(seq)
+
+    def backlog(self, seq: DraftSequence) -> int:
+        return seq.num_unfed
 
     async def settle(self, seq: DraftSequence) -> None:
         await self.batcher.settle(seq)
@@ -177,8 +186,11 @@ class NgramDrafter:
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         seq.adopt(branch)
 
-    def warm(self, seq: DraftSequence) -> None:
-        return None  # no model, no cache
+    def warm(self, seq: DraftSequence) -> bool:
+        return False  # no model, no cache
+
+    def backlog(self, seq: DraftSequence) -> int:
+        return 0  # a lookup feeds nothing
 
     async def settle(self, seq: DraftSequence) -> None:
         return None

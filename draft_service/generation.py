@@ -162,24 +162,36 @@ class Generator:
                     k = min(k, max(0, left - 1))
                 if self.due is not None:
                     self.due.left(seq_id)  # before its drafting job or its wait for the batch (in one loop turn)
+                proposing = block is None
                 if block is None:
-                    block = await self._draft(seq, k, length)
-                    flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
-                width = self.pipeline.width_for(block, k)
-                branches = await self.pipeline.draft_branches(seq, block, k, width, flight, tokens_left=left)
+                    block = await self._draft(seq, k, length, opening=not stats.num_rounds)
+                # an opening's block drafted ahead (RoundLength.ahead): the round drafts, and that branch feeds
+                # the prompt (not while it would end the sequence)
+                ahead = length.ahead if not ending else 0
                 # a round that drafts nothing, of a sequence that may draft again: its cache catches up meanwhile,
                 # while the model has nothing to draft, sooner while recent rounds draft (never for k = 0
                 # requests: they never draft, and are not counted); not while the verifier chose 0 for it, which
                 # it mostly chooses again (at 64 streams, default pair, 2 cores, warming the prompts of a burst
                 # on the drafting share alone cost the draft 16 CPU seconds of a 73 s level that drafted in 1 %
-                # of its rounds): a probe, or a later choice to draft, catches it up (draft_model's bound)
-                drafted = bool(block.num_draft_tokens or branches)
+                # of its rounds): a probe, or a later choice to draft, catches it up (draft_model's bound).
+                # Decided before the proposal goes, which says what the next drafting round must still feed
+                # (pipelined branches follow only a block that drafted, or an opening's drafted ahead, which feeds
+                # the prompt and leaves its cache to the sequence whether its guess holds or not)
+                drafts = bool(block.num_draft_tokens) or ahead > 0
                 chose_plain = length.follows_verifier and length.choice == 0
-                warming = not drafted and length.k > 0 and not chose_plain and not ending
+                warming = not drafts and length.k > 0 and not chose_plain and not ending
+                warmed = warming and self.drafter.warm(seq)
+                if proposing:
+                    flight.draft_backlog_tokens = 0 if drafts or warmed else self.drafter.backlog(seq)
+                    flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
+                if ahead:
+                    width, k_ahead = 1, ahead
+                else:
+                    width, k_ahead = self.pipeline.width_for(block, k), k
+                branches = await self.pipeline.draft_branches(seq, block, k_ahead, width, flight, tokens_left=left,
+                                                              opening=ahead > 0)
                 if length.k > 0 and not ending:
-                    self.drafter.note_round(drafted, self._running)
-                if warming:
-                    self.drafter.warm(seq)
+                    self.drafter.note_round(bool(block.num_draft_tokens or branches), self._running)
                 t_sent = time.perf_counter()
                 self._awaiting.add(seq_id)
                 try:
@@ -192,7 +204,9 @@ class Generator:
                     self._awaiting.discard(seq_id)
                     if warming:
                         await self.drafter.settle(seq)  # before seq changes (or is released)
-                self.pipeline.observe(width, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
+                # (an opening's branch is no pipelined round: its stall is the prompt's feeding)
+                self.pipeline.observe(0 if ahead else width, max(0.0, t_verdict - verdict.received_at),
+                                      t_verdict - t_draft)
                 if verdict.finish_reason is None:
                     self.pipeline.observe_verdict(block, verdict)
                 seq.assumed_token_ids.clear()
@@ -264,8 +278,9 @@ class Generator:
             return None
         return min(tokens_left(seq, num_prompt_tokens, max_model_len))
 
-    async def _draft(self, seq: DraftSequence, k: int, length: RoundLength) -> DraftBlock:
-        if length.follows_verifier and k == 0:
+    async def _draft(self, seq: DraftSequence, k: int, length: RoundLength, opening: bool) -> DraftBlock:
+        """`opening`: the sequence's first round, which has no burst to wait for: its prompt goes at once."""
+        if length.follows_verifier and k == 0 and not opening:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
         return await self.drafter.draft(seq, k, may_defer=length.follows_verifier)
 

@@ -25,8 +25,10 @@ def open_message(seq_id: int, token_ids: list[int], sampling: SamplingParams, nu
 
 
 def proposal_message(seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool,
-                     assumed_token_ids: tuple[int, ...], max_draft_tokens: int | None) -> verifier_pb2.DraftMessage:
-    """`max_draft_tokens`: the cap of the verifier's choice of the next block's length (None: no choice asked)."""
+                     assumed_token_ids: tuple[int, ...], max_draft_tokens: int | None,
+                     draft_backlog_tokens: int | None = None) -> verifier_pb2.DraftMessage:
+    """`max_draft_tokens`: the cap of the verifier's choice of the next block's length (None: no choice asked);
+    `draft_backlog_tokens`: what the next drafting round must feed first, for that choice's price (None: unsaid)."""
     msg = verifier_pb2.Proposal(seq_id=seq_id, start_position=start_position, draft_token_ids=block.token_ids)
     if block.draft_seconds is not None:
         msg.draft_seconds = block.draft_seconds
@@ -34,6 +36,8 @@ def proposal_message(seq_id: int, start_position: int, block: DraftBlock, *, sen
         msg.catch_up_tokens = block.catch_up_tokens
     if max_draft_tokens is not None:
         msg.max_draft_tokens = max_draft_tokens
+    if draft_backlog_tokens is not None:
+        msg.draft_backlog_tokens = draft_backlog_tokens
     if send_draft_probs and block.draft_probs is not None:
         msg.draft_probs.extend(wire.draft_probs_to_proto(block.draft_probs))
     if block.parents is not None:

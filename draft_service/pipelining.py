@@ -49,12 +49,15 @@ class Flight:
     # --speculation auto: this service's cap on the next block, sent with each proposal to ask for the
     # verifier's choice of its length; None: the draft length is this service's alone
     max_draft_tokens: int | None = None
+    # and with it, what the draft's next drafting round must feed first (Drafter.backlog; 0 when warmed)
+    draft_backlog_tokens: int = 0
     metrics: DraftMetrics | None = None  # counts the token trees sent, by shape
 
     def propose(self, seq: DraftSequence, start: int, block: DraftBlock, assumed: tuple[int, ...] = ()) -> None:
         """Send `block` for positions from `start` (raises LinkDown when the stream is down)."""
         self.proposal_bytes += self.link.propose(self.seq_id, start, block, send_draft_probs=seq.sampling.sends_draft_probs,
-                                                 assumed_token_ids=assumed, max_draft_tokens=self.max_draft_tokens)
+                                                 assumed_token_ids=assumed, max_draft_tokens=self.max_draft_tokens,
+                                                 draft_backlog_tokens=self.draft_backlog_tokens)
         if block.parents is not None and self.metrics is not None:
             shape = "branched" if block.num_draft_tokens > block.num_positions else "chain"
             self.metrics.tree_proposals.labels(shape=shape, pipelined=str(bool(assumed)).lower()).inc()
@@ -211,15 +214,17 @@ class Pipeline:
         self.width.observe_verdict(adopted, [(rank, j) for rank, j, _ in guesses])
 
     async def draft_branches(self, seq: DraftSequence, block: DraftBlock, k: int, width: int,
-                             flight: Flight, tokens_left: int | None = None) -> list[Branch]:
+                             flight: Flight, tokens_left: int | None = None, opening: bool = False) -> list[Branch]:
         """While `block`'s verdict is in flight, draft and propose up to `width` branches of `k` drafts each:
         the full-acceptance branch first, then the best guess at each position (earliest first), then the second
         best. All branches draft in one batch, sharing the sequence's cache blocks. `tokens_left`: what the
         sequence may still emit before `block`'s verdict, where no draft past it is verified (Generator's
         _tokens_left): each branch drafts within what its verdict would leave, and none follows a verdict
         that would end the sequence (one that would leave a single token gets a branch of no drafts: that
-        token's proposal is then at the verifier already, as before)."""
-        if not width or block.num_draft_tokens == 0 or k == 0:
+        token's proposal is then at the verifier already, as before). `opening`: `block` is a sequence's first,
+        empty one, and its branch the second round's block drafted ahead (RoundLength.ahead); otherwise an empty
+        block has none."""
+        if not width or k == 0 or (block.num_draft_tokens == 0 and not opening):
             return []
         plans: list[tuple[int, int | None, DraftSequence]] = []
         lengths: list[int] = []
@@ -284,7 +289,13 @@ class Pipeline:
             match = next((b for b in branches if verdict.token_ids == (*block.path_token_ids[:b.num_accepted], b.guess)),
                          None)
         missed = [branch for branch in branches if branch is not match]
-        await self.drafter.release(*(branch.seq for branch in missed))
+        # an opening's missed branch holds the prompt the sequence has not fed (RoundLength.ahead): the sequence
+        # takes its cache, and its rollback keeps the prompt (the guess and its drafts go)
+        kept = next((b for b in missed if match is None and not finished and not seq.num_cached
+                     and b.seq.num_cached), None)
+        await self.drafter.release(*(branch.seq for branch in missed if branch is not kept))
+        if kept is not None:
+            await self.drafter.adopt(seq, kept.seq)
         if not flight.resumed:  # the verifier drops their proposals: their ProposalDropped is expected
             flight.stale += sum(branch.sent for branch in missed)
         self.metrics.pipelined_proposals.labels(outcome="dropped").inc(len(missed))

@@ -54,6 +54,12 @@ class DraftSequence:
     def num_cached(self) -> int:
         return len(self.cached_token_ids)
 
+    @property
+    def num_unfed(self) -> int:
+        """Context tokens the draft model has not fed, the last one aside (every drafting round feeds that one,
+        whose logits it samples): what the next drafting round catches up first unless warmed."""
+        return max(0, self.num_context - 1 - self.num_cached)
+
     def extend(self, verified_token_ids: tuple[int, ...]) -> None:
         self.token_ids.extend(verified_token_ids)
 

@@ -320,17 +320,20 @@ class VerifierLink:
         return verifier.connection
 
     def propose(self, seq_id: int, start_position: int, block: DraftBlock, *, send_draft_probs: bool,
-                assumed_token_ids: tuple[int, ...] = (), max_draft_tokens: int | None = None) -> int:
+                assumed_token_ids: tuple[int, ...] = (), max_draft_tokens: int | None = None,
+                draft_backlog_tokens: int = 0) -> int:
         """Send; returns the message's serialized size. Raises LinkDown when the sequence is not open on its
         verifier's current stream (it broke, and the sequence was not reopened yet): a proposal sent there would
         reach a verifier that does not know the sequence. `max_draft_tokens`: ask for the verifier's choice of
-        the next block's length, at most this (sent only to a verifier with the goodput feature)."""
+        the next block's length, at most this (sent only to a verifier with the goodput feature), with
+        `draft_backlog_tokens`, what the draft's next drafting round must feed first (Proposal's)."""
         connection = self._open_connection(seq_id)
         asks = max_draft_tokens is not None and connection.identity is not None \
             and wire.FEATURE_GOODPUT in connection.identity.features
         message = proposal_message(seq_id, start_position, block, send_draft_probs=send_draft_probs,
                                    assumed_token_ids=assumed_token_ids,
-                                   max_draft_tokens=max_draft_tokens if asks else None)
+                                   max_draft_tokens=max_draft_tokens if asks else None,
+                                   draft_backlog_tokens=draft_backlog_tokens if asks else None)
         connection.send(message)
         return message.ByteSize()
 

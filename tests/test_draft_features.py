@@ -166,15 +166,15 @@ def test_the_own_cost_rule_drafts_nothing_but_probes_where_drafting_costs_more_t
             length.choice = min(cap, verifier_would)
         return out
 
-    gated = rounds(RoundLength(4, dataclasses.replace(own), follows_verifier=True, choice=3), verifier_would=3)
+    gated = rounds(RoundLength(4, dataclasses.replace(own), follows_verifier=True, choice=3, opening=False), verifier_would=3)
     assert [k for k, _ in gated] == [0] * 7 + [1] + [0] * 7 + [1]
     assert [cap for _, cap in gated] == ([0] * 6 + [1, 0]) * 2  # asks about one token only before a probe
-    loaded = rounds(RoundLength(4, dataclasses.replace(own), follows_verifier=True, choice=3), verifier_would=0)
+    loaded = rounds(RoundLength(4, dataclasses.replace(own), follows_verifier=True, choice=3, opening=False), verifier_would=0)
     assert [k for k, _ in loaded][1:] == [0] * 15  # under load the verifier's 0 holds the probe back too
     # where drafting pays this sequence at all, the verifier's choice, not the rule's own length (here 1)
     paying = dataclasses.replace(own, accepted=1.0, rejected=1.0)
     assert paying.next_k() == 1
-    assert rounds(RoundLength(4, paying, follows_verifier=True, choice=3), verifier_would=3, n=2) == [(3, 4)] * 2
+    assert rounds(RoundLength(4, paying, follows_verifier=True, choice=3, opening=False), verifier_would=3, n=2) == [(3, 4)] * 2
     assert RoundLength(4, paying).next_round() == (1, None)  # --speculation adaptive: the rule alone
 
 
@@ -188,7 +188,9 @@ def test_a_new_sequence_starts_from_the_processs_recent_acceptance():
         pooled.observe(4, 0, draft_s=0.4, wait_s=1.0)
     fresh = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4)
     seeded = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4, pooled=pooled)
-    assert fresh.next_round()[0] == 4 and seeded.next_round()[0] == 0
+    # (under auto the opening proposes no drafts, and drafts the next block ahead at the rule's length)
+    assert fresh.next_round() == (0, 4) and fresh.ahead == 4
+    assert seeded.next_round() == (0, 0) and seeded.ahead == 0
     assert seeded.own.accepted + seeded.own.rejected == pytest.approx(5.0)  # the default prior's weight
     assert seeded.own.t_draft == pooled.t_draft and seeded.own.k_max == 4
     for _ in range(6):

@@ -361,7 +361,8 @@ def chunked_stack(models_dir):
     """A draft service that feeds its model at most 16 tokens a forward, against a 512-token target."""
     target, draft = make_text_pair(models_dir, "qwen2")
     running = start_stack(target, draft, models_dir / "logs-chunked", in_process=True,
-                          extra_draft=["--max-num-batched-tokens", "16", "--max-prompt-bytes", "64KiB"])
+                          extra_draft=["--max-num-batched-tokens", "16", "--max-prompt-bytes", "64KiB",
+                                       "--allow-request-fixed"])
     yield running
     running.stack.stop()
 
@@ -373,9 +374,13 @@ def test_long_prompts_end_to_end(chunked_stack):
     prompt = "The quick brown fox jumps over the lazy dog. " * 8  # ~100 tokens: 7 prefill chunks of the draft
     ids = tok.encode(prompt)
     with specwire.Client(chunked_stack.draft) as client:
-        result = client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+        # a fixed k: its first block follows the prompt the draft fed in chunks, and is accepted in part (under
+        # auto the first token is the verifier's, and the random pair's drafts after it hardly ever are)
+        result = client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True, speculation="fixed")
         assert result.token_ids == greedy_continuation(chunked_stack.target_dir, ids, 12)
         assert result.stats.num_accepted_tokens > 0
+        auto = client.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+        assert auto.token_ids == result.token_ids
         # tokenized on the pool (above INLINE_PROMPT_CHARS), then refused: the target's context is 512 tokens
         long_text = "Le cœur a ses raisons que la raison ne connaît point. " * 100
         with pytest.raises(specwire.InvalidArgumentError) as err:
@@ -910,6 +915,106 @@ class RecordingDrafter(UndraftingDrafter):
         return DraftBlock((), None)
 
 
+class AheadDrafter(RecordingDrafter):
+    """RecordingDrafter whose blocks are k tokens, and which drafts a block ahead after guessing `guess` (the
+    fake verifiers here emit 7); records each length drafted ahead. Its backlog is its whole context but the
+    last token (it feeds nothing)."""
+
+    def __init__(self, guess: int = 7) -> None:
+        super().__init__()
+        self.guess = guess
+        self.aheads: list[int] = []
+
+    async def draft(self, seq, k, *, may_defer=False):
+        await super().draft(seq, k, may_defer=may_defer)
+        return DraftBlock(tuple(range(5, 5 + k)), None)
+
+    async def draft_after_guess(self, seq, k):
+        self.aheads.append(k)
+        seq.assumed_token_ids.append(self.guess)
+        return self.guess, DraftBlock(tuple(range(5, 5 + k)), None)
+
+    def backlog(self, seq) -> int:
+        return seq.num_context - 1
+
+
+class BacklogVerifier(ChoosingVerifier):
+    """ChoosingVerifier that records what each proposal carried: (drafts, cap asked, backlog said, assumed)."""
+
+    def __init__(self, choices: list[int]) -> None:
+        super().__init__(choices)
+        self.sent: list[tuple[int, int | None, int, tuple[int, ...]]] = []
+
+    def propose(self, seq_id, start_position, block, *, max_draft_tokens=None, draft_backlog_tokens=0,
+                assumed_token_ids=(), **kwargs):
+        self.sent.append((block.num_draft_tokens, max_draft_tokens, draft_backlog_tokens, tuple(assumed_token_ids)))
+        return super().propose(seq_id, start_position, block, **kwargs)
+
+
+def _generate_once(gen: Generator, prompt: tuple[int, ...], sampling: SamplingParams | None = None) -> None:
+    req = GenerationRequest(sampling=sampling or SamplingParams(temperature=0.0), prompt_text=None,
+                            prompt_token_ids=prompt)
+
+    async def run():
+        return [event async for event in gen.generate(req)]
+
+    asyncio.run(asyncio.wait_for(run(), 10))
+
+
+@pytest.mark.parametrize("speculation, sampling, guess, lengths, aheads, sent", [
+    # auto: the opening proposes the prompt with no drafts, at once, and drafts the second round's block ahead
+    # after its guess of the first token (the fake verifier emits 7): held, that block is the second round's;
+    # missed, the second round drafts the verifier's choice (3) after the verdict. Every proposal asks for the full
+    # k and says the draft has nothing left to feed (it drafted, or drafts ahead)
+    ("auto", SamplingParams(temperature=0.0), 7, [0, 2], [4], [(0, 4, 0, ()), (4, 4, 0, (7,)), (2, 4, 0, ())]),
+    ("auto", SamplingParams(temperature=0.0), 8, [0, 3, 2], [4],
+     [(0, 4, 0, ()), (4, 4, 0, (8,)), (3, 4, 0, ()), (2, 4, 0, ())]),
+    # a fixed k drafts it from the first round on, and so does a seeded request under rejection sampling (its
+    # rounds must not move); neither asks for a choice
+    ("fixed", SamplingParams(temperature=0.0), 7, [4, 4, 4], [], [(4, None, 0, ())] * 3),
+    ("auto", SamplingParams(temperature=0.8, seed=5), 7, [4, 4, 4], [], [(4, None, 0, ())] * 3),
+])
+def test_an_opening_proposes_its_prompt_alone_and_drafts_the_second_block_ahead(speculation, sampling, guess,
+                                                                                lengths, aheads, sent):
+    link = BacklogVerifier([3, 2, 0])
+    drafter = AheadDrafter(guess)
+    waits = []
+
+    async def wait_for_batch():
+        waits.append(len(drafter.lengths))
+
+    drafter.wait_for_batch = wait_for_batch
+    gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation), BlockingTokenizer(), VOCAB,
+                    link, drafter)
+    _generate_once(gen, tuple(range(1, 21)), sampling)
+    gen.prompts.close()
+    assert (drafter.lengths, drafter.aheads, link.sent) == (lengths, aheads, sent)
+    assert waits == [] and drafter.warmed == []  # the opening waits for no batch; what drafts ahead feeds the prompt
+
+
+def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_feed():
+    """Where the last choice on the process was 0, the opening drafts nothing ahead, nor is its prompt warmed (a
+    choice of 0 mostly comes again): its proposal says the prompt is left to feed, less its last token. So does a
+    later round the verifier chose 0 for, which also waits for the batch of its burst; a round that drafts says
+    nothing is left."""
+    link = BacklogVerifier([0, 0, 2, 0])
+    drafter = AheadDrafter()
+    waits = []
+
+    async def wait_for_batch():
+        waits.append(len(drafter.lengths))
+
+    drafter.wait_for_batch = wait_for_batch
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+    gen._recent_choice = 0
+    _generate_once(gen, tuple(range(1, 11)))
+    gen.prompts.close()
+    assert drafter.lengths == [0, 0, 0, 2] and drafter.aheads == []
+    assert waits == [1, 2]  # rounds 2 and 3, before their (empty) drafting
+    assert link.sent == [(0, 4, 9, ()), (0, 4, 10, ()), (0, 4, 11, ()), (2, 4, 0, ())]
+    assert drafter.warmed == []
+
+
 @pytest.mark.parametrize("choices, first_of_next", [
     # the verifier chose 4 while the room allowed it, then what the room left (3, 2, 1, 0): the next request
     # starts from the 4
@@ -918,12 +1023,12 @@ class RecordingDrafter(UndraftingDrafter):
     ([4, 2, 2, 2, 1, 1, 0, 0], 2),
 ])
 def test_a_new_request_starts_from_the_last_choice_its_room_did_not_bound(choices, first_of_next):
-    """Under --speculation auto a request's first round drafts the length last chosen on its process. The verifier
+    """Under --speculation auto a request's opening drafts ahead the length last chosen on its process. The verifier
     never chooses past what a sequence may still emit, so a request's last verdicts carry short choices whatever
     the load (RoundLength.load_choice): those are not what the next request starts from."""
     max_tokens = len(choices)  # one token a round, the last round's verdict ends it
     link = ChoosingVerifier(choices)
-    drafter = RecordingDrafter()
+    drafter = AheadDrafter(guess=8)  # its openings' guesses miss: every round drafts after its verdict
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
 
     async def request() -> None:
@@ -933,11 +1038,12 @@ def test_a_new_request_starts_from_the_last_choice_its_room_did_not_bound(choice
         assert events[-1].num_generated_tokens == max_tokens
 
     asyncio.run(asyncio.wait_for(request(), 10))
-    assert drafter.lengths == [4, *choices[:-1]]  # the first round: the configured k (no choice yet)
+    # the opening drafts nothing and the configured k ahead (no choice yet)
+    assert drafter.lengths == [0, *choices[:-1]] and drafter.aheads == [4]
     link._round, drafter.lengths = 0, []
     asyncio.run(asyncio.wait_for(request(), 10))
     gen.prompts.close()
-    assert drafter.lengths[0] == first_of_next
+    assert drafter.aheads[1] == first_of_next
 
 
 def test_a_block_s_room_is_what_the_request_may_emit_and_the_context_hold_less_its_correction():
@@ -976,7 +1082,9 @@ def test_a_round_the_verifier_chose_plain_is_not_warmed():
     asyncio.run(asyncio.wait_for(_run(gen, prompt_token_ids=(1, 2, 3)), 10))
     gen.prompts.close()
     assert drafter.rounds == [False] * 5
-    assert drafter.warmed == [1, 2, 5]  # rounds 3 and 4 followed a choice of 0
+    # (the count of rounds noted before each warming) rounds 2 and 5 were warmed: 3 and 4 followed a choice of 0,
+    # and the opening drafts ahead (here nothing: prompt lookup finds no guess) and feeds the prompt so
+    assert drafter.warmed == [1, 4]
 
 
 def test_a_choice_the_sequence_capped_below_k_itself_is_no_word_on_the_load():
@@ -1041,7 +1149,8 @@ def test_a_request_that_asks_for_a_fixed_k_drafts_it_whatever_the_verifier_choos
     link._round, drafter.lengths, link.caps = 0, [], []
     asyncio.run(asyncio.wait_for(request(False), 10))  # the same service's own mode for a request that asks nothing
     gen.prompts.close()
-    assert drafter.lengths == [3, 0, 0, 1] and link.caps == [3] * 4
+    # (its opening drafts nothing: RecordingDrafter's prompt-lookup guess finds nothing to draft ahead)
+    assert drafter.lengths == [0, 0, 0, 1] and link.caps == [3] * 4
 
 
 def test_the_request_speculation_field_reaches_the_generation_and_the_client_checks_it():

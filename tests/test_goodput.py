@@ -857,6 +857,24 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     assert c.catch_up_rows(new, (1.0,) * 16, 40, 4000) == pytest.approx(40 / 16)
     assert c.catch_up_rows(new, (1.0,) * 16, 40, 68) == pytest.approx(40 / 4)
 
+    # the draft's own word (Proposal.draft_backlog_tokens) replaces the inference: a new sequence whose prompt the
+    # draft fed beside its first verification has none to pay, one it did not feed pays what it said (never more
+    # than its context), and one that no longer says is inferred again
+    warmed, unfed = SeqKey(1, 5), SeqKey(1, 6)
+    c.observe_verification(warmed, 0, 0, backlog=0)
+    c.observe_verification(unfed, 0, 0, backlog=30)
+    assert c.catch_up_rows(warmed, rates, 40, 21) == 0.0 and not c._needs_catch_up(warmed)
+    assert c.catch_up_rows(unfed, rates, 40, 21) == pytest.approx(30 / (21 / 1.75))
+    assert c.catch_up_rows(unfed, rates, 20, 21) == pytest.approx(20 / (21 / 1.75))
+    c.observe_verification(plain, 0, 0, backlog=8)  # what a round feeds without calling it a catch-up
+    assert c.catch_up_rows(plain, rates, 40, 21) == 0.0
+    c.observe_verification(plain, 0, 0, backlog=9)
+    assert c.catch_up_rows(plain, rates, 40, 21) == pytest.approx(9 / (21 / 1.75))
+    c.observe_verification(warmed, 0, 0)  # unsaid: never drafted, its whole context
+    assert c.catch_up_rows(warmed, rates, 40, 21) == pytest.approx(40 / (21 / 1.75))
+    c.forget(unfed)
+    assert unfed not in c._backlog
+
     import verifier_service.goodput as goodput
     seen = []
     real = goodput.choose_draft_lengths

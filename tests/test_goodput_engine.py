@@ -537,3 +537,24 @@ def test_a_choice_the_plain_margin_turns_is_logged_and_counted(pair):
     for stats in (declined, drafting):
         metrics.observe_step(stats)
     assert metrics.registry.get_sample_value("specwire_goodput_plain_margin_declined_total") == 1
+
+
+def test_the_draft_s_word_on_its_backlog_reaches_the_choice(pair):
+    """An opening (the prompt, an empty block) that says the draft has nothing left to feed (it drafts the next
+    block ahead, or warms the prompt) is priced with no catch-up; one that says nothing (an older draft) is priced
+    as a sequence that never drafted, its whole context; one that says what is left pays that."""
+    target, _ = pair
+    engine, _ = _engine(target, IDLE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True).with_seed()
+    said, unsaid, left = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3)
+    for i, (key, backlog) in enumerate(((said, 0), (unsaid, None), (left, 3))):
+        engine.submit(OpenCmd(key, tuple(PROMPTS[i] * 4), greedy))
+        engine.submit(ProposeCmd(key, 20, (), None, max_draft_tokens=4, draft_backlog_tokens=backlog))
+    verdicts = [o for o in engine.step().outcomes if isinstance(o, VerdictOut)]
+    assert len(verdicts) == 3
+    control = engine.goodput
+    assert control._backlog == {said: 0, left: 3}
+    rates = (0.5, 0.5)
+    assert control.catch_up_rows(said, rates, 21, 15) == 0.0
+    assert control.catch_up_rows(unsaid, rates, 21, 15) == pytest.approx(21 / (15 / 1.75))
+    assert control.catch_up_rows(left, rates, 21, 15) == 0.0  # within what a round feeds anyway

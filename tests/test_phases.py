@@ -622,6 +622,12 @@ def test_a_block_drafted_after_a_catch_up_teaches_the_plan_nothing_of_the_drafts
         assert msg.propose.HasField("catch_up_tokens") == bool(catch_up)
         cmd = VerifierServicer._proposal(msg.propose, 1, None, limits)
         assert isinstance(cmd, ProposeCmd) and cmd.catch_up_tokens == catch_up and cmd.draft_seconds == 0.5
+    # the draft's backlog (Proposal.draft_backlog_tokens) crosses as sent, 0 included; unset reads as unknown
+    for backlog in (None, 0, 9):
+        msg = proposal_message(7, 10, DraftBlock((), None), send_draft_probs=False, assumed_token_ids=(),
+                               max_draft_tokens=4, draft_backlog_tokens=backlog)
+        cmd = VerifierServicer._proposal(msg.propose, 1, None, limits)
+        assert isinstance(cmd, ProposeCmd) and cmd.draft_backlog_tokens == backlog
 
 
 def test_draft_seconds_must_be_a_finite_time():

@@ -348,6 +348,78 @@ def test_a_pipelined_block_is_the_unpipelined_block_on_every_branch(reference_mo
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("sampling", ["greedy", "coupled"])  # (a seeded sampled request keeps its fixed k)
+def test_an_opening_drafts_ahead_and_its_prompt_is_fed_once_whether_its_guess_holds_or_not(reference_model, sampling):
+    """Under --speculation auto (pipelining off) a sequence's first proposal is empty and goes with the prompt;
+    beside it the draft feeds the prompt, guesses the first token and drafts the second round's block after it.
+    Every proposal is the one a fresh, unpipelined draft makes from what it assumed; the fake verifier's target
+    takes the draft's runner-up at every third position, so the openings of the 9- and 6-token prompts guess
+    wrong, and their prompt is still fed only once (the missed branch's cache stays with the sequence, less the
+    guess); the output is the target's; and nothing of the draft's pool is left behind."""
+    params, mode = SAMPLINGS[sampling]
+
+    async def run():
+        link = FakeVerifier(_model_target(reference_model))
+        service = _service(link, pipeline=False)
+        service.generator.speculation = "auto"
+        service.generator.weighs_own_cost = False  # the own-cost rule reads clocks
+        plain = _service(link, pipeline=False)
+        sent, feeds = [], []
+        propose = link.propose
+
+        def recording(seq_id, start, block, *, send_draft_probs, assumed_token_ids=(), **kwargs):
+            sent.append((seq_id, start, block, tuple(assumed_token_ids)))
+            return propose(seq_id, start, block, send_draft_probs=send_draft_probs,
+                           assumed_token_ids=assumed_token_ids, **kwargs)
+
+        link.propose = recording
+        forward = service.model._forward_rows
+        service.model._forward_rows = lambda rows: (feeds.extend(list(t) for _, t in rows
+                                                                 if isinstance(t, list)), forward(rows))[1]
+        outputs = []
+        try:
+            for prompt in _prompts("model"):
+                outputs.append(await _tokens(service.generator, _request(prompt, params, mode)))
+                assert sum(feed[:len(prompt) - 1] == prompt[:-1] for feed in feeds) == 1, prompt
+                feeds.clear()
+            assert service.model.blocks.num_free_blocks == NUM_BLOCKS
+            opening_hits = 0
+            for seq_id, start, block, assumed in sent:
+                prompt = _prompts("model")[seq_id - 1]
+                verified = link.seqs[seq_id].tokens[:start - len(assumed)]
+                if start == len(prompt):
+                    assert block.num_draft_tokens == 0 and not assumed  # the opening: the prompt, no drafts
+                    continue
+                if start == len(prompt) + 1 and assumed:
+                    opening_hits += link.seqs[seq_id].tokens[len(prompt)] == assumed[0]
+                ref = DraftSequence(dataclasses.replace(params, wire_mode=mode), [*verified, *assumed])
+                assert block == await plain.generator.drafter.draft(ref, block.num_positions)
+                await plain.generator.drafter.release(ref)
+            # every opening drafted ahead; 2 of the 4 guessed the first token
+            assert sum(1 for _, start, _, assumed in sent if assumed and start - 1 in
+                       {len(p) for p in _prompts("model")}) >= 4
+            assert opening_hits >= 1
+        finally:
+            await service.stop()
+            await plain.stop()
+        return outputs
+
+    outputs = asyncio.run(run())
+    reference = []
+
+    async def fixed():
+        link = FakeVerifier(_model_target(reference_model))
+        service = _service(link, pipeline=False)
+        try:
+            for prompt in _prompts("model"):
+                reference.append(await _tokens(service.generator, _request(prompt, params, mode)))
+        finally:
+            await service.stop()
+
+    asyncio.run(fixed())
+    assert outputs == reference  # greedy and coupled output ignore where rounds end
+
+
 def test_cancelling_at_random_points_leaks_no_draft_block(reference_model):
     """Generations with pipelining, cancelled at random points (several at once, so their drafts batch
     together): once they are gone the draft's pool is whole again, and the verifier was told of each."""

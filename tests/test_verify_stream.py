@@ -276,11 +276,15 @@ def test_the_link_asks_for_a_choice_only_where_the_verifier_lists_goodput(target
                 assert ("goodput" in link.identity.features) is goodput
                 seq_id = await link.open([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=20).with_seed(),
                                          retry_s=5)
-                link.propose(seq_id, 3, DraftBlock((9, 9), None), send_draft_probs=False, max_draft_tokens=3)
+                link.propose(seq_id, 3, DraftBlock((9, 9), None), send_draft_probs=False, max_draft_tokens=3,
+                             draft_backlog_tokens=2)
                 event = await asyncio.wait_for(link.next_event(seq_id), 30)
                 assert isinstance(event, VerdictEvent)
                 (proposal,) = [m.propose for m in sent if m.WhichOneof("kind") == "propose"]
                 assert proposal.HasField("max_draft_tokens") is goodput
+                # the backlog is the choice's price: it goes with the ask, or not at all
+                assert proposal.HasField("draft_backlog_tokens") is goodput
+                assert proposal.draft_backlog_tokens == (2 if goodput else 0)
                 assert (event.next_draft_tokens is not None) is goodput
             finally:
                 await link.close()

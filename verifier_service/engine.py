@@ -226,7 +226,8 @@ class VerifierEngine:
             if not isinstance(verdict, VerdictOut) or seq.key not in self.scheduler.sequences:
                 continue  # ended: a released sequence's acceptance is forgotten, and must not come back
             # a tree is judged by its positions (its depth): acceptance past them was never tried
-            control.observe_verification(seq.key, item.proposal.num_positions, verdict.num_accepted)
+            control.observe_verification(seq.key, item.proposal.num_positions, verdict.num_accepted,
+                                         backlog=item.proposal.draft_backlog_tokens)
             seq.follows_choice = item.proposal.max_draft_tokens is not None
             if item.proposal.max_draft_tokens is None:
                 other_tokens += _recurring_tokens(item)

@@ -391,6 +391,9 @@ class DraftLengthController:
     _caught_up_batches: OrderedDict = field(default_factory=OrderedDict)  # catch-up batches learnt (the recent)
     # key -> its verifications in a row that drafted nothing since one that drafted (None: none drafted yet)
     _plain_rounds: dict = field(default_factory=dict)
+    # key -> the draft's own word on what its next drafting round must feed first (Proposal.draft_backlog_tokens,
+    # with the key's latest verification); a key without one (an older draft) is priced from _plain_rounds
+    _backlog: dict = field(default_factory=dict)
     # group -> whether the last choice with a cap above 0 for its sequences drafted for any (probes aside; the
     # trial's plain arm, whose zeros are not the choice's, leaves it as it was)
     _group_drafting: OrderedDict = field(default_factory=OrderedDict)
@@ -535,8 +538,15 @@ class DraftLengthController:
             plain = min(plain, fixed)
         return fixed, e * a, e * b, plain
 
-    def observe_verification(self, key: object, num_drafted: int, num_accepted: int) -> None:
+    def observe_verification(self, key: object, num_drafted: int, num_accepted: int,
+                             backlog: int | None = None) -> None:
+        """`backlog`: the context the draft said, with this verification's proposal, it would still have to feed
+        before its next drafted token (None: it did not say)."""
         self.acceptance.observe(key, num_drafted, num_accepted)
+        if backlog is None:
+            self._backlog.pop(key, None)
+        else:
+            self._backlog[key] = backlog
         if num_drafted:
             self._plain_rounds[key] = 0
         elif key not in self._plain_rounds:
@@ -548,18 +558,24 @@ class DraftLengthController:
         self.acceptance.forget(key)
         self._probed_at.pop(key, None)
         self._plain_rounds.pop(key, None)
+        self._backlog.pop(key, None)
 
     def _needs_catch_up(self, key: object) -> bool:
-        """Whether a draft for `key` now would first feed the draft the tokens verified since its last block: it
-        has not drafted for more than catch_up_free_rounds verifications (or ever; the draft warms no sequence
-        while its rounds draft nothing, draft_service.batcher)."""
+        """Whether a draft for `key` now would first feed the draft more than catch_up_free_rounds + 1 tokens of
+        context (what a round may feed without calling it a catch-up, draft_service.draft_model.CATCH_UP_FREE_TOKENS):
+        as the draft said (Proposal.draft_backlog_tokens), or, where it did not, inferred: the key has not drafted
+        for more than catch_up_free_rounds verifications, or ever (an older draft warms no sequence while its
+        rounds draft nothing)."""
+        reported = self._backlog.get(key)
+        if reported is not None:
+            return reported > self.catch_up_free_rounds + 1
         rounds = self._plain_rounds.get(key)
         return rounds is None or rounds > self.catch_up_free_rounds
 
     def catch_up_rows(self, key: object, rates: tuple[float, ...], context: int, left: int) -> float:
-        """The rows the draft would feed before drafting for `key` (0 unless _needs_catch_up: the tokens verified
-        since its last block, or its whole context where it never drafted; the draft may have warmed some, which
-        the verifier cannot see), spread over the rounds of drafting at its cap (acceptance `rates`) that the
+        """The rows the draft would feed before drafting for `key` (0 unless _needs_catch_up: what the draft said
+        it would still have to feed, or, where it did not, the tokens verified since its last block, or its whole
+        context where it never drafted), spread over the rounds of drafting at its cap (acceptance `rates`) that the
         `left` tokens it may still emit take (at most those of catch_up_horizon tokens, or catch_up_horizon_rounds):
         paid once, it buys those rounds. Measured at 32 streams (default pair, 2 cores), three sequences finishing
         turned the choice for the 29 left, every one held at k = 0 for 25 rounds, to 2 tokens each: the draft fed
@@ -567,8 +583,12 @@ class DraftLengthController:
         batch broke into steps of 1 to 27 sequences to its end."""
         if not rates or not self._needs_catch_up(key):
             return 0.0
+        reported = self._backlog.get(key)
         rounds = self._plain_rounds.get(key)
-        debt = context if rounds is None else min(context, rounds + 1)
+        if reported is not None:
+            debt = min(context, reported)
+        else:
+            debt = context if rounds is None else min(context, rounds + 1)
         per_round = 1.0 + float(np.sum(np.cumprod(rates)))
         horizon = max(self.catch_up_horizon / per_round, self.catch_up_horizon_rounds)
         return debt / max(1.0, min(left / per_round, horizon))

@@ -215,7 +215,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                              wire.draft_probs_from_proto(p.draft_probs), tuple(p.assumed_token_ids),
                              p.max_draft_tokens if p.HasField("max_draft_tokens") else None,
                              p.draft_seconds if p.HasField("draft_seconds") else None,
-                             tuple(p.draft_parents) or None, p.catch_up_tokens)
+                             tuple(p.draft_parents) or None, p.catch_up_tokens,
+                             p.draft_backlog_tokens if p.HasField("draft_backlog_tokens") else None)
             check_proposal(cmd, limits)  # whether its sequence takes draft_probs is the engine's to check
             return cmd
         except ServiceError as err:

@@ -46,6 +46,9 @@ class ProposeCmd:
     # context the draft's batch fed before drafting it, past a usual round's (Proposal.catch_up_tokens): its
     # draft_seconds, and the wait for it, are mostly that; 0: a usual round
     catch_up_tokens: int = 0
+    # context the draft expects still to feed its own model before its next drafting round (Proposal.
+    # draft_backlog_tokens): that round's catch-up, priced by the goodput choice; None: unknown (an older draft)
+    draft_backlog_tokens: int | None = None
 
     @property
     def num_draft_tokens(self) -> int:

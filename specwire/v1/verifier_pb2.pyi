@@ -100,7 +100,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds", "draft_parents", "catch_up_tokens")
+    __slots__ = ("seq_id", "start_position", "draft_token_ids", "draft_probs", "assumed_token_ids", "max_draft_tokens", "draft_seconds", "draft_parents", "catch_up_tokens", "draft_backlog_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class Proposal(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     CATCH_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BACKLOG_TOKENS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -119,7 +120,8 @@ class Proposal(_message.Message):
     draft_seconds: float
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     catch_up_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ..., catch_up_tokens: _Optional[int] = ...) -> None: ...
+    draft_backlog_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., assumed_token_ids: _Optional[_Iterable[int]] = ..., max_draft_tokens: _Optional[int] = ..., draft_seconds: _Optional[float] = ..., draft_parents: _Optional[_Iterable[int]] = ..., catch_up_tokens: _Optional[int] = ..., draft_backlog_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSequence(_message.Message):
     __slots__ = ("seq_id",)
