@@ -149,21 +149,19 @@ class DraftBatcher:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._executor.shutdown(wait=True)
 
-    def warm(self, seq: DraftSequence) -> bool:
+    def warm(self, seq: DraftSequence) -> None:
         """Warm `seq` while the model's thread has nothing to draft (see the class), once WARM_MIN_TOKENS of its
         tokens wait to be fed (not while the recent rounds hardly draft, unless its drafting was deferred); call
-        settle() before the sequence changes again. Whether it will be warmed."""
+        settle() before the sequence changes again."""
         if seq in self._deferred:
             least = 1
         elif self.drafting_share >= WARM_MIN_DRAFTING:
             least = WARM_MIN_TOKENS
         else:
-            return False
+            return
         if seq.fork_from is None and seq.num_unfed >= least:
             self._warm[seq] = None
             self._wakeup.set()
-            return True
-        return False
 
     async def settle(self, seq: DraftSequence) -> None:
         """Ends `seq`'s warming: after this the model's thread does not touch it until it is asked to draft."""

@@ -24,10 +24,12 @@ class Drafter(Protocol):
         round when the draft has much of the context still to feed (draft_model.CATCH_UP_BUDGET_TOKENS)."""
         ...
 
-    async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
+    async def draft_after_guess(self, seq: DraftSequence, k: int, *, may_defer: bool = False
+                                ) -> tuple[int, DraftBlock] | None:
         """Pipelining's full-acceptance branch: a guess of the token that follows seq's context (the verifier's
         bonus token), appended to seq's assumed tokens, then the block draft(seq, k) gives after it: exactly
-        the block an unpipelined round drafts once the verifier has confirmed the guess. None: no guess."""
+        the block an unpipelined round drafts once the verifier has confirmed the guess. None: no guess (nor
+        any, with may_defer, where its context is a catch-up past the batch's budget, as draft's)."""
         ...
 
     async def release(self, *seqs: DraftSequence) -> None:
@@ -43,15 +45,14 @@ class Drafter(Protocol):
         """seq continues as its pipelined branch, whose assumed tokens the verifier confirmed."""
         ...
 
-    def warm(self, seq: DraftSequence) -> bool:
-        """While seq's round drafts nothing, prepare its next drafting round where there is idle time (call
-        settle() before seq changes again). Whether it will: its backlog is then fed by the round's verdict,
-        the thread allowing."""
+    def warm(self, seq: DraftSequence) -> None:
+        """While seq's round drafts nothing, prepare its next drafting round where there is idle time (its
+        proposal is out; call settle() before seq changes again)."""
         ...
 
     def backlog(self, seq: DraftSequence) -> int:
-        """What seq's next drafting round must feed before its first drafted token, if not warmed first
-        (Proposal.draft_backlog_tokens)."""
+        """What seq's next drafting round must feed before its first drafted token, as things stand (warming may
+        feed some first; Proposal.draft_backlog_tokens)."""
         ...
 
     async def settle(self, seq: DraftSequence) -> None:
@@ -128,9 +129,10 @@ class ModelDrafter:
             return EMPTY_BLOCK
         return (await self.batcher.draft(self._job(seq, k, may_defer=may_defer))).block
 
-    async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
+    async def draft_after_guess(self, seq: DraftSequence, k: int, *, may_defer: bool = False
+                                ) -> tuple[int, DraftBlock] | None:
         # one batch job: the guess is sampled from the logits the block's drafting starts from anyway
-        drafted = await self.batcher.draft(self._job(seq, k, guess_first=True))
+        drafted = await self.batcher.draft(self._job(seq, k, guess_first=True, may_defer=may_defer))
         if drafted.guess is None:
             return None
         seq.assumed_token_ids.append(drafted.guess)
@@ -146,8 +148,8 @@ class ModelDrafter:
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         await self.batcher.adopt(seq, branch)
 
-    def warm(self, seq: DraftSequence) -> bool:
-        return self.batcher.warm(seq)
+    def warm(self, seq: DraftSequence) -> None:
+        self.batcher.warm(seq)
 
     def backlog(self, seq: DraftSequence) -> int:
         return seq.num_unfed
@@ -168,7 +170,8 @@ class NgramDrafter:
     async def draft(self, seq: DraftSequence, k: int, *, may_defer: bool = False) -> DraftBlock:
         return DraftBlock(tuple(propose_ngram(seq.context_ids, k)), None)
 
-    async def draft_after_guess(self, seq: DraftSequence, k: int) -> tuple[int, DraftBlock] | None:
+    async def draft_after_guess(self, seq: DraftSequence, k: int, *, may_defer: bool = False
+                                ) -> tuple[int, DraftBlock] | None:
         # the block is looked up again on the context that ends with the guess: the longest suffix that
         # includes it may match another earlier occurrence than the one the guess came from
         guess = propose_ngram(seq.context_ids, 1)
@@ -186,8 +189,8 @@ class NgramDrafter:
     async def adopt(self, seq: DraftSequence, branch: DraftSequence) -> None:
         seq.adopt(branch)
 
-    def warm(self, seq: DraftSequence) -> bool:
-        return False  # no model, no cache
+    def warm(self, seq: DraftSequence) -> None:
+        return None  # no model, no cache
 
     def backlog(self, seq: DraftSequence) -> int:
         return 0  # a lookup feeds nothing

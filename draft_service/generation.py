@@ -174,15 +174,17 @@ class Generator:
                 # it mostly chooses again (at 64 streams, default pair, 2 cores, warming the prompts of a burst
                 # on the drafting share alone cost the draft 16 CPU seconds of a 73 s level that drafted in 1 %
                 # of its rounds): a probe, or a later choice to draft, catches it up (draft_model's bound).
-                # Decided before the proposal goes, which says what the next drafting round must still feed
+                # The proposal says what the next drafting round must still feed: nothing where this round drafts
                 # (pipelined branches follow only a block that drafted, or an opening's drafted ahead, which feeds
-                # the prompt and leaves its cache to the sequence whether its guess holds or not)
+                # the prompt and leaves its cache to the sequence whether its guess holds or not), else what is
+                # unfed now (warming may feed some before the verdict: not counted, it may not get the thread)
                 drafts = bool(block.num_draft_tokens) or ahead > 0
                 chose_plain = length.follows_verifier and length.choice == 0
                 warming = not drafts and length.k > 0 and not chose_plain and not ending
-                warmed = warming and self.drafter.warm(seq)
+                if warming:
+                    self.drafter.warm(seq)
                 if proposing:
-                    flight.draft_backlog_tokens = 0 if drafts or warmed else self.drafter.backlog(seq)
+                    flight.draft_backlog_tokens = 0 if drafts else self.drafter.backlog(seq)
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
                 if ahead:
                     width, k_ahead = 1, ahead
@@ -190,6 +192,9 @@ class Generator:
                     width, k_ahead = self.pipeline.width_for(block, k), k
                 branches = await self.pipeline.draft_branches(seq, block, k_ahead, width, flight, tokens_left=left,
                                                               opening=ahead > 0)
+                if ahead and not branches:  # nothing drafted ahead (its prompt deferred past the batch's budget,
+                    warming = True  # or no guess): the prompt is warmed instead, where warming runs at all
+                    self.drafter.warm(seq)
                 if length.k > 0 and not ending:
                     self.drafter.note_round(bool(block.num_draft_tokens or branches), self._running)
                 t_sent = time.perf_counter()
@@ -298,7 +303,8 @@ class Generator:
         # a tree counts by its positions (its depth), as the length it was drafted for; a round whose batch fed a
         # catch-up first says nothing of drafting's usual time
         own_draft_s = None if block.catch_up_tokens else draft_s
-        length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, own_draft_s, wait_s)
+        length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, own_draft_s, wait_s,
+                       timed=not (length.follows_verifier and stats.num_rounds == 1))
         if length.own and block.num_draft_tokens:  # a round that drafted nothing says nothing of drafting
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
         choice = length.load_choice(room)

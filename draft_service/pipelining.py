@@ -244,7 +244,10 @@ class Pipeline:
         try:
             # the full-acceptance branch drafts its guess of the bonus token, then the block after it as the
             # next unpipelined round would: a pipelined proposal is always the one that round would send
-            drafted = await asyncio.gather(*(self.drafter.draft_after_guess(branch, n) if guess is None
+            # (an opening's branch feeds the prompt: a catch-up the batch's budget may defer, as a first round's
+            # drafting was before it; deferred, nothing is drafted ahead)
+            drafted = await asyncio.gather(*(self.drafter.draft_after_guess(branch, n, may_defer=opening)
+                                             if guess is None
                                              else self.drafter.draft(branch, n)
                                              for (_, guess, branch), n in zip(plans, lengths, strict=True)),
                                            return_exceptions=True)

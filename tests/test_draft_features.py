@@ -196,3 +196,16 @@ def test_a_new_sequence_starts_from_the_processs_recent_acceptance():
     for _ in range(6):
         seeded.own.observe(4, 4, draft_s=0.04, wait_s=1.0)
     assert seeded.next_round()[0] == 4
+
+
+def test_an_opening_s_times_teach_the_own_cost_rule_nothing():
+    """An opening's round takes its prompt's and its block-ahead's time, not a round's: observed untimed, the
+    own-cost rule's times stay as they were, while the verifier's choice is still taken."""
+    from draft_service.adaptive import AdaptiveDraftLength, RoundLength
+
+    own = AdaptiveDraftLength(4, t_draft=0.01, t_verify=0.2)
+    length = RoundLength(4, own, follows_verifier=True)
+    length.observe(0, 0, 3, draft_s=2.0, wait_s=0.0, timed=False)
+    assert (own.t_draft, own.t_verify, length.choice) == (0.01, 0.2, 3)
+    length.observe(0, 0, 2, draft_s=None, wait_s=0.0)
+    assert own.t_verify == pytest.approx(0.14) and length.choice == 2

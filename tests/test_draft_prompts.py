@@ -929,8 +929,9 @@ class AheadDrafter(RecordingDrafter):
         await super().draft(seq, k, may_defer=may_defer)
         return DraftBlock(tuple(range(5, 5 + k)), None)
 
-    async def draft_after_guess(self, seq, k):
+    async def draft_after_guess(self, seq, k, *, may_defer=False):
         self.aheads.append(k)
+        assert may_defer  # an opening's prompt is a catch-up the batch's budget may defer
         seq.assumed_token_ids.append(self.guess)
         return self.guess, DraftBlock(tuple(range(5, 5 + k)), None)
 
@@ -1082,9 +1083,9 @@ def test_a_round_the_verifier_chose_plain_is_not_warmed():
     asyncio.run(asyncio.wait_for(_run(gen, prompt_token_ids=(1, 2, 3)), 10))
     gen.prompts.close()
     assert drafter.rounds == [False] * 5
-    # (the count of rounds noted before each warming) rounds 2 and 5 were warmed: 3 and 4 followed a choice of 0,
-    # and the opening drafts ahead (here nothing: prompt lookup finds no guess) and feeds the prompt so
-    assert drafter.warmed == [1, 4]
+    # (the count of rounds noted before each warming) rounds 2 and 5 were warmed, 3 and 4 followed a choice of 0;
+    # and the opening, which drafted nothing ahead (prompt lookup finds no guess), is warmed instead
+    assert drafter.warmed == [0, 1, 4]
 
 
 def test_a_choice_the_sequence_capped_below_k_itself_is_no_word_on_the_load():
@@ -1180,3 +1181,21 @@ def test_a_service_of_fixed_k_takes_a_request_that_asks_for_it_without_the_flag(
     asyncio.run(asyncio.wait_for(run(), 10))
     gen.prompts.close()
     assert drafter.lengths == [1, 0]  # the fixed k, within what the request may still emit
+
+
+def test_an_opening_s_block_ahead_is_deferred_past_the_batch_s_catch_up_budget():
+    """A guess-first job that may be deferred (an opening's block drafted ahead, whose context is its whole
+    prompt) is deferred like a drafting round's catch-up once the batch's budget is spent: no guess, nothing fed
+    or drafted, and nothing of the pool held; the first CATCH_UP_MIN_JOBS catch-ups go whatever their length."""
+    draft, _ = _draft_model(None)
+    greedy = SamplingParams(temperature=0.0).with_seed()
+    seqs = [DraftSequence(greedy, [(7 * i + j) % VOCAB for j in range(20 + i)]) for i in range(5)]
+    branch = seqs[4].branch([])  # the longest prompt: past the first 4 and the budget
+    jobs = [DraftJob(s, 2, may_defer=True) for s in seqs[:4]] + [DraftJob(branch, 2, guess_first=True,
+                                                                          may_defer=True)]
+    results = draft.draft(jobs)
+    assert all(r.block.num_draft_tokens == 2 for r in results[:4])
+    assert results[4].deferred and results[4].guess is None and not results[4].block.num_draft_tokens
+    assert branch.num_cached == 0 and not draft.blocks.has(branch)
+    (alone,) = draft.draft([DraftJob(branch, 2, guess_first=True, may_defer=True)])  # alone: fed, guessed, drafted
+    assert alone.guess is not None and alone.block.num_draft_tokens == 2

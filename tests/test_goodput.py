@@ -864,11 +864,12 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     c.observe_verification(warmed, 0, 0, backlog=0)
     c.observe_verification(unfed, 0, 0, backlog=30)
     assert c.catch_up_rows(warmed, rates, 40, 21) == 0.0 and not c._needs_catch_up(warmed)
-    assert c.catch_up_rows(unfed, rates, 40, 21) == pytest.approx(30 / (21 / 1.75))
+    # what it said, and the verdict's token since (the draft's catch-up counts it too)
+    assert c.catch_up_rows(unfed, rates, 40, 21) == pytest.approx(31 / (21 / 1.75))
     assert c.catch_up_rows(unfed, rates, 20, 21) == pytest.approx(20 / (21 / 1.75))
-    c.observe_verification(plain, 0, 0, backlog=8)  # what a round feeds without calling it a catch-up
+    c.observe_verification(plain, 0, 0, backlog=7)  # 8 with the verdict's: what a round feeds without a catch-up
     assert c.catch_up_rows(plain, rates, 40, 21) == 0.0
-    c.observe_verification(plain, 0, 0, backlog=9)
+    c.observe_verification(plain, 0, 0, backlog=8)
     assert c.catch_up_rows(plain, rates, 40, 21) == pytest.approx(9 / (21 / 1.75))
     c.observe_verification(warmed, 0, 0)  # unsaid: never drafted, its whole context
     assert c.catch_up_rows(warmed, rates, 40, 21) == pytest.approx(40 / (21 / 1.75))

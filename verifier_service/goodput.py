@@ -563,12 +563,12 @@ class DraftLengthController:
     def _needs_catch_up(self, key: object) -> bool:
         """Whether a draft for `key` now would first feed the draft more than catch_up_free_rounds + 1 tokens of
         context (what a round may feed without calling it a catch-up, draft_service.draft_model.CATCH_UP_FREE_TOKENS):
-        as the draft said (Proposal.draft_backlog_tokens), or, where it did not, inferred: the key has not drafted
-        for more than catch_up_free_rounds verifications, or ever (an older draft warms no sequence while its
-        rounds draft nothing)."""
+        as the draft said (Proposal.draft_backlog_tokens, and the verdict's token since, at least one), or, where it
+        did not, inferred: the key has not drafted for more than catch_up_free_rounds verifications, or ever (an
+        older draft warms no sequence while its rounds draft nothing)."""
         reported = self._backlog.get(key)
         if reported is not None:
-            return reported > self.catch_up_free_rounds + 1
+            return reported + 1 > self.catch_up_free_rounds + 1
         rounds = self._plain_rounds.get(key)
         return rounds is None or rounds > self.catch_up_free_rounds
 
@@ -586,7 +586,7 @@ class DraftLengthController:
         reported = self._backlog.get(key)
         rounds = self._plain_rounds.get(key)
         if reported is not None:
-            debt = min(context, reported)
+            debt = min(context, reported + 1)
         else:
             debt = context if rounds is None else min(context, rounds + 1)
         per_round = 1.0 + float(np.sum(np.cumprod(rates)))
