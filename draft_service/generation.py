@@ -218,7 +218,8 @@ class Generator:
                 seq.extend(verdict.token_ids)
                 finished = verdict.finish_reason is not None
                 max_model_len = self._context_length(seq_id, max_model_len)  # a resume may have moved it
-                verified, block = block, await self.pipeline.settle(seq, block, verdict, branches, flight, finished)
+                verified, block = block, await self.pipeline.settle(seq, block, verdict, branches, flight, finished,
+                                                                    opening=ahead > 0)
                 branches = []
                 flight.resumed = False
                 seq.roll_back()

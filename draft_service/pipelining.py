@@ -281,10 +281,11 @@ class Pipeline:
         return branches
 
     async def settle(self, seq: DraftSequence, block: DraftBlock, verdict: VerdictEvent, branches: list[Branch],
-                     flight: Flight, finished: bool) -> DraftBlock | None:
+                     flight: Flight, finished: bool, opening: bool = False) -> DraftBlock | None:
         """After `block`'s verdict (already applied to `seq`): the sequence continues on the branch that guessed
         it (its block, already proposed, is the new block in flight) and the other branches are freed; their
-        proposals will be dropped. Returns the block in flight, or None when no branch guessed right."""
+        proposals will be dropped. Returns the block in flight, or None when no branch guessed right. `opening`:
+        `block` is a sequence's first, and its branch the block drafted ahead (draft_branches')."""
         if not branches:
             return None
         match = None
@@ -294,8 +295,7 @@ class Pipeline:
         missed = [branch for branch in branches if branch is not match]
         # an opening's missed branch holds the prompt the sequence has not fed (RoundLength.ahead): the sequence
         # takes its cache, and its rollback keeps the prompt (the guess and its drafts go)
-        kept = next((b for b in missed if match is None and not finished and not seq.num_cached
-                     and b.seq.num_cached), None)
+        kept = missed[0] if opening and match is None and not finished and missed[0].seq.num_cached else None
         await self.drafter.release(*(branch.seq for branch in missed if branch is not kept))
         if kept is not None:
             await self.drafter.adopt(seq, kept.seq)
