@@ -75,9 +75,11 @@ class RoundLength:
     pipelined branch, whatever --pipeline says), of the length last chosen on this process (for_mode's
     recent_choice), or none where that was 0 (under load: the prompt is not warmed either, as after any choice
     of 0, and the proposal says it is left to feed). When the guess holds, the second round's block is at the
-    verifier when the first token is; when it misses, the second round drafts after the verdict. The first
-    token reaches the client once that block is out (the round awaits its drafting): at one stream 1,180 ms
-    against 771 for k = 0 and 1,532 for k = 4 (default pair, 2 cores, 2026-12-06). Drafted before the prompt was sent (until 2026-12-06), the first block waited for the
+    verifier when the first token is; when it misses, the second round drafts after the verdict. That block
+    drafts in a task of its own (Generator._draft_ahead), and the first token goes to the client when its
+    verdict arrives. (While the round awaited that drafting first, the first token waited for the block: at one
+    stream 1,180 ms against 771 for k = 0 and 1,532 for k = 4, default pair, 2 cores, 2026-12-06.) Drafted
+    before the prompt was sent (until 2026-12-06), the first block waited for the
     draft's prompt and drafts, the verifier computed the prompt with no token to emit, and the first token came
     a step later (one stream, default pair, 2 cores: time to first token 1,007 ms against 529 for k = 0; 16
     streams, 7.7 s against 5.5). Plain with no block drafted ahead (tried the same day), the second round

@@ -84,6 +84,27 @@ def q_support_limit(sampling: SamplingParams, identity: VerifierIdentity) -> int
     return limit if sampling.sends_draft_probs and limit > 0 else None
 
 
+class _VerdictWait:
+    """A round's wait for its verdict, during which its sequence is in `awaiting` (Generator.verdict_arrived: the
+    next round is then due, and a drafting batch waits for it). While `job` drafts the next block ahead, the
+    sequence joins only once that is done: its next drafting is in the batch already."""
+
+    def __init__(self, awaiting: set[int], seq_id: int, job: asyncio.Future | None) -> None:
+        self._awaiting, self._seq_id, self._waiting = awaiting, seq_id, True
+        if job is None or job.done():
+            awaiting.add(seq_id)
+        else:
+            job.add_done_callback(self._join)
+
+    def _join(self, _job: asyncio.Future) -> None:
+        if self._waiting:
+            self._awaiting.add(self._seq_id)
+
+    def end(self) -> None:
+        self._waiting = False
+        self._awaiting.discard(self._seq_id)
+
+
 class Generator:
     def __init__(self, config: DraftConfig, tokenizer: Any, vocab_size: int, link: VerifierLink, drafter: Drafter,
                  metrics: DraftMetrics | None = None, due: DueRounds | None = None) -> None:
@@ -150,6 +171,7 @@ class Generator:
         finished = False
         block: DraftBlock | None = None  # the block in flight at the sequence's end, once drafted
         branches: list[Branch] = []  # the next block drafted ahead, one branch per verdict it guesses
+        ahead_job: asyncio.Future | None = None  # an opening's block drafted ahead, while its verdict is awaited
         try:
             while not finished:
                 t_draft = time.perf_counter()
@@ -186,19 +208,17 @@ class Generator:
                 if proposing:
                     flight.draft_backlog_tokens = 0 if drafts else self.drafter.backlog(seq)
                     flight.proposed = flight.try_propose(seq, seq.num_tokens, block)
-                if ahead:
-                    width, k_ahead = 1, ahead
+                width = 0
+                if ahead:  # drafts while the verdict is awaited: the first token need not wait for it
+                    ahead_job = asyncio.ensure_future(self._draft_ahead(seq, block, ahead, flight, left,
+                                                                        flight.resumes))
                 else:
-                    width, k_ahead = self.pipeline.width_for(block, k), k
-                branches = await self.pipeline.draft_branches(seq, block, k_ahead, width, flight, tokens_left=left,
-                                                              opening=ahead > 0)
-                if ahead and not branches:  # nothing drafted ahead (its prompt deferred past the batch's budget,
-                    warming = True  # or no guess): the prompt is warmed instead, where warming runs at all
-                    self.drafter.warm(seq)
-                if length.k > 0 and not ending:
-                    self.drafter.note_round(bool(block.num_draft_tokens or branches), self._running)
+                    width = self.pipeline.width_for(block, k)
+                    branches = await self.pipeline.draft_branches(seq, block, k, width, flight, tokens_left=left)
+                    if length.k > 0 and not ending:
+                        self.drafter.note_round(bool(block.num_draft_tokens or branches), self._running)
                 t_sent = time.perf_counter()
-                self._awaiting.add(seq_id)
+                waits = _VerdictWait(self._awaiting, seq_id, ahead_job)
                 try:
                     verdict = await self._verify(seq, len(prompt), block, req.deadline, flight)
                     t_verdict = time.perf_counter()  # before any wait for warming: the round's times
@@ -206,12 +226,21 @@ class Generator:
                     finished = True  # the verifier has already freed the sequence
                     raise
                 finally:
-                    self._awaiting.discard(seq_id)
+                    waits.end()
                     if warming:
                         await self.drafter.settle(seq)  # before seq changes (or is released)
+                fed = None  # the verdict's text, when already handed to the client
+                if ahead_job is not None:
+                    if not ahead_job.done():
+                        fed = output.feed(verdict.token_ids, final=verdict.finish_reason is not None)
+                        stats.time_to_first_token_s = time.perf_counter() - t0
+                        yield TextChunk(fed[0], fed[1])
+                    # a verdict that ends the sequence leaves nothing to draft ahead for
+                    ends = verdict.finish_reason is not None or (fed is not None and fed[2])
+                    branches = await self._end_drafting_ahead(seq, ahead_job, cancel=ends)
+                    ahead_job = None
                 # (an opening's branch is no pipelined round: its stall is the prompt's feeding)
-                self.pipeline.observe(0 if ahead else width, max(0.0, t_verdict - verdict.received_at),
-                                      t_verdict - t_draft)
+                self.pipeline.observe(width, max(0.0, t_verdict - verdict.received_at), t_verdict - t_draft)
                 if verdict.finish_reason is None:
                     self.pipeline.observe_verdict(block, verdict)
                 seq.assumed_token_ids.clear()
@@ -223,7 +252,7 @@ class Generator:
                 branches = []
                 flight.resumed = False
                 seq.roll_back()
-                tokens, text, stopped = output.feed(verdict.token_ids, final=finished)
+                tokens, text, stopped = fed if fed is not None else output.feed(verdict.token_ids, final=finished)
                 room = None if finished else draft_room(*tokens_left(seq, len(prompt), max_model_len))
                 self._record_round(stats, length, seq, verified, verdict, tokens, t0, t_sent - t_draft,
                                    t_verdict - t_sent, room)
@@ -231,15 +260,51 @@ class Generator:
                 if stopped and not finished:  # the verifier would go on: tell it to free the sequence now
                     finished = True
                     self.link.release(seq_id, cancel=True)
-                yield TextChunk(tokens, text)
+                if fed is None:
+                    yield TextChunk(tokens, text)
         finally:
             # cancelled by the client or failed here: free it on the verifier too
             self.link.release(seq_id, cancel=not finished)
             if self.due is not None:
                 self.due.forget(seq_id)
+            if ahead_job is not None:
+                branches = await self._end_drafting_ahead(seq, ahead_job, cancel=True)
             await self.drafter.release(*(branch.seq for branch in branches), seq)
             structlog.contextvars.unbind_contextvars("seq_id")
         yield self._finish(stats, seq, flight, t0)
+
+    async def _draft_ahead(self, seq: DraftSequence, block: DraftBlock, k: int, flight: Flight, left: int | None,
+                           resumes: int) -> tuple[list[Branch], bool]:
+        """An opening's block drafted ahead (RoundLength.ahead), beside the prompt's step: (its branch, or none;
+        whether the prompt is warmed instead: its drafting deferred past the batch's budget, or no guess).
+        `resumes`: flight.resumes when the opening's block was proposed (draft_branches)."""
+        branches = await self.pipeline.draft_branches(seq, block, k, 1, flight, tokens_left=left, opening=True,
+                                                      resumes=resumes)
+        if not branches:
+            self.drafter.warm(seq)
+        self.drafter.note_round(bool(branches), self._running)
+        return branches, not branches
+
+    async def _end_drafting_ahead(self, seq: DraftSequence, job: asyncio.Future, cancel: bool) -> list[Branch]:
+        """The branches `job` (_draft_ahead) drafted, once it is done; with `cancel`, none: it is stopped where it
+        still drafts (draft_branches then frees its branches) and what it drafted is freed. A warming it began is
+        settled either way, before the sequence changes or is released."""
+        if cancel and not job.done():
+            job.cancel()
+        await asyncio.wait({job})
+        if job.cancelled():
+            return []
+        if (err := job.exception()) is not None:
+            if cancel:
+                return []  # the generation ends anyway
+            raise err
+        branches, warmed = job.result()
+        if warmed:
+            await self.drafter.settle(seq)
+        if cancel:
+            await self.drafter.release(*(branch.seq for branch in branches))
+            return []
+        return branches
 
     async def _prepare(self, req: GenerationRequest) -> tuple[list[int], DraftSequence, RoundLength, int]:
         """The request checked against this service and its verifier: (prompt ids, the sequence, its rounds'
@@ -299,7 +364,7 @@ class Generator:
                            num_positions=block.num_positions)
         self.metrics.observe_round(draft_s, wait_s, verdict.step_time_s)
         self.drafter.observe(seq, block, verdict.token_ids)
-        if stats.num_rounds == 1:
+        if stats.num_rounds == 1 and not stats.time_to_first_token_s:  # not handed on before the round's end
             stats.time_to_first_token_s = time.perf_counter() - t0
         # a tree counts by its positions (its depth), as the length it was drafted for; a round whose batch fed a
         # catch-up first says nothing of drafting's usual time
@@ -410,6 +475,7 @@ class Generator:
                 # its verifier did not take it (it drains) and freed it: opened again, elsewhere if it can be
                 event = StreamLost(f"the verifier did not take the sequence: {event.message}")
             if isinstance(event, StreamLost):
+                flight.resumes += 1  # before the resume's first await: a branch drafting ahead sends nothing now
                 await self._resume(flight.seq_id, seq, num_prompt_tokens, deadline, event.reason)
                 flight.proposed, flight.stale, flight.resumed = False, 0, True
                 continue

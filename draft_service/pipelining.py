@@ -45,6 +45,7 @@ class Flight:
     proposed: bool = False  # the block at the sequence's end has been sent on the current stream
     stale: int = 0  # pipelined proposals whose guess missed: the verifier drops them, their ProposalDropped is due
     resumed: bool = False  # the stream broke during the last wait: any pipelined proposal was lost with it
+    resumes: int = 0  # streams broken under the sequence so far (counted before each resume starts)
     proposal_bytes: int = 0  # serialized size of every proposal sent
     # --speculation auto: this service's cap on the next block, sent with each proposal to ask for the
     # verifier's choice of its length; None: the draft length is this service's alone
@@ -214,7 +215,8 @@ class Pipeline:
         self.width.observe_verdict(adopted, [(rank, j) for rank, j, _ in guesses])
 
     async def draft_branches(self, seq: DraftSequence, block: DraftBlock, k: int, width: int,
-                             flight: Flight, tokens_left: int | None = None, opening: bool = False) -> list[Branch]:
+                             flight: Flight, tokens_left: int | None = None, opening: bool = False,
+                             resumes: int | None = None) -> list[Branch]:
         """While `block`'s verdict is in flight, draft and propose up to `width` branches of `k` drafts each:
         the full-acceptance branch first, then the best guess at each position (earliest first), then the second
         best. All branches draft in one batch, sharing the sequence's cache blocks. `tokens_left`: what the
@@ -223,9 +225,12 @@ class Pipeline:
         that would end the sequence (one that would leave a single token gets a branch of no drafts: that
         token's proposal is then at the verifier already, as before). `opening`: `block` is a sequence's first,
         empty one, and its branch the second round's block drafted ahead (RoundLength.ahead); otherwise an empty
-        block has none."""
+        block has none. `resumes`: flight.resumes when `block` was proposed (None: now); after another resume the
+        branches are not sent (_propose_branches)."""
         if not width or k == 0 or (block.num_draft_tokens == 0 and not opening):
             return []
+        if resumes is None:
+            resumes = flight.resumes
         plans: list[tuple[int, int | None, DraftSequence]] = []
         lengths: list[int] = []
 
@@ -251,14 +256,17 @@ class Pipeline:
                                              else self.drafter.draft(branch, n)
                                              for (_, guess, branch), n in zip(plans, lengths, strict=True)),
                                            return_exceptions=True)
-            return await self._propose_branches(seq, plans, drafted, flight)
+            return await self._propose_branches(seq, plans, drafted, flight, resumes)
         except BaseException:
             # cancelled (the client went away) or failed while the branches draft: none of them may keep a block
             await self.drafter.release(*(branch for _, _, branch in plans))
             raise
 
     async def _propose_branches(self, seq: DraftSequence, plans: list[tuple[int, int | None, DraftSequence]],
-                                drafted: list, flight: Flight) -> list[Branch]:
+                                drafted: list, flight: Flight, resumes: int) -> list[Branch]:
+        """`resumes`: flight.resumes when their block was proposed. A stream that broke since (an opening's branch
+        drafts while its verdict is awaited, which may resume the sequence) lost what they assumed with it: they
+        are not sent, so no proposal on the new stream runs ahead of the resumed sequence's own."""
         branches, unused, short = [], [], []
         for (j, guess, branch), d in zip(plans, drafted, strict=True):
             if isinstance(d, ServiceError):  # e.g. the draft's KV pool cannot hold this branch
@@ -272,7 +280,8 @@ class Pipeline:
                     unused.append(branch)
                     continue
                 guess, d = d
-            sent = flight.try_propose(seq, seq.num_tokens + j + 1, d, tuple(branch.assumed_token_ids))
+            sent = flight.resumes == resumes and flight.try_propose(seq, seq.num_tokens + j + 1, d,
+                                                                    tuple(branch.assumed_token_ids))
             branches.append(Branch(j, guess, branch, d, sent))
         if short:  # fewer branches this round; none at all only when not even one fit
             log.warning("pipelined_drafting_short", code=short[0].code.name, message=short[0].message,
