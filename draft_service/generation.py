@@ -87,7 +87,9 @@ def q_support_limit(sampling: SamplingParams, identity: VerifierIdentity) -> int
 class _VerdictWait:
     """A round's wait for its verdict, during which its sequence is in `awaiting` (Generator.verdict_arrived: the
     next round is then due, and a drafting batch waits for it). While `job` drafts the next block ahead, the
-    sequence joins only once that is done: its next drafting is in the batch already."""
+    sequence joins only once that is done: its next drafting is in the batch already. (A verdict that arrives
+    meanwhile and misses the job's guess is not due either: its next round drafts once the job is done, and no
+    batch waits for it.)"""
 
     def __init__(self, awaiting: set[int], seq_id: int, job: asyncio.Future | None) -> None:
         self._awaiting, self._seq_id, self._waiting = awaiting, seq_id, True
@@ -235,8 +237,11 @@ class Generator:
                         fed = output.feed(verdict.token_ids, final=verdict.finish_reason is not None)
                         stats.time_to_first_token_s = time.perf_counter() - t0
                         yield TextChunk(fed[0], fed[1])
+                        if fed[2] and verdict.finish_reason is None:  # a stop string: the verifier would go on,
+                            finished = True  # so it frees the sequence now, not after the drafting ahead stops
+                            self.link.release(seq_id, cancel=True)
                     # a verdict that ends the sequence leaves nothing to draft ahead for
-                    ends = verdict.finish_reason is not None or (fed is not None and fed[2])
+                    ends = finished or verdict.finish_reason is not None
                     branches = await self._end_drafting_ahead(seq, ahead_job, cancel=ends)
                     ahead_job = None
                 # (an opening's branch is no pipelined round: its stall is the prompt's feeding)
@@ -245,7 +250,7 @@ class Generator:
                     self.pipeline.observe_verdict(block, verdict)
                 seq.assumed_token_ids.clear()
                 seq.extend(verdict.token_ids)
-                finished = verdict.finish_reason is not None
+                finished = finished or verdict.finish_reason is not None
                 max_model_len = self._context_length(seq_id, max_model_len)  # a resume may have moved it
                 verified, block = block, await self.pipeline.settle(seq, block, verdict, branches, flight, finished,
                                                                     opening=ahead > 0)
@@ -267,10 +272,12 @@ class Generator:
             self.link.release(seq_id, cancel=not finished)
             if self.due is not None:
                 self.due.forget(seq_id)
-            if ahead_job is not None:
-                branches = await self._end_drafting_ahead(seq, ahead_job, cancel=True)
-            await self.drafter.release(*(branch.seq for branch in branches), seq)
-            structlog.contextvars.unbind_contextvars("seq_id")
+            try:
+                if ahead_job is not None:
+                    branches = await self._end_drafting_ahead(seq, ahead_job, cancel=True)
+            finally:  # cancelled again meanwhile: the job frees its own branch, and the sequence is freed here
+                await self.drafter.release(*(branch.seq for branch in branches), seq)
+                structlog.contextvars.unbind_contextvars("seq_id")
         yield self._finish(stats, seq, flight, t0)
 
     async def _draft_ahead(self, seq: DraftSequence, block: DraftBlock, k: int, flight: Flight, left: int | None,
@@ -295,8 +302,9 @@ class Generator:
         if job.cancelled():
             return []
         if (err := job.exception()) is not None:
-            if cancel:
-                return []  # the generation ends anyway
+            if cancel:  # the generation ends anyway: said, not raised
+                log.warning("drafting_ahead_failed", error=f"{type(err).__name__}: {err}")
+                return []
             raise err
         branches, warmed = job.result()
         if warmed:

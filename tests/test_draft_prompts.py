@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -1056,20 +1057,52 @@ def test_an_opening_s_first_token_reaches_the_client_before_its_block_drafted_ah
     link.on_verdict = gen.verdict_arrived
 
     async def run():
+        t0 = time.perf_counter()
         events = _start(gen, tuple(range(1, 21)))
         first = await asyncio.wait_for(events.__anext__(), 5)
         assert first.token_ids == (7,) and not drafter.drafted_ahead
         assert link.sent == [(0, 4, 0, ())]  # the block ahead is not out yet
+        await asyncio.sleep(0.2)
         drafter.go.set()
-        return [first, *[event async for event in events]]
+        return [first, *[event async for event in events]], time.perf_counter() - t0
 
-    events = asyncio.run(asyncio.wait_for(run(), 10))
+    events, until_go_s = asyncio.run(asyncio.wait_for(run(), 10))
     gen.prompts.close()
     assert [event.token_ids for event in events[:-1]] == [(7,), (7,), (7,)]  # each verdict's text once
     stats = events[-1]
-    assert stats.num_generated_tokens == 3 and stats.num_rounds == 3 and stats.time_to_first_token_s > 0
+    assert stats.num_generated_tokens == 3 and stats.num_rounds == 3
+    assert 0 < stats.time_to_first_token_s < until_go_s - 0.1  # when it was handed on, not when the round ended
     assert link.sent == [(0, 4, 0, ()), (4, 4, 0, (7,)), (2, 4, 0, ())]
     assert link.due_at_verdict[:2] == [0, 1]
+
+
+class LateVerifier(BacklogVerifier):
+    """BacklogVerifier whose first verdict arrives once `drafter` has drafted ahead (the verifier's step is the
+    longer: under load)."""
+
+    def __init__(self, choices: list[int], drafter: HeldAheadDrafter) -> None:
+        super().__init__(choices)
+        self.drafter = drafter
+
+    async def next_event(self, seq_id):
+        while not self.drafter.drafted_ahead:
+            await asyncio.sleep(0)
+        for _ in range(10):  # the loop turns for the drafting's task to end
+            await asyncio.sleep(0)
+        return await super().next_event(seq_id)
+
+
+def test_an_opening_whose_block_ahead_is_drafted_before_its_verdict_is_due_at_that_verdict():
+    drafter = HeldAheadDrafter()
+    drafter.go.set()
+    link = LateVerifier([4, 2, 0], drafter)
+    due = link.due = DueRounds()
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter, None, due)
+    link.on_verdict = gen.verdict_arrived
+    _generate_once(gen, tuple(range(1, 21)))
+    gen.prompts.close()
+    assert link.sent == [(0, 4, 0, ()), (4, 4, 0, (7,)), (2, 4, 0, ())]
+    assert link.due_at_verdict[:2] == [1, 1] and not gen._awaiting
 
 
 @pytest.mark.parametrize("ending", ["client_gone", "stop_string"])
@@ -1079,8 +1112,8 @@ def test_an_opening_that_ends_at_its_first_token_stops_drafting_ahead_and_frees_
     branch), nothing more is proposed, and the sequence is freed on both sides."""
     link = BacklogVerifier([4, 2, 0])
     released_on_link = []
-    link.release = lambda seq_id, *, cancel: released_on_link.append(cancel)
     drafter = HeldAheadDrafter()
+    link.release = lambda seq_id, *, cancel: released_on_link.append((cancel, len(drafter.released)))
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
 
     async def run():
@@ -1103,7 +1136,8 @@ def test_an_opening_that_ends_at_its_first_token_stops_drafting_ahead_and_frees_
     events = asyncio.run(asyncio.wait_for(run(), 10))
     gen.prompts.close()
     assert not drafter.drafted_ahead and link.sent == [(0, 4, 0, ())]
-    assert released_on_link[0] is True and not gen._awaiting  # the verifier is told to free it at once
+    # the verifier is told to free it first (not after the drafting ahead has stopped)
+    assert released_on_link[0] == (True, 0) and not gen._awaiting
     if ending == "stop_string":  # token 7 decodes to "h"
         assert events[0].text == "" and events[-1].finish_reason is FinishReason.STOP
         assert events[-1].num_generated_tokens == 1
@@ -1135,8 +1169,8 @@ def test_an_opening_with_nothing_drafted_ahead_warms_its_prompt_and_settles_it_b
 
 
 class ResumingVerifier(BacklogVerifier):
-    """BacklogVerifier whose stream breaks at the first verdict wait; the verdict after the resume arrives once
-    `drafter` has finished drafting ahead."""
+    """BacklogVerifier whose stream breaks at the first verdict wait; `drafter` finishes drafting ahead while the
+    sequence is reopened."""
 
     def __init__(self, choices: list[int], drafter: HeldAheadDrafter) -> None:
         super().__init__(choices)
@@ -1146,15 +1180,16 @@ class ResumingVerifier(BacklogVerifier):
         self.waits += 1
         if self.waits == 1:
             return StreamLost("the verifier went away")
+        return await super().next_event(seq_id)
+
+    async def reopen(self, seq_id, token_ids, sampling, **_):
+        """The branch finishes while the sequence is being reopened."""
+        self.reopened += 1
         self.drafter.go.set()
         while not self.drafter.drafted_ahead:
             await asyncio.sleep(0)
         for _ in range(5):  # and its branch has had the loop turns to propose, were it to
             await asyncio.sleep(0)
-        return await super().next_event(seq_id)
-
-    async def reopen(self, seq_id, token_ids, sampling, **_):
-        self.reopened += 1
 
 
 def test_an_opening_resumed_while_it_drafts_ahead_sends_nothing_ahead_on_the_new_stream():
