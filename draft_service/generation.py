@@ -281,16 +281,16 @@ class Generator:
         yield self._finish(stats, seq, flight, t0)
 
     async def _draft_ahead(self, seq: DraftSequence, block: DraftBlock, k: int, flight: Flight, left: int | None,
-                           resumes: int) -> tuple[list[Branch], bool]:
-        """An opening's block drafted ahead (RoundLength.ahead), beside the prompt's step: (its branch, or none;
-        whether the prompt is warmed instead: its drafting deferred past the batch's budget, or no guess).
+                           resumes: int) -> list[Branch]:
+        """An opening's block drafted ahead (RoundLength.ahead), beside the prompt's step: its branch, or none,
+        when the prompt is warmed instead (its drafting deferred past the batch's budget, or no guess).
         `resumes`: flight.resumes when the opening's block was proposed (draft_branches)."""
         branches = await self.pipeline.draft_branches(seq, block, k, 1, flight, tokens_left=left, opening=True,
                                                       resumes=resumes)
         if not branches:
             self.drafter.warm(seq)
         self.drafter.note_round(bool(branches), self._running)
-        return branches, not branches
+        return branches
 
     async def _end_drafting_ahead(self, seq: DraftSequence, job: asyncio.Future, cancel: bool) -> list[Branch]:
         """The branches `job` (_draft_ahead) drafted, once it is done; with `cancel`, none: it is stopped where it
@@ -306,8 +306,8 @@ class Generator:
                 log.warning("drafting_ahead_failed", error=f"{type(err).__name__}: {err}")
                 return []
             raise err
-        branches, warmed = job.result()
-        if warmed:
+        branches = job.result()
+        if not branches:  # the prompt was warmed instead
             await self.drafter.settle(seq)
         if cancel:
             await self.drafter.release(*(branch.seq for branch in branches))
