@@ -225,7 +225,8 @@ def test_a_quantized_qwen3_draft_on_the_native_path(quantization, models_dir):
         running.stack.stop()
 
 
-STAT_ARCHS = ["gpt_oss", pytest.param("qwen3_moe", marks=pytest.mark.slow),
+# statistics-heavy (24 s each on 2 cores): the default run keeps tests/test_e2e.py's, with its negative control
+STAT_ARCHS = [pytest.param("gpt_oss", marks=pytest.mark.slow), pytest.param("qwen3_moe", marks=pytest.mark.slow),
               pytest.param("gemma3_text", marks=pytest.mark.slow)]
 
 

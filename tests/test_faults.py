@@ -78,6 +78,9 @@ def test_verifier_killed_and_restarted_mid_generation_resumes_losslessly(fault_s
     running.wait_for_metric("specwire_kv_blocks_used", 0)
 
 
+# the suite's time (34 s of the default run on 2 cores): resume after a restart stays in the default run (above),
+# trees with pipelining in tests/test_tree_e2e.py
+@pytest.mark.slow
 def test_token_trees_with_pipelining_resume_losslessly_after_a_verifier_restart(fault_stack):
     """A draft growing trees (and drafting ahead on their best paths): the same three requests, the same verdict."""
     running, target = fault_stack

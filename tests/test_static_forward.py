@@ -122,7 +122,7 @@ ARCHS = ["qwen2", "gemma2", pytest.param("granite", marks=pytest.mark.slow)]
 class _Pair:
     """Two identical KV pools over one tiny model, each with three sequences prefilled."""
 
-    def __init__(self, arch: str = "qwen2") -> None:
+    def __init__(self, arch: str = "qwen2", *, prefill: bool = True) -> None:
         self.model = build_model(model_config(arch, VOCAB, eos_token_id=None, heads=4, kv_heads=2), seed=2,
                                  dtype=torch.float32)
         self.blocks = BlockManager(16, BLOCK)
@@ -138,6 +138,8 @@ class _Pair:
             spec = kv_cache_spec_by_probe(self.model)
             self.runners = [TransformersPagedLM(self.model, KVCache(spec, 16, BLOCK)) for _ in range(3)]
             assert self.runners[0].supports_static
+        if not prefill:  # for shapes only (StaticForward.eligible): the interpreter's forwards cost seconds each
+            return
         for runner in self.runners:
             runner.forward(self.batch([(i, 0, n) for i, n in enumerate(self.contexts)], every_row=False))
 
@@ -223,12 +225,12 @@ def test_steps_that_are_not_decode_sized_take_the_ordinary_forward(triton_path):
     some_rows = pair.batch([(0, 37, 39)], every_row=False)  # logits for some rows only
     too_many = pair.verification()  # 9 tokens > 8
     assert not static.eligible(some_rows) and not static.eligible(too_many)
-    long_query = _Pair()
+    long_query = _Pair(prefill=False)
     prefill = long_query.batch([(0, 37, 45)])
     wide = StaticForward(long_query.runners[1], max_tokens=64, max_blocks_per_seq=2)  # 3 blocks > 2
     assert not wide.eligible(prefill)
     assert StaticForward(long_query.runners[1], max_tokens=64, max_blocks_per_seq=4).eligible(prefill)
-    long_pair = _Pair()  # a query of 17 tokens: more than one attention tile
+    long_pair = _Pair(prefill=False)  # a query of 17 tokens: more than one attention tile
     long_pair.tokens[2] += list(range(20))
     query_17 = long_pair.batch([(2, 16, 33)])
     assert not StaticForward(long_pair.runners[1], max_tokens=64, max_blocks_per_seq=4).eligible(query_17)
