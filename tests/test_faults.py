@@ -78,8 +78,8 @@ def test_verifier_killed_and_restarted_mid_generation_resumes_losslessly(fault_s
     running.wait_for_metric("specwire_kv_blocks_used", 0)
 
 
-# the suite's time (34 s of the default run on 2 cores): resume after a restart stays in the default run (above),
-# trees with pipelining in tests/test_tree_e2e.py
+# the suite's time (34 s of the default run on 2 cores): resume after a restart stays in the default run (the test
+# above), trees with pipelining in tests/test_tree_e2e.py; a tree draft across a restart only here
 @pytest.mark.slow
 def test_token_trees_with_pipelining_resume_losslessly_after_a_verifier_restart(fault_stack):
     """A draft growing trees (and drafting ahead on their best paths): the same three requests, the same verdict."""
@@ -100,7 +100,7 @@ def test_token_trees_with_pipelining_resume_losslessly_after_a_verifier_restart(
         running.stop_service(service)
 
 
-@pytest.mark.slow  # a restart of its own; resume after a restart stays in the default run (tests above)
+@pytest.mark.slow  # a restart of its own; resume after a restart stays in the default run (the first test above)
 def test_a_request_made_while_the_verifier_is_down_waits_for_it(fault_stack):
     running, target = fault_stack
     running.kill("verifier")
