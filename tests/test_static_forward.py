@@ -120,8 +120,8 @@ ARCHS = ["qwen2", "gemma2", pytest.param("granite", marks=pytest.mark.slow)]
 
 
 class _Pair:
-    """Three identical KV pools over one tiny model, each with three sequences prefilled (`prefill`; else only
-    their block tables, for shape checks)."""
+    """Three identical KV pools over one tiny model, each with three sequences prefilled (`prefill`; else
+    none, for shape checks: `batch` allocates the block tables)."""
 
     def __init__(self, arch: str = "qwen2", *, prefill: bool = True) -> None:
         self.model = build_model(model_config(arch, VOCAB, eos_token_id=None, heads=4, kv_heads=2), seed=2,
