@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -188,14 +189,17 @@ class ModeStack:
             if rtt_ms:
                 upstream = self._exit.enter_context(
                     ProxyThread(self.verifier.address, LinkShape(delay_s=rtt_ms / 2000))).address
+            dmetrics = free_port()
             self.draft = stack.start(f"draft-{name or mode}",
                                      ["draft", "--model", str(draft), "--verifier", upstream, "--speculation",
-                                      "auto" if mode == "auto" else "fixed", *extra_draft],
+                                      "auto" if mode == "auto" else "fixed", "--metrics-port", str(dmetrics),
+                                      *extra_draft],
                                      log_dir=log_dir, cpus=draft_cpus)
         except BaseException:
             self._exit.close()
             raise
         self.metrics_url = f"http://127.0.0.1:{vmetrics}/metrics"
+        self.draft_metrics_url = f"http://127.0.0.1:{dmetrics}/metrics"
 
     def warm(self, prompts: list) -> None:
         """Serve each prompt once (one token), so that the verifier's prefix cache holds them all, as a stack's does
@@ -214,6 +218,7 @@ class ModeStack:
         mode = mode or self.mode
         k = k_of(mode)
         before = _spec_counters(self.metrics_url)
+        rows_before = _draft_rows(self.draft_metrics_url)
         cpu_before = _cpu_s(self.verifier.proc.pid), _cpu_s(self.draft.proc.pid)
         row = {"mode": mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, k,
                                                      per_stream=per_stream, min_requests=min_requests,
@@ -222,6 +227,11 @@ class ModeStack:
         # CPU seconds each service used in the level (both share the cores unless pinned)
         row["verifier_cpu_s"] = _cpu_s(self.verifier.proc.pid) - cpu_before[0]
         row["draft_cpu_s"] = _cpu_s(self.draft.proc.pid) - cpu_before[1]
+        # what the draft's model computed in the level: token positions by kind (prompt, catch_up, round, draft)
+        # and when (drafting, warming); see specwire_draft_model_rows
+        rows_after = _draft_rows(self.draft_metrics_url)
+        row["draft_rows"] = {key: rows_after[key] - rows_before.get(key, 0.0) for key in sorted(rows_after)
+                             if rows_after[key] - rows_before.get(key, 0.0)}
         drafts = after["drafts"] - before["drafts"]
         row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
                                                 if drafts else 0.0)
@@ -260,6 +270,27 @@ def _spec_counters(url: str) -> dict[str, float]:
             "accepted": get("specwire_spec_decode_num_accepted_tokens_total")}
 
 
+def _draft_rows(url: str) -> dict[str, float]:
+    """specwire_draft_model_rows_total per `kind/when` (an older draft: none)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    rows = {}
+    for m in re.finditer(r'^specwire_draft_model_rows_total\{(.*)\} ([0-9.e+-]+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        rows[f"{labels.get('kind')}/{labels.get('when')}"] = float(m.group(2))
+    return rows
+
+
+def _rows_cell(row: dict) -> str:
+    """The draft's CPU seconds, then its model's rows in the level: prompt / catch-up / round / draft, warming's
+    share after a +."""
+    rows = row.get("draft_rows") or {}
+    cells = []
+    for kind in ("prompt", "catch_up", "round", "draft"):
+        drafting, warming = rows.get(f"{kind}/drafting", 0.0), rows.get(f"{kind}/warming", 0.0)
+        cells.append(f"{drafting:.0f}" + (f"+{warming:.0f}" if warming else ""))
+    return f"{row.get('draft_cpu_s', 0.0):.1f} s; " + " / ".join(cells)
+
+
 def _versus_best(by: dict, level: int, key: str, others: list[str]) -> str:
     """Auto's figure `key` at `level` over the best of `others`' there, as a table cell ("" where a figure is
     missing or 0: a row of an older run's JSON, an empty span)."""
@@ -275,7 +306,8 @@ def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     head += " | auto / best fixed" + (" | auto / best on auto's stack" if same_stack else "")
     head += " | the same at full load"
     head += " | " + " | ".join(f"{label_of(m)} TTFT p50/p99 ms" for m in modes)
-    head += " | " + " | ".join(f"{label_of(m)} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification |"
+    head += " | " + " | ".join(f"{label_of(m)} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification"
+    head += " | auto draft CPU; rows prompt / catch-up / round / draft (+warming) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in levels:
         cells = [f"{by[(m, c)]['tok_s']:.1f}" if (m, c) in by else "" for m in modes]
@@ -290,8 +322,9 @@ def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
         itl = [f"{by[(m, c)]['itl_p50_ms']:.0f} / {by[(m, c)]['itl_p99_ms']:.0f}" if (m, c) in by else ""
                for m in modes]
         k_auto = f"{by[('auto', c)]['draft_tokens_per_verification']:.2f}" if ("auto", c) in by else ""
+        rows_auto = _rows_cell(by[("auto", c)]) if ("auto", c) in by else ""
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {ratio} | " + " | ".join(ttft) + " | "
-                     + " | ".join(itl) + f" | {k_auto} |")
+                     + " | ".join(itl) + f" | {k_auto} | {rows_auto} |")
     return "\n".join(lines)
 
 

@@ -95,6 +95,39 @@ def feeds_catch_up(jobs: list[DraftJob]) -> bool:
                if job.seq is not None) > CATCH_UP_FREE_TOKENS
 
 
+@dataclass(frozen=True)
+class RowCounts:
+    """The rows (token positions) one draft forward computed, by what they fed: the prompt's tokens; generated
+    tokens the draft had not fed, past the last two (a catch-up: it drafted nothing for a while); a round's usual
+    feed (the last verified token, and the last draft before it where all were accepted); drafted tokens (a
+    block's own drafts, a pipelined branch's assumed tokens, a tree's nodes). The cost of each kind is the
+    draft's CPU (or GPU) time that kind took."""
+    prompt: int = 0
+    catch_up: int = 0
+    round: int = 0
+    draft: int = 0
+
+
+ROUND_FEED_TOKENS = 2  # the verified tokens a usual round feeds at most (RowCounts.round)
+
+
+def count_rows(feeds: list[Feed]) -> RowCounts:
+    """RowCounts of one forward's feeds (positions from each sequence's cache, as _forward_rows writes them)."""
+    prompt = catch_up = round_ = draft = 0
+    for seq, feed in feeds:
+        if isinstance(feed, tuple):  # a tree's nodes
+            draft += len(feed[1].token_ids)
+            continue
+        start, end = seq.num_cached, seq.num_cached + len(feed)
+        verified = seq.num_tokens
+        prompt += max(0, min(end, seq.num_prompt_tokens) - start)
+        tail = max(seq.num_prompt_tokens, verified - ROUND_FEED_TOKENS)  # a round's usual feed starts here
+        catch_up += max(0, min(end, tail) - max(start, seq.num_prompt_tokens))
+        round_ += max(0, min(end, verified) - max(start, tail))
+        draft += max(0, end - max(start, verified))
+    return RowCounts(prompt, catch_up, round_, draft)
+
+
 def _kv_full() -> ServiceError:
     return ServiceError(ErrorCode.RESOURCE_EXHAUSTED, "the draft service's KV cache is full (raise its "
                         "--kv-cache-memory)")
@@ -134,14 +167,18 @@ class DraftModel:
 
     def __init__(self, runner: PagedCausalLM, blocks: BlockManager, q_max_support: int,
                  static: StaticForward | None = None, on_static_step: Callable[[], None] | None = None,
-                 max_num_batched_tokens: int | None = None) -> None:
+                 max_num_batched_tokens: int | None = None,
+                 on_rows: Callable[[RowCounts, bool], None] | None = None) -> None:
         """static: one-token-per-sequence steps run through its static device buffers (and graphs).
-        max_num_batched_tokens: the most tokens one forward feeds (a long prompt is fed in chunks); None: any."""
+        max_num_batched_tokens: the most tokens one forward feeds (a long prompt is fed in chunks); None: any.
+        on_rows: called after each forward with the rows it computed by what they fed (count_rows) and whether it
+        was a warming forward (warm) rather than a drafting one."""
         self.runner = runner
         self.blocks = blocks
         self.q_max_support = q_max_support
         self.static = static
         self._on_static_step = on_static_step
+        self._on_rows = on_rows
         self.max_num_batched_tokens = max_num_batched_tokens
         self._kv_short_logged_at: float | None = None
 
@@ -322,7 +359,7 @@ class DraftModel:
         if feeds:
             starts = [seq.num_cached for seq, _ in feeds]
             try:
-                self._forward(feeds)  # only its K/V is wanted
+                self._forward(feeds, warming=True)  # only its K/V is wanted
             except Exception:
                 for (seq, _), start in zip(feeds, starts, strict=True):  # no cached token without its K/V
                     del seq.cached_token_ids[start:]
@@ -420,11 +457,11 @@ class DraftModel:
                 waiting.add(i)
         return waiting
 
-    def _forward(self, feeds: list[tuple[DraftSequence, list[int]]]) -> torch.Tensor:  # [num_seqs, vocab]
+    def _forward(self, feeds: list[tuple[DraftSequence, list[int]]], warming: bool = False) -> torch.Tensor:
         """Token lists only: each feed's last row's logits (a row per feed)."""
-        return self._forward_rows(feeds)[0]
+        return self._forward_rows(feeds, warming)[0]
 
-    def _forward_rows(self, feeds: list[Feed]) -> tuple[torch.Tensor, list[range]]:
+    def _forward_rows(self, feeds: list[Feed], warming: bool = False) -> tuple[torch.Tensor, list[range]]:
         """One forward over the feeds: a token list continues its sequence's cache (its last row's logits), a
         NodeFeed feeds a tree's depth (a row per node). Returns the logits and each feed's rows of them."""
         input_ids: list[int] = []
@@ -488,6 +525,8 @@ class DraftModel:
             logits = self.static.run(batch)[0]
         else:
             logits = self.runner.forward(batch)
+        if self._on_rows:
+            self._on_rows(count_rows(feeds), warming)
         for seq, tokens in cached:  # no cached token without its K/V, whatever failed before this
             seq.cached_token_ids.extend(tokens)
         return logits, rows

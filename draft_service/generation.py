@@ -326,7 +326,8 @@ class Generator:
         k = self._num_speculative_tokens(req, identity)
         requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
         sampling = self._sampling(requested.with_seed(), identity)
-        seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity))
+        seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
+                            num_prompt_tokens=len(prompt))
         length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k) and not req.fixed_k,
                                       weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
                                       pooled=self._pooled_own)

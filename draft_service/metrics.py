@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from common.generation_stats import GenerationStats
+
+if TYPE_CHECKING:
+    from draft_service.draft_model import RowCounts
 
 
 class DraftMetrics:
@@ -56,8 +61,21 @@ class DraftMetrics:
                                       "verifier, by wire mode", ["wire_mode"], registry=r)
         self.dropped_proposals = Counter("specwire_draft_dropped_proposals", "Proposals the verifier dropped as "
                                          "stale", registry=r)
+        self.model_rows = Counter("specwire_draft_model_rows", "Token positions the draft model computed, by what "
+                                  "they fed (kind: prompt; catch_up, verified tokens past a round's usual two that "
+                                  "the draft had not fed; round, a round's usual feed; draft, drafted and assumed "
+                                  "tokens) and when (drafting: a round asked; warming: fed ahead while idle)",
+                                  ["kind", "when"], registry=r)
         self.ttft = Histogram("specwire_draft_time_to_first_token_seconds", "Time to the first verified token",
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10))
+
+    def count_model_rows(self, rows: RowCounts, warming: bool) -> None:
+        """One draft forward's rows (DraftModel's on_rows); runs on the model's thread (a Counter is
+        thread-safe)."""
+        when = "warming" if warming else "drafting"
+        for kind in ("prompt", "catch_up", "round", "draft"):
+            if n := getattr(rows, kind):
+                self.model_rows.labels(kind=kind, when=when).inc(n)
 
     def observe_round(self, draft_s: float, wait_s: float, verify_s: float) -> None:
         self.round_seconds.labels(part="draft").observe(draft_s)

@@ -25,12 +25,16 @@ class DraftSequence:
     q_max_support: int | None = None
     # a sparse sequence's record of which of its tree's draws were accepted (draft_service.draw_acceptance)
     draws: DrawRecord = field(default_factory=DrawRecord)
+    # the prompt's tokens at the head of token_ids (0: not known): only to say what the draft model's rows fed
+    # (DraftModel's on_rows)
+    num_prompt_tokens: int = 0
 
     def branch(self, assumed: list[int]) -> DraftSequence:
         """A branch continuing the verified tokens and then `assumed`, sharing this sequence's cache for the
         longest prefix they have in common. Its verified token list is this sequence's own (not a copy)."""
         return DraftSequence(self.sampling, self.token_ids, self.cached_token_ids[:self._reusable(assumed)],
-                             list(assumed), fork_from=self, q_max_support=self.q_max_support)
+                             list(assumed), fork_from=self, q_max_support=self.q_max_support,
+                             num_prompt_tokens=self.num_prompt_tokens)
 
     def adopt(self, branch: DraftSequence) -> None:
         """Take over a branch whose assumed tokens the verifier confirmed (the cache blocks move separately)."""

@@ -91,7 +91,8 @@ def build_draft_model(config: DraftConfig, metrics: DraftMetrics | None = None) 
                                   block_size=config.block_size, graphs=config.cuda_graphs)
     model = DraftModel(runner, BlockManager(num_blocks, config.block_size), config.q_max_support, static,
                        on_static_step=metrics.static_steps.inc if metrics else None,
-                       max_num_batched_tokens=config.max_num_batched_tokens)
+                       max_num_batched_tokens=config.max_num_batched_tokens,
+                       on_rows=metrics.count_model_rows if metrics else None)
     return loaded, model
 
 

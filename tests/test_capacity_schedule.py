@@ -46,11 +46,20 @@ def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
 
     monkeypatch.setattr(capacity, "run_level", run_level)
     monkeypatch.setattr(capacity, "_spec_counters", lambda url: dict.fromkeys(("drafts", "draft_tokens", "accepted"), 0.0))
+    # the draft's model rows before and after each level: the level's are the difference, kinds that did not move
+    # left out
+    scrapes = iter([{"catch_up/drafting": 10.0, "draft/drafting": 3.0},
+                    {"catch_up/drafting": 25.0, "draft/drafting": 3.0, "prompt/warming": 4.0}] + [{}] * 4)
+    monkeypatch.setattr(capacity, "_draft_rows", lambda url: next(scrapes))
     stack = object.__new__(capacity.ModeStack)
     process = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), address="127.0.0.1:1")
     stack.mode, stack.k, stack.metrics_url, stack.verifier, stack.draft = "auto", None, "", process, process
+    stack.draft_metrics_url = ""
     assert capacity.stack_of(capacity.SAME_STACK_K0) == "auto" and capacity.stack_of("4") == "4"
-    assert stack.measure(2, [], 8, 1, 1, capacity.SAME_STACK_K0)["mode"] == capacity.SAME_STACK_K0
+    row = stack.measure(2, [], 8, 1, 1, capacity.SAME_STACK_K0)
+    assert row["mode"] == capacity.SAME_STACK_K0
+    assert row["draft_rows"] == {"catch_up/drafting": 15.0, "prompt/warming": 4.0}
+    assert capacity._rows_cell(dict(row, draft_cpu_s=1.5)) == "1.5 s; 0+4 / 15 / 0 / 0"
     assert stack.measure(2, [], 8, 1, 1)["mode"] == "auto"
     # `K@auto`: requests of a fixed k = K on the same stack (its draft started with --allow-request-fixed)
     assert capacity.stack_of("4@auto") == "auto" and capacity.label_of("4@auto") == "k = 4 on auto's stack"

@@ -40,6 +40,8 @@ from draft_service.draft_model import (
     DraftJob,
     DraftModel,
     Prefilling,
+    RowCounts,
+    count_rows,
 )
 from draft_service.drafters import NgramDrafter
 from draft_service.due_rounds import DueRounds
@@ -252,9 +254,9 @@ def _draft_model(budget: int | None) -> tuple[DraftModel, list[int]]:
     sizes: list[int] = []
     forward = draft._forward_rows  # every forward goes through it
 
-    def recording(feeds):
+    def recording(feeds, *args):
         sizes.append(sum(len(tokens) for _, tokens in feeds))
-        return forward(feeds)
+        return forward(feeds, *args)
 
     draft._forward_rows = recording
     return draft, sizes
@@ -546,6 +548,52 @@ def test_a_batch_that_fed_a_catch_up_marks_its_blocks():
     assert isinstance(out[0], Prefilling) and out[1].block.catch_up_tokens == 16 + 3
     (last,) = draft.draft([DraftJob(seqs[0], 3)])  # 16 more in a chunk, 8 in the first drafting step
     assert last.block.token_ids and last.block.catch_up_tokens == 24 - 2
+
+
+def test_the_draft_model_counts_its_rows_by_what_they_fed():
+    """Every row a forward computes is counted once, by what it fed (RowCounts, the draft's
+    specwire_draft_model_rows): a prompt; a round's usual feed (the last draft when all were accepted, and the
+    verified token after it); a catch-up (tokens verified while the sequence drafted nothing, past those two);
+    its drafts (all but the last, whose logits nothing needs); and warming apart from drafting."""
+    seen: list[tuple[RowCounts, bool]] = []
+    draft, sizes = _draft_model(None)
+    draft._on_rows = lambda counts, warming: seen.append((counts, warming))
+
+    def took(warming: bool = False) -> RowCounts:
+        total = RowCounts(*(sum(getattr(c, f.name) for c, w in seen if w == warming)
+                            for f in dataclasses.fields(RowCounts)))
+        seen.clear()
+        return total
+
+    (seq,) = _batch((6,))
+    seq.num_prompt_tokens = 6
+    (d,) = _draft_all(draft, [DraftJob(seq, 3)])
+    assert took() == RowCounts(prompt=6, draft=2)
+    seq.extend((*d.block.token_ids, 7))  # all three accepted, then the bonus token
+    seq.roll_back()
+    (d,) = _draft_all(draft, [DraftJob(seq, 3)])
+    assert took() == RowCounts(round=2, draft=2)
+    seq.extend((d.block.token_ids[0], (d.block.token_ids[1] + 1) % VOCAB))  # one accepted, then a correction
+    seq.roll_back()
+    for token in range(5):  # the correction's round and four more decode plainly: the draft feeds nothing
+        seq.extend((token,))
+    (d,) = _draft_all(draft, [DraftJob(seq, 3)])
+    assert took() == RowCounts(catch_up=4, round=2, draft=2)
+    seq.extend((d.block.token_ids[0], 1, 2, 3, 4, 5, 6, 7, 8, 9))  # one accepted, then nine decoded plainly
+    seq.roll_back()
+    assert draft.warm([seq], 100) == [False]  # all but the context's last token
+    assert took(warming=True) == RowCounts(catch_up=7, round=1) and not seen
+    _draft_all(draft, [DraftJob(seq, 3)])
+    assert took() == RowCounts(round=1, draft=2)
+    assert sum(sizes) == 8 + 4 + 8 + 8 + 3  # no row counted twice or missed
+    # a pipelined branch: its assumed tokens (the block in flight, the guessed bonus) are drafted tokens
+    seq.roll_back()
+    branch = seq.branch([11, 12, 13])
+    assert count_rows([(branch, branch.context_ids[branch.num_cached:])]) == RowCounts(round=1, draft=3)
+    (fresh,) = _batch((5,))  # an opening's branch drafted ahead feeds the prompt, then the guessed first token
+    fresh.num_prompt_tokens = 5
+    branch = fresh.branch([3])
+    assert count_rows([(branch, branch.context_ids)]) == RowCounts(prompt=5, draft=1)
 
 
 def test_warming_stops_while_the_rounds_hardly_draft():

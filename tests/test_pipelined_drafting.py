@@ -374,8 +374,9 @@ def test_an_opening_drafts_ahead_and_its_prompt_is_fed_once_whether_its_guess_ho
 
         link.propose = recording
         forward = service.model._forward_rows
-        service.model._forward_rows = lambda rows: (feeds.extend(list(t) for _, t in rows
-                                                                 if isinstance(t, list)), forward(rows))[1]
+        service.model._forward_rows = lambda rows, *args: (feeds.extend(list(t) for _, t in rows
+                                                                        if isinstance(t, list)),
+                                                           forward(rows, *args))[1]
         outputs = []
         try:
             for prompt in _prompts("model"):
