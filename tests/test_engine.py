@@ -557,3 +557,112 @@ def test_a_proposal_within_positions_keeps_the_shallow_nodes_that_come_first():
     sparse = ProposeCmd(key, 5, (4, 5, 6), tuple(SparseProbs((t,), (1.0,)) for t in (4, 5, 6)), draft_parents=(-1, 0, -1))
     assert [q.token_ids for q in sparse.within_positions(1).draft_probs] == [(4,), (6,)]
     assert late.within_positions(0).num_draft_tokens == 0
+
+
+def _opening(engine, key, prompt, sampling, guess, drafts, *, ahead_first=True):
+    """An opening as a draft under --speculation auto sends it: the prompt with an empty block, then the block
+    drafted ahead after a guess of the first token. `ahead_first`: both are in before the prompt's step (folded);
+    else the block ahead arrives after that step, as when the verifier was idle. The verified tokens, the
+    verdicts and outcomes of every step, and their stats."""
+    from verifier_service.types import DroppedOut
+
+    engine.submit(OpenCmd(key, tuple(prompt), sampling))
+    engine.submit(ProposeCmd(key, len(prompt), (), None, max_draft_tokens=4))
+    ahead = ProposeCmd(key, len(prompt) + 1, tuple(drafts), None, assumed_token_ids=(guess,), max_draft_tokens=4)
+    if ahead_first:
+        engine.submit(ahead)
+    verdicts, dropped, stats = [], [], []
+    tokens = list(prompt)
+    while not verdicts or not verdicts[-1].finish_reason:
+        result = engine.step()
+        if not ahead_first:
+            engine.submit(ahead)
+            ahead_first = True
+        stats.append(result.stats)
+        for o in result.outcomes:
+            assert not isinstance(o, ErrorOut), o
+            if isinstance(o, DroppedOut):
+                dropped.append(o.start_position)
+            elif isinstance(o, VerdictOut):
+                assert o.start_position == len(tokens)
+                verdicts.append(o)
+                tokens.extend(o.token_ids)
+        seq = engine.scheduler.sequences.get(key)
+        if verdicts and seq is not None and not seq.proposals:  # the next round's block
+            engine.submit(ProposeCmd(key, len(tokens), (7, 7), None, max_draft_tokens=4))
+    return tokens[len(prompt):], verdicts, dropped, [s for s in stats if s is not None]
+
+
+@pytest.mark.parametrize("guess", ["right", "wrong"])
+def test_an_opening_s_block_drafted_ahead_rides_on_the_prompt_s_step(pair, guess):
+    """Greedy: an empty opening block and the block drafted ahead after a guess of the first token, both in
+    before the prompt's step, are verified in that step as one block (the guess its first draft, at most
+    max_draft_tokens in all) and answered as the two verdicts the draft awaits: the first token alone (no step
+    number: the draft drafts nothing after it), then the block's. A wrong guess is a rejected first draft: the
+    first token alone, and the block ahead dropped as stale. The output is the target's own either way."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = [5, 9, 11, 4, 8, 6]
+    truth = greedy_continuation(target, prompt, 12)
+    g = truth[0] if guess == "right" else (truth[0] + 1) % 300
+    sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True).with_seed()
+    out, verdicts, dropped, stats = _opening(engine, SeqKey(1, 0), prompt, sampling, g, truth[1:5])
+    assert out == truth
+    first = stats[0]
+    assert first.num_prefill_tokens == len(prompt) - 1 and first.num_verifications == 1
+    assert first.num_draft_tokens == 4  # the guess and 3 of the block's 4: a block holds max_draft_tokens
+    assert (first.num_folded, first.num_folds_held) == (1, int(guess == "right"))
+    n = len(prompt)
+    if guess == "right":
+        assert [(v.start_position, v.num_accepted, list(v.token_ids)) for v in verdicts[:2]] == [
+            (n, 0, truth[:1]), (n + 1, 3, truth[1:5])]
+        assert verdicts[0].step == 0 and verdicts[1].step > 0
+        assert verdicts[0].next_draft_tokens == verdicts[1].next_draft_tokens is not None  # the choice, on both
+        assert not dropped
+    else:
+        assert [(v.start_position, v.num_accepted, list(v.token_ids)) for v in verdicts[:1]] == [(n, 0, truth[:1])]
+        assert verdicts[0].step > 0 and dropped == [n + 1]
+        assert stats[1].num_verifications == 1 and stats[1].num_draft_tokens == 2  # the next round's own block
+    assert engine.blocks.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("case", ["coupled", "sparse", "one-hot", "late", "tree", "two assumed", "one token"])
+def test_an_opening_folds_only_where_no_draft_changes_the_output(pair, case):
+    """Coupled sampling folds, and its output is the unfolded one token for token (each token is the target's,
+    keyed by seed and position). A sampled request (sparse: q sent; one-hot: none; rejection sampling decides a
+    drafted and a bonus position differently), a block ahead that arrives after the prompt's step started, a tree, a block that
+    assumed more than the first token, and a request of one token (nothing drafted may be verified) are each
+    verified on their own."""
+    target, _ = pair
+    prompt = [5, 9, 11, 4, 8, 6]
+    params = {"coupled": SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=77,
+                                        wire_mode=WireMode.COUPLED),
+              "sparse": SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=77,
+                                       wire_mode=WireMode.SPARSE),
+              "one-hot": SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=77,
+                                        wire_mode=WireMode.ONE_HOT),
+              "one token": SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)}
+    sampling = params.get(case, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)).with_seed()
+    truth, *_ = _opening(_engine(target, num_blocks=64), SeqKey(1, 0), prompt, sampling, 0, (), ahead_first=False)
+    engine = _engine(target, num_blocks=64)
+    key = SeqKey(1, 0)
+    drafts = tuple(truth[1:4])
+    if case in ("tree", "two assumed", "sparse", "one-hot"):
+        engine.submit(OpenCmd(key, tuple(prompt), sampling))
+        engine.submit(ProposeCmd(key, len(prompt), (), None, max_draft_tokens=4))
+        probs = tuple(SparseProbs((d,), (1.0,)) for d in drafts) if case == "sparse" else None
+        assumed = truth[:2] if case == "two assumed" else truth[:1]
+        engine.submit(ProposeCmd(key, len(prompt) + len(assumed), drafts, probs, assumed_token_ids=tuple(assumed),
+                                 draft_parents=(-1, 0, 0) if case == "tree" else None, max_draft_tokens=4))
+        result = engine.step()
+        assert result.stats.num_draft_tokens == 0  # the empty block alone
+        verdicts = [o for o in result.outcomes if isinstance(o, VerdictOut)]
+        assert [list(v.token_ids) for v in verdicts] == [truth[:1]]
+        return
+    out, verdicts, _, stats = _opening(engine, key, prompt, sampling, truth[0], drafts,
+                                       ahead_first=case != "late")
+    assert out == truth
+    folds = case == "coupled"
+    assert stats[0].num_draft_tokens == (4 if folds else 0) and stats[0].num_folded == stats[0].num_folds_held == folds
+    assert (len([v for v in verdicts if v.step == 0 and not v.finish_reason]) == 1) == folds
+    assert engine.blocks.num_used_blocks == 0

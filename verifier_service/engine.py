@@ -42,6 +42,7 @@ from verifier_service.types import (
     StepResult,
     StepStats,
     VerdictOut,
+    split_folded,
 )
 from verifier_service.validation import Limits
 
@@ -157,7 +158,8 @@ class VerifierEngine:
         stats = self._step_stats(scheduled, ran, verdicts)
         verdicts = self._choose_draft_lengths(scheduled, verdicts, stats, step_started,
                                               awaited if max_verifications is None else None, held_s)
-        outcomes.extend(self._number(verdicts))
+        # a fold's verdict goes out as the two the draft awaits (numbered as one: the draft drafts after the second)
+        outcomes.extend(o for verdict in self._number(verdicts) for o in split_folded(verdict))
         return StepResult(outcomes, stats)
 
     def _number(self, verdicts: list[VerdictOut | ErrorOut]) -> list[VerdictOut | ErrorOut]:
@@ -186,6 +188,8 @@ class VerifierEngine:
             device_s=ran.device_s,
             static=ran.static,
             tokens_by_stream=scheduled.tokens_by_stream,
+            num_folded=sum(item.folded is not None for item in scheduled.verifications),
+            num_folds_held=sum(isinstance(v, VerdictOut) and v.split > 0 for v in verdicts),
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:

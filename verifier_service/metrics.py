@@ -34,6 +34,9 @@ class VerifierMetrics:
         self.prefix_hit_tokens = Counter("specwire_prefix_cache_hit_tokens",
                                          "Prompt tokens served from the prefix cache instead of computed", registry=r)
         self.preemptions = Counter("specwire_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.folds = Counter("specwire_folded_openings", "Openings whose block drafted ahead was verified in the "
+                             "prompt's step (scheduler._folded), by whether the guess of the first token held",
+                             ["guess"], registry=r)
         self.waiting_sequences = Gauge("specwire_waiting_sequences", "Sequences queued for KV blocks", registry=r)
 
     def _add_step_metrics(self, r: CollectorRegistry) -> None:
@@ -133,6 +136,9 @@ class VerifierMetrics:
         self.prefill_tokens.inc(stats.num_prefill_tokens)
         self.prefix_hit_tokens.inc(stats.num_prefix_hit_tokens)
         self.preemptions.inc(stats.num_preempted)
+        if stats.num_folded:
+            self.folds.labels(guess="held").inc(stats.num_folds_held)
+            self.folds.labels(guess="missed").inc(stats.num_folded - stats.num_folds_held)
         for pos, n in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)
         for k in stats.chosen_draft_lengths:

@@ -11,6 +11,7 @@ running 1 each get a turn per step; admission order alone would let the 16 fill 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -24,6 +25,7 @@ from verifier_service.proposal_queue import drop_until_verifiable
 from verifier_service.sequence import Sequence, SequenceStatus
 from verifier_service.types import (
     ErrorOut,
+    ProposeCmd,
     ScheduledSeq,
     SchedulerOutput,
     SeqKey,
@@ -184,30 +186,46 @@ class Scheduler:
 
     def _candidates(self, seq: Sequence, budget: int) -> list[ScheduledSeq]:
         """What `seq` could run in this step, best first: its next proposal's verification, with the rest of its
-        prefill, when both fit the budget; then the next chunk of its prefill. So a proposal that arrives before
+        prefill, when both fit the budget (first with the pipelined proposal after it, where it folds: _folded);
+        then the next chunk of its prefill. So a proposal that arrives before
         the prefill is done (a small draft prefills faster) waits while the prefill goes on in chunks, and no
         step exceeds the budget, which is what the device's memory was profiled for. Once the prefill is done, a
         verification is at most max_draft_tokens + 1 <= max_num_batched_tokens tokens: it fits whenever it is
         first in a step, which fair turns make it within a few steps."""
         candidates = []
         if seq.proposals:
-            proposal = seq.proposals[0]
-            # never feed past the context length: drop the drafts that would not fit
-            room = self.max_model_len - seq.num_tokens
-            proposal = proposal.truncated(room - 1)
-            if seq.sampling.output_ignores_drafts:
-                # nor verify drafts past what the sequence may still emit (a block of k yields up to k + 1
-                # tokens): a fixed k's last rounds, a pipelined branch drafted before the room was known
-                proposal = proposal.within_positions(seq.num_output_left - 1)
-            end = seq.num_tokens + proposal.num_draft_tokens
-            if end - seq.num_cached <= budget:
-                candidates.append(ScheduledSeq(seq, seq.num_cached, end, proposal,
-                                               num_prefill_tokens=seq.num_tokens - 1 - seq.num_cached))
+            head = seq.proposals[0]
+            if (folded := _folded(seq)) is not None:
+                fold = self._verification(seq, dataclasses.replace(
+                    folded, start_position=head.start_position, assumed_token_ids=head.assumed_token_ids,
+                    draft_token_ids=folded.assumed_token_ids + folded.draft_token_ids), budget, folded)
+                if fold is not None and fold.proposal.num_draft_tokens:  # its guess at least is verified
+                    candidates.append(fold)
+            if (alone := self._verification(seq, head, budget)) is not None:
+                candidates.append(alone)
         prefill_end = min(seq.num_tokens - 1, seq.num_cached + budget)
         if prefill_end > seq.num_cached:
             candidates.append(ScheduledSeq(seq, seq.num_cached, prefill_end, None,
                                            num_prefill_tokens=prefill_end - seq.num_cached))
         return candidates
+
+    def _verification(self, seq: Sequence, proposal: ProposeCmd, budget: int,
+                      folded: ProposeCmd | None = None) -> ScheduledSeq | None:
+        """The verification of `proposal` (the head of the queue, or a fold: `folded`), with the rest of the
+        prefill, or None where it does not fit the budget."""
+        # never feed past the context length: drop the drafts that would not fit; nor more than a block holds (a
+        # fold's guess and a full block)
+        room = self.max_model_len - seq.num_tokens
+        proposal = proposal.truncated(min(room - 1, self.max_draft_tokens))
+        if seq.sampling.output_ignores_drafts:
+            # nor verify drafts past what the sequence may still emit (a block of k yields up to k + 1
+            # tokens): a fixed k's last rounds, a pipelined branch drafted before the room was known
+            proposal = proposal.within_positions(seq.num_output_left - 1)
+        end = seq.num_tokens + proposal.num_draft_tokens
+        if end - seq.num_cached > budget:
+            return None
+        return ScheduledSeq(seq, seq.num_cached, end, proposal, num_prefill_tokens=seq.num_tokens - 1 - seq.num_cached,
+                            folded=folded)
 
     def _schedule_one(self, seq: Sequence, budget: int, out: SchedulerOutput, *, verify: bool = True,
                       spare: set[SeqKey] = frozenset()) -> ScheduledSeq | None:
@@ -222,7 +240,7 @@ class Scheduler:
                 if item.proposal is not None:
                     seq.proposals.popleft()
                 return replace(item, block_copies=tuple(copies))
-            if self.blocks.blocks_for(item.end) > self.blocks.num_blocks:
+            if item.folded is None and self.blocks.blocks_for(item.end) > self.blocks.num_blocks:
                 self.release(seq.key)
                 out.outcomes.append(ErrorOut(
                     seq.key, ErrorCode.RESOURCE_EXHAUSTED, f"the sequence reached {item.end} tokens, more than "
@@ -269,6 +287,7 @@ class Scheduler:
         seq = item.seq
         start = seq.num_tokens
         num_accepted = len(tokens) - 1
+        split = 0
         emitted: list[int] = []
         finish: FinishReason | None = None
         for t in tokens:
@@ -287,8 +306,15 @@ class Scheduler:
             # the K/V of the accepted drafts stays; the slots past them are reused by the next block
             seq.num_cached = start + num_accepted
             self.blocks.truncate(seq.key, seq.num_cached)
-        return VerdictOut(seq.key, start, min(num_accepted, len(emitted)), tuple(emitted), finish, batch_size,
-                          step_time_s)
+        accepted = min(num_accepted, len(emitted))
+        if item.folded is not None:
+            if len(emitted) > 1:  # its guess held and the sequence went on: the folded proposal is answered too
+                split = 1
+                if seq.proposals and seq.proposals[0] is item.folded:
+                    seq.proposals.popleft()
+            else:  # the empty proposal's verdict alone (a missed guess: the folded one is dropped as stale)
+                accepted = 0
+        return VerdictOut(seq.key, start, accepted, tuple(emitted), finish, batch_size, step_time_s, split=split)
 
     def _finish_reason(self, seq: Sequence, last_token: int) -> FinishReason | None:
         if last_token in self.eos_token_ids and not seq.sampling.ignore_eos:
@@ -296,3 +322,25 @@ class Scheduler:
         if seq.num_generated >= seq.sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+
+def _folded(seq: Sequence) -> ProposeCmd | None:
+    """The pipelined proposal second in `seq`'s queue that its head's verification can take along (a fold), or
+    None. A draft under --speculation auto opens a sequence with an empty block, so that the prompt's step samples
+    the first token at once, and drafts the next block beside that step, after a guess of that token (one assumed
+    token; draft_service.adaptive.RoundLength): under load the prompt's step waits for a step before it, and that
+    block is often in before it starts. The step then verifies the guess and the block after the prompt, as one
+    block of drafts: a missed guess is a rejected first draft, whose correction is the first token that the
+    empty block alone would have given. Only where no draft can change a token (greedy, coupled: the target's
+    own token at each position, whatever the blocks and wherever rounds start), so the output is the same. A
+    chain without q only (a tree or a sparse block is verified on its own), one token assumed right after the
+    empty head. Measured before it, at 16 streams of the agreeing pair: each request took one round more than
+    when the first block went with the prompt (docs/benchmarks.md)."""
+    if len(seq.proposals) < 2 or not seq.sampling.output_ignores_drafts:
+        return None
+    head, folded = seq.proposals[0], seq.proposals[1]
+    if (head.num_draft_tokens or len(folded.assumed_token_ids) != 1
+            or folded.start_position != head.start_position + 1
+            or folded.draft_parents is not None or folded.draft_probs is not None):
+        return None
+    return folded

@@ -138,6 +138,10 @@ class VerdictOut:
     # the step's number, and the verdicts of this stream in it whose sequences go on (Verdict.step_verdicts)
     step: int = 0
     step_verdicts: int = 0
+    # a verification that answers two proposals (ScheduledSeq.folded): its first `split` tokens are the earlier,
+    # empty proposal's verdict, sent apart before the rest (split_folded); 0: it answers one
+    split: int = 0
+
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,20 @@ class LoadOut:
 Outcome = VerdictOut | ErrorOut | DroppedOut
 
 
+def split_folded(outcome: Outcome) -> list[Outcome]:
+    """A verdict that answers two proposals (VerdictOut.split) as the two verdicts the draft awaits: the empty
+    proposal's, its first token (accepted nothing; no step number, since the draft drafts nothing after it: the
+    block it drafted ahead is the next one), then the folded proposal's, from the next position."""
+    if not isinstance(outcome, VerdictOut) or not outcome.split:
+        return [outcome]
+    n = outcome.split
+    first = VerdictOut(outcome.key, outcome.start_position, 0, outcome.token_ids[:n], None, outcome.batch_size,
+                       outcome.step_time_s, outcome.next_draft_tokens)
+    rest = dataclasses.replace(outcome, start_position=outcome.start_position + n,
+                               num_accepted=outcome.num_accepted - n, token_ids=outcome.token_ids[n:], split=0)
+    return [first, rest]
+
+
 @dataclass
 class StepStats:
     num_seqs: int = 0
@@ -180,6 +198,8 @@ class StepStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_folded: int = 0  # verifications that folded an opening's block drafted ahead in (ScheduledSeq.folded)
+    num_folds_held: int = 0  # of them, those whose guess of the first token held (answered as two verdicts)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     forward_s: float = 0.0
@@ -241,6 +261,9 @@ class ScheduledSeq:
     # copy-on-write (source, destination) blocks to apply before the forward; set once its blocks are reserved,
     # so only an item in the step carries copies
     block_copies: tuple[tuple[int, int], ...] = ()
+    # the pipelined proposal this verification's block leads with (Scheduler._folded): `proposal` is the empty one
+    # at the head of the queue with this one's guess and drafts after it; None: no fold
+    folded: ProposeCmd | None = None
 
     @property
     def num_tokens(self) -> int:
