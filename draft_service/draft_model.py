@@ -98,7 +98,8 @@ def feeds_catch_up(jobs: list[DraftJob]) -> bool:
 @dataclass(frozen=True)
 class RowCounts:
     """The rows (token positions) one draft forward computed, by what they fed: the prompt's tokens; generated
-    tokens the draft had not fed, past the last two (a catch-up: it drafted nothing for a while); a round's usual
+    tokens the draft had not fed, past the last two (a catch-up: it drafted nothing for a while, or a tree's
+    accepted path other than the one it kept in its cache is fed again); a round's usual
     feed (the last verified token, and the last draft before it where all were accepted); drafted tokens (a
     block's own drafts, a pipelined branch's assumed tokens, a tree's nodes). The cost of each kind is the
     draft's CPU (or GPU) time that kind took."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.errors import ErrorCode
-from common.sampling import SamplingParams, SparseProbs, WireMode
+from common.sampling import FinishReason, SamplingParams, SparseProbs, WireMode
 from verifier_service.config import VerifierConfig
 from verifier_service.server import build_engine
 from verifier_service.types import CloseCmd, CloseStreamCmd, ErrorOut, OpenCmd, ProposeCmd, SeqKey, VerdictOut
@@ -616,7 +616,8 @@ def test_an_opening_s_block_drafted_ahead_rides_on_the_prompt_s_step(pair, guess
     if guess == "right":
         assert [(v.start_position, v.num_accepted, list(v.token_ids)) for v in verdicts[:2]] == [
             (n, 0, truth[:1]), (n + 1, 3, truth[1:5])]
-        assert verdicts[0].step == 0 and verdicts[1].step > 0
+        assert (verdicts[0].step, verdicts[0].step_verdicts) == (0, 0)  # the draft drafts after the second alone
+        assert verdicts[1].step > 0 and verdicts[1].step_verdicts == 1
         assert verdicts[0].next_draft_tokens == verdicts[1].next_draft_tokens is not None  # the choice, on both
         assert not dropped
     else:
@@ -626,13 +627,65 @@ def test_an_opening_s_block_drafted_ahead_rides_on_the_prompt_s_step(pair, guess
     assert engine.blocks.num_used_blocks == 0
 
 
-@pytest.mark.parametrize("case", ["coupled", "sparse", "one-hot", "late", "tree", "two assumed", "one token"])
+@pytest.mark.parametrize("end", ["eos at the guess", "length in the block"])
+def test_a_fold_that_ends_the_sequence_answers_as_the_unfolded_round_would(pair, end):
+    """A guess that held on a token that ends the sequence (EOS): the empty block's verdict alone, finished,
+    accepting nothing (the guess is no draft of its). A request whose last token is in the folded block: the
+    first token's verdict, then the block's, finished at max_tokens."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = [5, 9, 11, 4, 8, 6]
+    truth = greedy_continuation(target, prompt, 6)
+    n = len(prompt)
+    if end == "eos at the guess":
+        engine.scheduler.eos_token_ids = frozenset({truth[0]})
+        sampling = SamplingParams(temperature=0.0, max_tokens=6).with_seed()
+    else:
+        sampling = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True).with_seed()
+    out, verdicts, dropped, stats = _opening(engine, SeqKey(1, 0), prompt, sampling, truth[0], truth[1:5])
+    assert stats[0].num_folded == stats[0].num_folds_held == 1 and not dropped
+    summary = [(v.start_position, v.num_accepted, list(v.token_ids), v.finish_reason) for v in verdicts]
+    if end == "eos at the guess":
+        assert summary == [(n, 0, truth[:1], FinishReason.STOP)]
+    else:
+        assert stats[0].num_draft_tokens == 2  # the guess and one draft: three tokens in all
+        assert summary == [(n, 0, truth[:1], None), (n + 1, 1, truth[1:3], FinishReason.LENGTH)]
+    assert engine.blocks.num_used_blocks == 0
+
+
+def test_a_fold_takes_free_blocks_only_and_never_preempts_for_them(pair, monkeypatch):
+    """The fold is optional: where the pool has no free blocks for its drafts, the empty block is verified alone
+    and no other sequence is preempted for it."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    other, key = SeqKey(2, 0), SeqKey(1, 0)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True).with_seed()
+    engine.submit(OpenCmd(other, (3, 4, 5, 6, 7, 8, 9, 10), sampling))
+    engine.step()  # its prompt is computed; it holds blocks, with no work in the next step
+    prompt = [5, 9, 11, 4, 8, 6]
+    truth = greedy_continuation(target, prompt, 6)
+    reserve = engine.blocks.reserve
+    monkeypatch.setattr(engine.blocks, "reserve", lambda k, start, end: None if k == key and end > len(prompt)
+                        else reserve(k, start, end))
+    engine.submit(OpenCmd(key, tuple(prompt), sampling))
+    engine.submit(ProposeCmd(key, len(prompt), (), None, max_draft_tokens=4))
+    engine.submit(ProposeCmd(key, len(prompt) + 1, tuple(truth[1:4]), None, assumed_token_ids=tuple(truth[:1]),
+                             max_draft_tokens=4))
+    result = engine.step()
+    assert engine.scheduler.num_preemptions == 0 and other in engine.scheduler.running
+    assert result.stats.num_draft_tokens == 0 and result.stats.num_folded == 0
+    assert [list(o.token_ids) for o in result.outcomes if isinstance(o, VerdictOut)] == [truth[:1]]
+
+
+@pytest.mark.parametrize("case", ["coupled", "sparse", "one-hot", "late", "tree", "two assumed", "one token",
+                                  "drafted head", "q", "misplaced"])
 def test_an_opening_folds_only_where_no_draft_changes_the_output(pair, case):
     """Coupled sampling folds, and its output is the unfolded one token for token (each token is the target's,
     keyed by seed and position). A sampled request (sparse: q sent; one-hot: none; rejection sampling decides a
     drafted and a bonus position differently), a block ahead that arrives after the prompt's step started, a tree, a block that
-    assumed more than the first token, and a request of one token (nothing drafted may be verified) are each
-    verified on their own."""
+    assumed more than the first token, a request of one token (nothing drafted may be verified), a head that
+    drafted itself, a block with q, and one that does not start right after the head are each verified on their
+    own."""
     target, _ = pair
     prompt = [5, 9, 11, 4, 8, 6]
     params = {"coupled": SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=77,
@@ -647,17 +700,19 @@ def test_an_opening_folds_only_where_no_draft_changes_the_output(pair, case):
     engine = _engine(target, num_blocks=64)
     key = SeqKey(1, 0)
     drafts = tuple(truth[1:4])
-    if case in ("tree", "two assumed", "sparse", "one-hot"):
+    if case in ("tree", "two assumed", "sparse", "one-hot", "drafted head", "q", "misplaced"):
         engine.submit(OpenCmd(key, tuple(prompt), sampling))
-        engine.submit(ProposeCmd(key, len(prompt), (), None, max_draft_tokens=4))
-        probs = tuple(SparseProbs((d,), (1.0,)) for d in drafts) if case == "sparse" else None
-        assumed = truth[:2] if case == "two assumed" else truth[:1]
-        engine.submit(ProposeCmd(key, len(prompt) + len(assumed), drafts, probs, assumed_token_ids=tuple(assumed),
+        head = tuple(truth[:1]) if case == "drafted head" else ()
+        engine.submit(ProposeCmd(key, len(prompt), head, None, max_draft_tokens=4))
+        probs = tuple(SparseProbs((d,), (1.0,)) for d in drafts) if case in ("sparse", "q") else None
+        assumed = truth[:2] if case == "two assumed" else truth[1:2] if case == "misplaced" else truth[:1]
+        start = len(prompt) + (2 if case == "misplaced" else len(assumed))
+        engine.submit(ProposeCmd(key, start, drafts, probs, assumed_token_ids=tuple(assumed),
                                  draft_parents=(-1, 0, 0) if case == "tree" else None, max_draft_tokens=4))
         result = engine.step()
-        assert result.stats.num_draft_tokens == 0  # the empty block alone
+        assert result.stats.num_draft_tokens == len(head) and not result.stats.num_folded  # the head alone
         verdicts = [o for o in result.outcomes if isinstance(o, VerdictOut)]
-        assert [list(v.token_ids) for v in verdicts] == [truth[:1]]
+        assert [list(v.token_ids) for v in verdicts] == [truth[:1 + len(head)]]
         return
     out, verdicts, _, stats = _opening(engine, key, prompt, sampling, truth[0], drafts,
                                        ahead_first=case != "late")

@@ -122,6 +122,19 @@ def test_greedy_trees_equal_target_only_greedy(pair, nodes, branches):
     assert engine.blocks.num_used_blocks == 0
 
 
+def test_a_tree_of_more_nodes_than_max_draft_tokens_is_verified_whole(pair):
+    """--max-draft-tokens bounds a tree's depth, not its nodes (--tree-nodes does): a 16-node tree of depth 6
+    is verified with every node."""
+    target, _ = pair
+    engine = _engine(target, num_blocks=64)
+    prompt = [5, 9, 11, 4, 8]
+    tokens, parents = tree_around(random.Random(3), greedy_continuation(target, prompt, 8), 16, 3, depth=6)
+    key = SeqKey(1, 0)
+    engine.submit(OpenCmd(key, tuple(prompt), SamplingParams(temperature=0.0, max_tokens=20).with_seed()))
+    engine.submit(ProposeCmd(key, len(prompt), tokens, None, draft_parents=parents))
+    assert engine.step().stats.num_draft_tokens == 16
+
+
 def test_trees_batched_beside_chains(pair):
     target, _ = pair
     engine = _engine(target, num_blocks=96)

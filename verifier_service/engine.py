@@ -189,7 +189,9 @@ class VerifierEngine:
             static=ran.static,
             tokens_by_stream=scheduled.tokens_by_stream,
             num_folded=sum(item.folded is not None for item in scheduled.verifications),
-            num_folds_held=sum(isinstance(v, VerdictOut) and v.split > 0 for v in verdicts),
+            # the guess of the first token held (the sequence may still have ended there)
+            num_folds_held=sum(item.folded is not None and bool(tokens) and tokens[0] == item.folded.assumed_token_ids[0]
+                               for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True)),
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
             if tokens is not None:

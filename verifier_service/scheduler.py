@@ -213,10 +213,10 @@ class Scheduler:
                       folded: ProposeCmd | None = None) -> ScheduledSeq | None:
         """The verification of `proposal` (the head of the queue, or a fold: `folded`), with the rest of the
         prefill, or None where it does not fit the budget."""
-        # never feed past the context length: drop the drafts that would not fit; nor more than a block holds (a
-        # fold's guess and a full block)
+        # never feed past the context length: drop the drafts that would not fit; nor, in a fold (the guess and a
+        # block), more than a chain may hold (a tree's own nodes are bounded by its depth and --tree-nodes)
         room = self.max_model_len - seq.num_tokens
-        proposal = proposal.truncated(min(room - 1, self.max_draft_tokens))
+        proposal = proposal.truncated(room - 1 if folded is None else min(room - 1, self.max_draft_tokens))
         if seq.sampling.output_ignores_drafts:
             # nor verify drafts past what the sequence may still emit (a block of k yields up to k + 1
             # tokens): a fixed k's last rounds, a pipelined branch drafted before the room was known
@@ -255,7 +255,7 @@ class Scheduler:
         is short, preempt the most recently admitted other sequence with no work in this step."""
         while True:
             copies = self.blocks.reserve(item.seq.key, item.start, item.end)
-            if copies is not None:
+            if copies is not None or item.folded is not None:  # a fold takes free blocks only: it is optional
                 return copies
             # a capped prefill chunk never evicts a proposal that waits for the next step
             victim = self._pick_victim(item.seq, busy | spare) or (

@@ -143,7 +143,6 @@ class VerdictOut:
     split: int = 0
 
 
-
 @dataclass(frozen=True)
 class ErrorOut:
     key: SeqKey
