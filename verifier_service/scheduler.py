@@ -11,7 +11,6 @@ running 1 each get a turn per step; admission order alone would let the 16 fill 
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import replace
@@ -196,7 +195,7 @@ class Scheduler:
         if seq.proposals:
             head = seq.proposals[0]
             if (folded := _folded(seq)) is not None:
-                fold = self._verification(seq, dataclasses.replace(
+                fold = self._verification(seq, replace(
                     folded, start_position=head.start_position, assumed_token_ids=head.assumed_token_ids,
                     draft_token_ids=folded.assumed_token_ids + folded.draft_token_ids), budget, folded)
                 if fold is not None and fold.proposal.num_draft_tokens:  # its guess at least is verified
@@ -329,7 +328,7 @@ def _folded(seq: Sequence) -> ProposeCmd | None:
     None. A draft under --speculation auto opens a sequence with an empty block, so that the prompt's step samples
     the first token at once, and drafts the next block beside that step, after a guess of that token (one assumed
     token; draft_service.adaptive.RoundLength): under load the prompt's step waits for a step before it, and that
-    block is often in before it starts. The step then verifies the guess and the block after the prompt, as one
+    block can be in before it starts (where the draft is fast against the verifier's steps: see below). The step then verifies the guess and the block after the prompt, as one
     block of drafts: a missed guess is a rejected first draft, whose correction is the first token that the
     empty block alone would have given. Only where no draft can change a token (greedy, coupled: the target's
     own token at each position, whatever the blocks and wherever rounds start), so the output is the same. A
