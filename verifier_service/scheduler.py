@@ -334,9 +334,10 @@ def _folded(seq: Sequence) -> ProposeCmd | None:
     own token at each position, whatever the blocks and wherever rounds start), so the output is the same. A
     chain without q only (a tree or a sparse block is verified on its own), one token assumed right after the
     empty head. Measured before it, at 16 streams of the agreeing pair: each request took one round more than
-    when the first block went with the prompt. With it (bench/capacity.py, 2 cores, docs/benchmarks.md): the
-    agreeing pair at 8 and 16 streams folded 3 and 13 of its runs' 61 and 65 steps; the default pair none (its
-    draft's prompt and block ahead take longer than the prompt's wait for a step)."""
+    when the first block went with the prompt. With it (bench/capacity.py, 2 cores, docs/benchmarks.md): two
+    runs of the agreeing pair at 8 and 16 streams folded 13 openings in 65 steps and 3 in 61; the default pair
+    none in a sweep from 1 to 64 streams (there the draft's prompt and block ahead, where it drafted any, came
+    after the prompt's step had started)."""
     if len(seq.proposals) < 2 or not seq.sampling.output_ignores_drafts:
         return None
     head, folded = seq.proposals[0], seq.proposals[1]
