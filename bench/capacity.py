@@ -49,7 +49,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -270,13 +269,17 @@ def _spec_counters(url: str) -> dict[str, float]:
             "accepted": get("specwire_spec_decode_num_accepted_tokens_total")}
 
 
+DRAFT_ROW_KINDS = ("prompt", "catch_up", "round", "draft")  # draft_model.RowCounts' fields
+
+
 def _draft_rows(url: str) -> dict[str, float]:
-    """specwire_draft_model_rows_total per `kind/when` (an older draft: none)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    """specwire_draft_model_rows_total per `kind/when` that the draft has counted (an older draft: none)."""
     rows = {}
-    for m in re.finditer(r'^specwire_draft_model_rows_total\{(.*)\} ([0-9.e+-]+)$', text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        rows[f"{labels.get('kind')}/{labels.get('when')}"] = float(m.group(2))
+    for kind in DRAFT_ROW_KINDS:
+        for when in ("drafting", "warming"):
+            n = scrape_metric(url, "specwire_draft_model_rows_total", {"kind": kind, "when": when})
+            if n is not None:
+                rows[f"{kind}/{when}"] = n
     return rows
 
 
@@ -285,7 +288,7 @@ def _rows_cell(row: dict) -> str:
     share after a +."""
     rows = row.get("draft_rows") or {}
     cells = []
-    for kind in ("prompt", "catch_up", "round", "draft"):
+    for kind in DRAFT_ROW_KINDS:
         drafting, warming = rows.get(f"{kind}/drafting", 0.0), rows.get(f"{kind}/warming", 0.0)
         cells.append(f"{drafting:.0f}" + (f"+{warming:.0f}" if warming else ""))
     return f"{row.get('draft_cpu_s', 0.0):.1f} s; " + " / ".join(cells)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -73,9 +74,9 @@ class DraftMetrics:
         """One draft forward's rows (DraftModel's on_rows); runs on the model's thread (a Counter is
         thread-safe)."""
         when = "warming" if warming else "drafting"
-        for kind in ("prompt", "catch_up", "round", "draft"):
-            if n := getattr(rows, kind):
-                self.model_rows.labels(kind=kind, when=when).inc(n)
+        for kind in dataclasses.fields(rows):
+            if n := getattr(rows, kind.name):
+                self.model_rows.labels(kind=kind.name, when=when).inc(n)
 
     def observe_round(self, draft_s: float, wait_s: float, verify_s: float) -> None:
         self.round_seconds.labels(part="draft").observe(draft_s)

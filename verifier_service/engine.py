@@ -188,12 +188,12 @@ class VerifierEngine:
             device_s=ran.device_s,
             static=ran.static,
             tokens_by_stream=scheduled.tokens_by_stream,
-            num_folded=sum(item.folded is not None for item in scheduled.verifications),
-            # the guess of the first token held (the sequence may still have ended there)
-            num_folds_held=sum(item.folded is not None and bool(tokens) and tokens[0] == item.folded.assumed_token_ids[0]
-                               for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True)),
         )
         for item, tokens in zip(scheduled.verifications, ran.sampled, strict=True):
+            if item.folded is not None:
+                stats.num_folded += 1
+                # the guess of the first token held (the sequence may still have ended there)
+                stats.num_folds_held += bool(tokens) and tokens[0] == item.folded.assumed_token_ids[0]
             if tokens is not None:
                 stats.record_verification(item.proposal.num_draft_tokens, num_accepted=len(tokens) - 1,
                                           num_positions=item.proposal.num_positions)
