@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shlex
 import statistics
@@ -58,6 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.append(str(ROOT / "bench"))
 
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
+from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell  # noqa: E402
 
 from specwire import AsyncClient  # noqa: E402
 from specwire.launch import Stack, free_port, scrape_metric  # noqa: E402
@@ -217,20 +217,18 @@ class ModeStack:
         mode = mode or self.mode
         k = k_of(mode)
         before = _spec_counters(self.metrics_url)
-        rows_before = _draft_rows(self.draft_metrics_url)
-        cpu_before = _cpu_s(self.verifier.proc.pid), _cpu_s(self.draft.proc.pid)
+        rows_before = draft_rows(self.draft_metrics_url)
+        cpu_before = cpu_seconds(self.verifier.proc.pid), cpu_seconds(self.draft.proc.pid)
         row = {"mode": mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, k,
                                                      per_stream=per_stream, min_requests=min_requests,
                                                      fixed=fixed_on_auto(mode)))}
         after = _spec_counters(self.metrics_url)
         # CPU seconds each service used in the level (both share the cores unless pinned)
-        row["verifier_cpu_s"] = _cpu_s(self.verifier.proc.pid) - cpu_before[0]
-        row["draft_cpu_s"] = _cpu_s(self.draft.proc.pid) - cpu_before[1]
+        row["verifier_cpu_s"] = cpu_seconds(self.verifier.proc.pid) - cpu_before[0]
+        row["draft_cpu_s"] = cpu_seconds(self.draft.proc.pid) - cpu_before[1]
         # what the draft's model computed in the level: token positions by kind (prompt, catch_up, round, draft)
         # and when (drafting, warming); see specwire_draft_model_rows
-        rows_after = _draft_rows(self.draft_metrics_url)
-        row["draft_rows"] = {key: rows_after[key] - rows_before.get(key, 0.0) for key in sorted(rows_after)
-                             if rows_after[key] - rows_before.get(key, 0.0)}
+        row["draft_rows"] = rows_between(rows_before, draft_rows(self.draft_metrics_url))
         drafts = after["drafts"] - before["drafts"]
         row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
                                                 if drafts else 0.0)
@@ -255,12 +253,6 @@ def schedule(modes: list[str], levels: list[int], order: str) -> list[tuple[str,
     return [(m, c) for i, c in enumerate(levels) for m in (modes if i % 2 == 0 else modes[::-1])]
 
 
-def _cpu_s(pid: int) -> float:
-    """User and system CPU seconds of the process so far, all its threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _spec_counters(url: str) -> dict[str, float]:
     def get(name: str) -> float:
         return scrape_metric(url, name) or 0.0
@@ -269,29 +261,9 @@ def _spec_counters(url: str) -> dict[str, float]:
             "accepted": get("specwire_spec_decode_num_accepted_tokens_total")}
 
 
-DRAFT_ROW_KINDS = ("prompt", "catch_up", "round", "draft")  # draft_model.RowCounts' fields
-
-
-def _draft_rows(url: str) -> dict[str, float]:
-    """specwire_draft_model_rows_total per `kind/when` that the draft has counted (an older draft: none)."""
-    rows = {}
-    for kind in DRAFT_ROW_KINDS:
-        for when in ("drafting", "warming"):
-            n = scrape_metric(url, "specwire_draft_model_rows_total", {"kind": kind, "when": when})
-            if n is not None:
-                rows[f"{kind}/{when}"] = n
-    return rows
-
-
 def _rows_cell(row: dict) -> str:
-    """The draft's CPU seconds, then its model's rows in the level: prompt / catch-up / round / draft, warming's
-    share after a +."""
-    rows = row.get("draft_rows") or {}
-    cells = []
-    for kind in DRAFT_ROW_KINDS:
-        drafting, warming = rows.get(f"{kind}/drafting", 0.0), rows.get(f"{kind}/warming", 0.0)
-        cells.append(f"{drafting:.0f}" + (f"+{warming:.0f}" if warming else ""))
-    return f"{row.get('draft_cpu_s', 0.0):.1f} s; " + " / ".join(cells)
+    """The draft's CPU seconds, then its model's rows in the level (service_usage.rows_cell)."""
+    return f"{row.get('draft_cpu_s', 0.0):.1f} s; " + rows_cell(row.get("draft_rows"))
 
 
 def _versus_best(by: dict, level: int, key: str, others: list[str]) -> str:

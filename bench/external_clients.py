@@ -27,18 +27,24 @@ import argparse
 import json
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "bench"))
 
-from specwire.launch import Stack  # noqa: E402
+from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell  # noqa: E402
+
+from specwire.launch import Stack, free_port  # noqa: E402
 
 VENVS = {"guidellm": ROOT / "bench" / ".venv-guidellm", "aiperf": ROOT / "bench" / ".venv-aiperf"}
 # Never a model hub: the tokenizer is a local directory and the prompts are synthetic.
@@ -136,6 +142,12 @@ def aiperf_command(url: str, model: str, tokenizer: Path, concurrency: int, prom
     n = requests_for(concurrency)
     # ignore_eos: without it aiperf's --output-tokens-mean is only max_tokens (it warns so). No --server-metrics:
     # aiperf would poll the gateway's /metrics about twice a second, work that guidellm's runs do not pay.
+    # --use-server-token-count: the output's tokens are the stream's usage (the gateway's count of the tokens it
+    # generated), as guidellm's are. Left to count them itself, aiperf tokenizes the streamed text again, and
+    # sampled text need not tokenize back into the tokens that made it: one request of 48 tokens (its verifier
+    # steps emitted 48) counted 21 (auto at one stream, 2026-12-06), which took the level's output tokens/s to
+    # 1.35 against k = 0's 1.57 and its inter-token latency p99, which aiperf divides by that count, to 1,407 ms
+    # against 604, where the verifier's first to last step took 119.7 s in both.
     return [str(VENVS["aiperf"] / "bin" / "aiperf"), "profile",
             "--model", model, "--url", url, "--endpoint-type", "completions", "--streaming",
             "--concurrency", str(concurrency), "--request-count", str(n),
@@ -145,7 +157,7 @@ def aiperf_command(url: str, model: str, tokenizer: Path, concurrency: int, prom
             *(a for key, value in (body or {}).items()
               for a in ("--extra-inputs", f"{key}:{value if isinstance(value, str) else json.dumps(value)}")),
             "--tokenizer", AIPERF_TOKENIZER, "--artifact-dir", str(out),
-            "--ui-type", "none", "--random-seed", "0", "--no-server-metrics"]
+            "--ui-type", "none", "--random-seed", "0", "--no-server-metrics", "--use-server-token-count"]
 
 
 # NOTE: aiperf 0.13 offline (HF_HUB_OFFLINE) looks every --tokenizer up in the Hugging Face cache by repository id,
@@ -194,14 +206,25 @@ CLIENTS = {"guidellm": (guidellm_command, guidellm_figures), "aiperf": (aiperf_c
 
 # -- the stack and the runs ----------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Served:
+    """A mode's running stack: the gateway's base URL, the services' process ids, the draft's /metrics."""
+
+    url: str
+    pids: dict[str, int]  # verifier, draft, gateway
+    draft_metrics_url: str
+
+
 def start_stack(stack: Stack, mode: str, models: Path, log_dir: Path, verifier_args: list[str],
-                draft_args: list[str]) -> str:
-    """verifier + draft (in `mode`) + gateway; the gateway's base URL, warmed by one request."""
+                draft_args: list[str]) -> Served:
+    """verifier + draft (in `mode`) + gateway, the gateway warmed by one request."""
     target, draft = models / "target", models / "draft"
     verifier = stack.start(f"verifier-{mode}", ["verifier", "--model", str(target), *verifier_args],
                            log_dir=log_dir)
+    dmetrics = free_port()
     d = stack.start(f"draft-{mode}", ["draft", "--model", str(draft), "--verifier", verifier.address,
-                                      *mode_args(mode), *draft_args], log_dir=log_dir)
+                                      "--metrics-port", str(dmetrics), *mode_args(mode), *draft_args],
+                    log_dir=log_dir)
     gateway = stack.start_gateway(d.address, tokenizer=target, log_dir=log_dir)
     url = gateway.address
     # k = 0: the warm-up's drafts would enter the auto verifier's acceptance counts as its first evidence
@@ -211,7 +234,27 @@ def start_stack(stack: Stack, mode: str, models: Path, log_dir: Path, verifier_a
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as reply:
         json.load(reply)
-    return url
+    pids = {"verifier": verifier.proc.pid, "draft": d.proc.pid, "gateway": gateway.proc.pid}
+    return Served(url, pids, f"http://127.0.0.1:{dmetrics}/metrics")
+
+
+def measured(served: Served, run) -> dict:
+    """`run()`'s row, with what each service used meanwhile: CPU seconds (`cpu_s`: verifier, draft, gateway, and
+    the client's own, its processes that ended) and the draft model's rows by kind (`draft_rows`). The client
+    runs on the services' cores, and whatever any of them spends the verifier's forward may not get."""
+    cpu_before = {name: cpu_seconds(pid) for name, pid in served.pids.items()}
+    client_before = _children_cpu_s()
+    rows_before = draft_rows(served.draft_metrics_url)
+    row = run()
+    cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 1) for name, pid in served.pids.items()}
+    cpu["client"] = round(_children_cpu_s() - client_before, 1)
+    return {**row, "cpu_s": cpu, "draft_rows": rows_between(rows_before, draft_rows(served.draft_metrics_url))}
+
+
+def _children_cpu_s() -> float:
+    """User and system CPU seconds of this process's children that ended and were waited for (the clients)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
@@ -239,16 +282,20 @@ def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: in
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| mode | client | streams | requests ok/err | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s |\n"
-            "|---|---|---|---|---|---|---|")
+    head = ("| mode | client | streams | requests ok/err | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | "
+            "CPU s: verifier / draft / gateway / client | draft rows: prompt / catch-up / round / draft |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | failed: {r['error'][:60]} | | | |")
+            lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | failed: {r['error'][:60]} | | | | | |")
             continue
+        cpu = r.get("cpu_s") or {}
+        cpu_cell = " / ".join(f"{cpu[k]:.1f}" if k in cpu else "" for k in ("verifier", "draft", "gateway", "client"))
         lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | {r['requests_ok']}/"
                      f"{r['requests_errored']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['output_tok_s']:.1f} |")
+                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['output_tok_s']:.1f} | {cpu_cell} | "
+                     f"{rows_cell(r.get('draft_rows')) if 'draft_rows' in r else ''} |")
     return "\n".join(lines)
 
 
@@ -312,18 +359,18 @@ def run_all(args, modes: list[str], clients: list[str], levels: list[int], token
     rows: list[dict] = []
     for stack_mode, group in stack_groups(modes).items():
         with Stack() as stack:
-            url = start_stack(stack, stack_mode, args.models, log_dir, args.verifier_args.split(),
-                              args.draft_args.split())
+            served = start_stack(stack, stack_mode, args.models, log_dir, args.verifier_args.split(),
+                                 args.draft_args.split())
             if args.serve:
-                print(f"gateway for mode {stack_mode}: {url} (model {model}); logs in {log_dir}", flush=True)
+                print(f"gateway for mode {stack_mode}: {served.url} (model {model}); logs in {log_dir}", flush=True)
                 while True:
                     time.sleep(3600)
             for i, c in enumerate(levels):
                 for name in clients:
                     for mode in (group if i % 2 == 0 else group[::-1]):
-                        row = {"mode": mode, **run_client(name, url, model, tokenizer, c, args.prompt_tokens,
-                                                          args.output_tokens, args.out / mode / f"{name}-c{c}",
-                                                          args.timeout, request_body(mode))}
+                        row = {"mode": mode, **measured(served, partial(
+                            run_client, name, served.url, model, tokenizer, c, args.prompt_tokens, args.output_tokens,
+                            args.out / mode / f"{name}-c{c}", args.timeout, request_body(mode)))}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
     return rows

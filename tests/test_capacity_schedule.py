@@ -50,7 +50,7 @@ def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
     # left out
     scrapes = iter([{"catch_up/drafting": 10.0, "draft/drafting": 3.0},
                     {"catch_up/drafting": 25.0, "draft/drafting": 3.0, "prompt/warming": 4.0}] + [{}] * 4)
-    monkeypatch.setattr(capacity, "_draft_rows", lambda url: next(scrapes))
+    monkeypatch.setattr(capacity, "draft_rows", lambda url: next(scrapes))
     stack = object.__new__(capacity.ModeStack)
     process = SimpleNamespace(proc=SimpleNamespace(pid=os.getpid()), address="127.0.0.1:1")
     stack.mode, stack.k, stack.metrics_url, stack.verifier, stack.draft = "auto", None, "", process, process
@@ -149,3 +149,13 @@ def test_a_level_s_full_load_span_ends_when_the_first_stream_finds_no_request_le
     assert clock[0] == 17.0
     assert row["tok_s"] == 11 / 17
     assert row["full_load_tok_s"] == 6 / 7
+
+
+def test_the_benches_read_every_kind_of_row_the_draft_counts():
+    import dataclasses
+
+    import service_usage
+
+    from draft_service.draft_model import RowCounts
+
+    assert service_usage.DRAFT_ROW_KINDS == tuple(f.name for f in dataclasses.fields(RowCounts))

@@ -63,7 +63,9 @@ def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_p
             return False
 
     monkeypatch.setattr(ec, "Stack", FakeStack)
-    monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: calls.append(("start", mode)) or "url")
+    served = ec.Served("url", {}, "")
+    monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: calls.append(("start", mode)) or served)
+    monkeypatch.setattr(ec, "draft_rows", lambda url: {})
     monkeypatch.setattr(ec, "run_client", lambda name, url, model, tok, c, pt, ot, out, timeout, body:
                         calls.append((name, c, body)) or {})
     args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
@@ -74,3 +76,37 @@ def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_p
     assert calls == [("start", "auto"), ("guidellm", 1, k0), ("guidellm", 1, auto), ("guidellm", 4, auto),
                      ("guidellm", 4, k0)]
     assert [r["mode"] for r in rows] == ["k0@auto", "auto", "auto", "k0@auto"]
+
+
+def test_aiperf_counts_the_tokens_the_server_reports():
+    """aiperf's own count tokenizes the streamed text again, which sampled text need not give back (48 generated
+    tokens counted 21): the stream's usage is the count, as guidellm's."""
+    assert "--use-server-token-count" in ec.aiperf_command(*ARGS)
+
+
+def test_a_run_records_what_each_service_and_the_client_used(monkeypatch, tmp_path):
+    """CPU seconds of the verifier, the draft and the gateway over the run (their process ids), the client's from
+    the children that ended meanwhile, and the draft model's rows that moved."""
+    import subprocess
+
+    clock = {"verifier": [10.0, 12.5], "draft": [3.0, 3.0], "gateway": [1.0, 1.25]}
+    pids = {"verifier": 11, "draft": 22, "gateway": 33}
+    by_pid = {pid: iter(clock[name]) for name, pid in pids.items()}
+    monkeypatch.setattr(ec, "cpu_seconds", lambda pid: next(by_pid[pid]))
+    scrapes = iter([{"prompt/warming": 64.0, "draft/drafting": 5.0},
+                    {"prompt/warming": 128.0, "draft/drafting": 5.0, "catch_up/drafting": 70.0}])
+    monkeypatch.setattr(ec, "draft_rows", lambda url: next(scrapes))
+
+    def run():  # a client that burns some CPU in a child process
+        subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
+        return {"client": "aiperf", "output_tok_s": 2.0}
+
+    row = ec.measured(ec.Served("url", pids, "metrics"), run)
+    assert row["client"] == "aiperf" and row["output_tok_s"] == 2.0
+    assert {k: v for k, v in row["cpu_s"].items() if k != "client"} == {"verifier": 2.5, "draft": 0.0,
+                                                                       "gateway": 0.2}
+    assert row["cpu_s"]["client"] > 0
+    assert row["draft_rows"] == {"catch_up/drafting": 70.0, "prompt/warming": 64.0}
+    line = ec.table([{"mode": "auto", "concurrency": 4, "requests_ok": 8, "requests_errored": 0, "ttft_p50_ms": 1.0,
+                      "ttft_p99_ms": 2.0, "itl_p50_ms": 3.0, "itl_p99_ms": 4.0, **row}]).splitlines()[-1]
+    assert line.endswith(f"| 2.0 | 2.5 / 0.0 / 0.2 / {row['cpu_s']['client']:.1f} | 0+64 / 70 / 0 / 0 |")

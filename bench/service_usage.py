@@ -1,0 +1,48 @@
+"""What the services of a running stack used over a level: each process's CPU seconds and what the draft's model
+computed (its token positions by kind), read before and after the level (bench/capacity.py,
+bench/external_clients.py). On a host the services share with each other, and with the benchmark client, the
+CPU one service spends is time the verifier's forward may not get."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specwire.launch import scrape_metric  # noqa: E402
+
+DRAFT_ROW_KINDS = ("prompt", "catch_up", "round", "draft")  # draft_model.RowCounts' fields
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of the process so far, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def draft_rows(url: str) -> dict[str, float]:
+    """specwire_draft_model_rows_total per `kind/when` that the draft has counted (an older draft: none)."""
+    rows = {}
+    for kind in DRAFT_ROW_KINDS:
+        for when in ("drafting", "warming"):
+            n = scrape_metric(url, "specwire_draft_model_rows_total", {"kind": kind, "when": when})
+            if n is not None:
+                rows[f"{kind}/{when}"] = n
+    return rows
+
+
+def rows_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The rows counted between two draft_rows() readings, kinds that did not move left out."""
+    return {key: after[key] - before.get(key, 0.0) for key in sorted(after) if after[key] - before.get(key, 0.0)}
+
+
+def rows_cell(rows: dict[str, float] | None) -> str:
+    """A level's draft rows as prompt / catch-up / round / draft, warming's share after a +."""
+    rows = rows or {}
+    cells = []
+    for kind in DRAFT_ROW_KINDS:
+        drafting, warming = rows.get(f"{kind}/drafting", 0.0), rows.get(f"{kind}/warming", 0.0)
+        cells.append(f"{drafting:.0f}" + (f"+{warming:.0f}" if warming else ""))
+    return " / ".join(cells)
