@@ -18,7 +18,10 @@ between two stacks carries. Modes that share a stack run each level back to back
 order given at the first level and reversed at every second, so that neither is always measured first; the others
 each start a stack of their own. The clients run from their own virtual environments (bench/.venv-guidellm,
 bench/.venv-aiperf, which bench/external_clients.sh installs), offline: the tokenizer is the target's directory
-and nothing is fetched from a model hub. Writes summary.json and each client's own output under --out.
+and nothing is fetched from a model hub. The clients run niced (--client-nice, 19), so that on a host they share
+with the services they take only the CPU the services leave. Each row also holds the CPU seconds the verifier, the
+draft, the gateway and the client used in that run, and what the draft's model computed (its rows by kind). Writes
+summary.json and each client's own output under --out.
 """
 
 from __future__ import annotations
@@ -89,6 +92,14 @@ def mode_args(mode: str) -> list[str]:
 
 
 REQUESTS = {"per_stream": 2, "min": 8}  # --requests-per-stream, --min-requests
+# The clients share the services' cores here, and take only what the services leave: a load generator on the
+# host it measures must not take the verifier's core. aiperf (0.13, --concurrency without a request rate) polls
+# for a free slot in a loop that yields to its event loop and never sleeps, a whole core until it has issued
+# its last request (measured on 2 cores, 4 streams, 8 requests: 10 CPU seconds in every 10 s until the second
+# wave started, then about 0.1). Beside it, a verifier's step and a draft's forward took turns on the other core:
+# auto's plain steps of 4 tokens ran at a median of 721 ms where k = 0's, right after, ran at 576, for the
+# few seconds of CPU the draft spent on its probes (2026-12-06).
+CLIENT_NICE = 19
 
 
 def requests_for(concurrency: int) -> int:
@@ -258,10 +269,13 @@ def _children_cpu_s() -> float:
 
 
 def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
-               output_tokens: int, out: Path, timeout_s: float, body: dict | None = None) -> dict:
+               output_tokens: int, out: Path, timeout_s: float, body: dict | None = None, nice: int = 0) -> dict:
+    """One client run; `nice`: the niceness it runs at (see --client-nice)."""
     command, figures = CLIENTS[name]
     out.mkdir(parents=True, exist_ok=True)
     argv = command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out, body)
+    if nice:
+        argv = ["nice", "-n", str(nice), *argv]
     (out / "command.json").write_text(json.dumps(argv, indent=1))
     env = {**os.environ, **OFFLINE, "HOME": str(out / "home"), "MPLCONFIGDIR": str(out / "home" / "mpl"),
            "GUIDELLM__DEFAULT_RESULTS_DIR": str(out),
@@ -270,7 +284,7 @@ def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: in
     with open(out / "client.log", "wb") as log:
         proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s,
                               check=False)
-    row = {"client": name, "concurrency": concurrency, "requests": requests_for(concurrency),
+    row = {"client": name, "concurrency": concurrency, "requests": requests_for(concurrency), "nice": nice,
            "wall_s": round(time.perf_counter() - t0, 1), "exit_code": proc.returncode}
     try:
         row.update(figures(out))
@@ -311,6 +325,9 @@ def main() -> int:
     p.add_argument("--models", type=Path, default=ROOT / ".models")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "external")
     p.add_argument("--timeout", type=float, default=3600.0, help="longest one client run may take (seconds)")
+    p.add_argument("--client-nice", type=int, default=CLIENT_NICE,
+                   help="niceness the clients run at, so that they take only the CPU the services leave (0: as "
+                        "the services)")
     p.add_argument("--verifier-args", default="", help="extra flags for `specwire verifier` (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for `specwire draft` (one string)")
     p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")
@@ -370,7 +387,8 @@ def run_all(args, modes: list[str], clients: list[str], levels: list[int], token
                     for mode in (group if i % 2 == 0 else group[::-1]):
                         row = {"mode": mode, **measured(served, partial(
                             run_client, name, served.url, model, tokenizer, c, args.prompt_tokens, args.output_tokens,
-                            args.out / mode / f"{name}-c{c}", args.timeout, request_body(mode)))}
+                            args.out / mode / f"{name}-c{c}", args.timeout, request_body(mode),
+                            nice=args.client_nice))}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
     return rows

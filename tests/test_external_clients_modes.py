@@ -66,15 +66,15 @@ def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_p
     served = ec.Served("url", {}, "")
     monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: calls.append(("start", mode)) or served)
     monkeypatch.setattr(ec, "draft_rows", lambda url: {})
-    monkeypatch.setattr(ec, "run_client", lambda name, url, model, tok, c, pt, ot, out, timeout, body:
-                        calls.append((name, c, body)) or {})
+    monkeypatch.setattr(ec, "run_client", lambda name, url, model, tok, c, pt, ot, out, timeout, body, nice:
+                        calls.append((name, c, body, nice)) or {})
     args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
-                           output_tokens=48, out=tmp_path, timeout=1.0)
+                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19)
     rows = ec.run_all(args, ["k0@auto", "auto"], ["guidellm"], [1, 4], tmp_path, "m", tmp_path)
     k0, auto = ec.request_body("k0@auto"), ec.request_body("auto")
     assert k0 != auto
-    assert calls == [("start", "auto"), ("guidellm", 1, k0), ("guidellm", 1, auto), ("guidellm", 4, auto),
-                     ("guidellm", 4, k0)]
+    assert calls == [("start", "auto"), ("guidellm", 1, k0, 19), ("guidellm", 1, auto, 19), ("guidellm", 4, auto, 19),
+                     ("guidellm", 4, k0, 19)]
     assert [r["mode"] for r in rows] == ["k0@auto", "auto", "auto", "k0@auto"]
 
 
@@ -110,3 +110,22 @@ def test_a_run_records_what_each_service_and_the_client_used(monkeypatch, tmp_pa
     line = ec.table([{"mode": "auto", "concurrency": 4, "requests_ok": 8, "requests_errored": 0, "ttft_p50_ms": 1.0,
                       "ttft_p99_ms": 2.0, "itl_p50_ms": 3.0, "itl_p99_ms": 4.0, **row}]).splitlines()[-1]
     assert line.endswith(f"| 2.0 | 2.5 / 0.0 / 0.2 / {row['cpu_s']['client']:.1f} | 0+64 / 70 / 0 / 0 |")
+
+
+def test_the_clients_run_at_the_niceness_asked(monkeypatch, tmp_path):
+    """A client takes only the CPU the services leave (--client-nice): it runs niced, and its row says so."""
+    import os
+
+    def command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out, body):
+        return [sys.executable, "-c", f"import os; open({str(out / 'nice.txt')!r}, 'w').write(str(os.nice(0)))"]
+
+    def figures(out):
+        return {"client_niceness": int((out / "nice.txt").read_text())}
+
+    monkeypatch.setitem(ec.CLIENTS, "fake", (command, figures))
+    monkeypatch.setattr(ec, "aiperf_hub_cache", lambda root, tokenizer: root)
+    base = os.nice(0)
+    row = ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "a", 60.0, nice=5)
+    assert row["nice"] == 5 and row["client_niceness"] == min(19, base + 5)
+    assert ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "b", 60.0)["client_niceness"] == base
+    assert ec.CLIENT_NICE > 0  # the default yields to the services
