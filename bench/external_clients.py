@@ -30,13 +30,13 @@ import argparse
 import json
 import math
 import os
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))
 
-from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell  # noqa: E402
+from service_usage import children_cpu_seconds, cpu_seconds, draft_rows, rows_between, rows_cell  # noqa: E402
 
 from specwire.launch import Stack, free_port  # noqa: E402
 
@@ -205,6 +205,8 @@ def aiperf_figures(out: Path) -> dict:
 
     ttft, itl = metric("time_to_first_token"), metric("inter_token_latency")
     tps = metric("output_token_throughput")
+    if "avg" not in tps:  # counting the server's usage, aiperf has none where the stream reports none
+        raise ValueError("aiperf reported no output token throughput (did the stream carry usage?)")
     return {"ttft_p50_ms": float(ttft.get("p50", math.nan)), "ttft_p99_ms": float(ttft.get("p99", math.nan)),
             "itl_p50_ms": float(itl.get("p50", math.nan)), "itl_p99_ms": float(itl.get("p99", math.nan)),
             "output_tok_s": float(tps.get("avg", math.nan)),
@@ -222,7 +224,7 @@ class Served:
     """A mode's running stack: the gateway's base URL, the services' process ids, the draft's /metrics."""
 
     url: str
-    pids: dict[str, int]  # verifier, draft, gateway
+    pids: Mapping[str, int]  # verifier, draft, gateway
     draft_metrics_url: str
 
 
@@ -249,28 +251,24 @@ def start_stack(stack: Stack, mode: str, models: Path, log_dir: Path, verifier_a
     return Served(url, pids, f"http://127.0.0.1:{dmetrics}/metrics")
 
 
-def measured(served: Served, run) -> dict:
-    """`run()`'s row, with what each service used meanwhile: CPU seconds (`cpu_s`: verifier, draft, gateway, and
-    the client's own, its processes that ended) and the draft model's rows by kind (`draft_rows`). The client
-    runs on the services' cores, and whatever any of them spends the verifier's forward may not get."""
-    cpu_before = {name: cpu_seconds(pid) for name, pid in served.pids.items()}
-    client_before = _children_cpu_s()
+def measured(served: Served, run: Callable[[], dict]) -> dict:
+    """`run()`'s row, with what each service used meanwhile: CPU seconds (`cpu_s`: the verifier's, the draft's
+    and the gateway's processes, and the client's, a lower bound: its processes that ended and were waited for,
+    start-up included) and the draft model's rows by kind (`draft_rows`). The client runs on the services' cores,
+    and whatever any of them spends the verifier's forward may not get."""
     rows_before = draft_rows(served.draft_metrics_url)
+    cpu_before = {name: cpu_seconds(pid) for name, pid in served.pids.items()}
+    client_before = children_cpu_seconds()
     row = run()
     cpu = {name: round(cpu_seconds(pid) - cpu_before[name], 1) for name, pid in served.pids.items()}
-    cpu["client"] = round(_children_cpu_s() - client_before, 1)
+    cpu["client"] = round(children_cpu_seconds() - client_before, 1)
     return {**row, "cpu_s": cpu, "draft_rows": rows_between(rows_before, draft_rows(served.draft_metrics_url))}
 
 
-def _children_cpu_s() -> float:
-    """User and system CPU seconds of this process's children that ended and were waited for (the clients)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: int, prompt_tokens: int,
-               output_tokens: int, out: Path, timeout_s: float, body: dict | None = None, nice: int = 0) -> dict:
-    """One client run; `nice`: the niceness it runs at (see --client-nice)."""
+               output_tokens: int, out: Path, timeout_s: float, body: dict | None = None,
+               nice: int = CLIENT_NICE) -> dict:
+    """One client run, at niceness `nice` (added to this process's; see CLIENT_NICE)."""
     command, figures = CLIENTS[name]
     out.mkdir(parents=True, exist_ok=True)
     argv = command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out, body)
@@ -282,13 +280,21 @@ def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: in
            "HF_HUB_CACHE": str(aiperf_hub_cache(out.parent / "hf-cache", tokenizer))}
     t0 = time.perf_counter()
     with open(out / "client.log", "wb") as log:
-        proc = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s,
-                              check=False)
+        # a session of its own: past the timeout the whole client goes (its workers too), and the level is a
+        # failed row rather than the end of the run
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, start_new_session=True)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     row = {"client": name, "concurrency": concurrency, "requests": requests_for(concurrency), "nice": nice,
            "wall_s": round(time.perf_counter() - t0, 1), "exit_code": proc.returncode}
     try:
+        if time.perf_counter() - t0 >= timeout_s:
+            raise TimeoutError(f"stopped after {timeout_s:g} s")
         row.update(figures(out))
-    except (OSError, KeyError, StopIteration, ValueError, IndexError, TypeError) as err:
+    except (OSError, KeyError, StopIteration, ValueError, IndexError, TypeError, TimeoutError) as err:
         row["error"] = f"{type(err).__name__}: {err}"
         tail = (out / "client.log").read_text(errors="replace")[-2000:]
         print(f"{name} at concurrency {concurrency}: no figures ({row['error']})\n{tail}", file=sys.stderr)
@@ -325,9 +331,9 @@ def main() -> int:
     p.add_argument("--models", type=Path, default=ROOT / ".models")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "external")
     p.add_argument("--timeout", type=float, default=3600.0, help="longest one client run may take (seconds)")
-    p.add_argument("--client-nice", type=int, default=CLIENT_NICE,
-                   help="niceness the clients run at, so that they take only the CPU the services leave (0: as "
-                        "the services)")
+    p.add_argument("--client-nice", type=int, default=CLIENT_NICE, choices=range(20), metavar="0..19",
+                   help=f"niceness the clients run at, added to this process's ({CLIENT_NICE}: they take only the "
+                        "CPU the services leave; 0: as the services, as the runs before 2026-12-06 evening)")
     p.add_argument("--verifier-args", default="", help="extra flags for `specwire verifier` (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for `specwire draft` (one string)")
     p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")

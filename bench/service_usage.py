@@ -6,6 +6,7 @@ CPU one service spends is time the verifier's forward may not get."""
 from __future__ import annotations
 
 import os
+import resource
 import sys
 from pathlib import Path
 
@@ -46,3 +47,10 @@ def rows_cell(rows: dict[str, float] | None) -> str:
         drafting, warming = rows.get(f"{kind}/drafting", 0.0), rows.get(f"{kind}/warming", 0.0)
         cells.append(f"{drafting:.0f}" + (f"+{warming:.0f}" if warming else ""))
     return " / ".join(cells)
+
+
+def children_cpu_seconds() -> float:
+    """User and system CPU seconds of this process's children that ended and were waited for, theirs that they
+    waited for included (a client run to its end: the services, still running, are not in it)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime

@@ -127,5 +127,43 @@ def test_the_clients_run_at_the_niceness_asked(monkeypatch, tmp_path):
     base = os.nice(0)
     row = ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "a", 60.0, nice=5)
     assert row["nice"] == 5 and row["client_niceness"] == min(19, base + 5)
-    assert ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "b", 60.0)["client_niceness"] == base
-    assert ec.CLIENT_NICE > 0  # the default yields to the services
+    assert ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "b", 60.0, nice=0)["client_niceness"] == base
+    # by default the clients yield to the services
+    row = ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "c", 60.0)
+    assert row["nice"] == ec.CLIENT_NICE and row["client_niceness"] == min(19, base + ec.CLIENT_NICE) > base
+
+
+def test_a_client_past_its_timeout_is_stopped_whole_and_its_level_fails(monkeypatch, tmp_path):
+    """The client and every process it started go (its session), and the run goes on with a failed row."""
+    import time
+
+    def command(url, model, tokenizer, concurrency, prompt_tokens, output_tokens, out, body):
+        worker = f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); open({str(out / 'worker')!r}, 'w').write(str(p.pid)); time.sleep(60)"
+        return [sys.executable, "-c", worker]
+
+    monkeypatch.setitem(ec.CLIENTS, "fake", (command, lambda out: {"output_tok_s": 1.0}))
+    monkeypatch.setattr(ec, "aiperf_hub_cache", lambda root, tokenizer: root)
+    t0 = time.monotonic()
+    row = ec.run_client("fake", "url", "m", tmp_path, 1, 8, 8, tmp_path / "a", 2.0, nice=0)
+    assert time.monotonic() - t0 < 30
+    assert "stopped after 2 s" in row["error"] and "output_tok_s" not in row
+    worker = Path(f"/proc/{(tmp_path / 'a' / 'worker').read_text()}/stat")
+    for _ in range(50):  # gone, or a zombie its new parent has not reaped yet
+        try:
+            if worker.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+        except (FileNotFoundError, ProcessLookupError):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError("the client's worker outlived its timeout")
+    assert "failed: TimeoutError" in ec.table([{"mode": "auto", "concurrency": 1, **row}])
+
+
+def test_aiperf_without_usage_is_a_failed_level_not_nan(tmp_path):
+    """Counting the server's usage, aiperf reports no throughput where the stream carried none."""
+    (tmp_path / "profile_export_aiperf.json").write_text(json.dumps({"records": {
+        "time_to_first_token": {"p50": 1.0, "p99": 2.0}, "inter_token_latency": {"p50": 1.0, "p99": 2.0},
+        "request_count": {"avg": 4}}}))
+    with pytest.raises(ValueError, match="usage"):
+        ec.aiperf_figures(tmp_path)
