@@ -96,9 +96,11 @@ REQUESTS = {"per_stream": 2, "min": 8}  # --requests-per-stream, --min-requests
 # host it measures must not take the verifier's core. aiperf (0.13, --concurrency without a request rate) polls
 # for a free slot in a loop that yields to its event loop and never sleeps, a whole core until it has issued
 # its last request (measured on 2 cores, 4 streams, 8 requests: 10 CPU seconds in every 10 s until the second
-# wave started, then about 0.1). Beside it, a verifier's step and a draft's forward took turns on the other core:
-# auto's plain steps of 4 tokens ran at a median of 721 ms where k = 0's, right after, ran at 576, for the
-# few seconds of CPU the draft spent on its probes (2026-12-06).
+# wave started, then about 0.1). Beside it, a verifier's step and a draft's forward most likely took turns on the
+# other core: auto's plain steps of 4 tokens ran at a median of 721 ms where k = 0's, right after, ran at 576, and
+# the draft spent a few seconds of CPU on its probes (2026-12-06; docs/bench/external-clients-what-the-clients-
+# cost-2026-12-06.md). Niced, a client waits whenever both cores are busy, which only auto's draft makes them
+# beside the verifier: if anything, that leans against auto.
 CLIENT_NICE = 19
 
 
