@@ -285,15 +285,17 @@ def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: in
         # a session of its own: past the timeout the whole client goes (its workers too), and the level is a
         # failed row rather than the end of the run
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=out, start_new_session=True)
+        timed_out = False
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            timed_out = True
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     row = {"client": name, "concurrency": concurrency, "requests": requests_for(concurrency), "nice": nice,
            "wall_s": round(time.perf_counter() - t0, 1), "exit_code": proc.returncode}
     try:
-        if time.perf_counter() - t0 >= timeout_s:
+        if timed_out:
             raise TimeoutError(f"stopped after {timeout_s:g} s")
         row.update(figures(out))
     except (OSError, KeyError, StopIteration, ValueError, IndexError, TypeError, TimeoutError) as err:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specwire.launch import scrape_metric  # noqa: E402
+from specwire.launch import scrape_samples  # noqa: E402
 
 DRAFT_ROW_KINDS = ("prompt", "catch_up", "round", "draft")  # draft_model.RowCounts' fields
 
@@ -25,13 +25,9 @@ def cpu_seconds(pid: int) -> float:
 
 def draft_rows(url: str) -> dict[str, float]:
     """specwire_draft_model_rows_total per `kind/when` that the draft has counted (an older draft: none)."""
-    rows = {}
-    for kind in DRAFT_ROW_KINDS:
-        for when in ("drafting", "warming"):
-            n = scrape_metric(url, "specwire_draft_model_rows_total", {"kind": kind, "when": when})
-            if n is not None:
-                rows[f"{kind}/{when}"] = n
-    return rows
+    return {f"{labels['kind']}/{labels['when']}": value
+            for labels, value in scrape_samples(url, "specwire_draft_model_rows_total")
+            if labels.get("kind") in DRAFT_ROW_KINDS and labels.get("when") in ("drafting", "warming")}
 
 
 def rows_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -135,14 +135,17 @@ def wait_started(address_or_port_file: str | Path, port: int | None, timeout_s: 
     return address
 
 
+def scrape_samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of `name` on a Prometheus /metrics page, as (labels, value), from one fetch."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return [(dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or "")), float(m.group(2)))
+            for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", text, re.M)]
+
+
 def scrape_metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     """One sample of a Prometheus /metrics page: `name` with exactly `labels`, in any order (None: absent)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    want = {(k, str(v)) for k, v in (labels or {}).items()}
-    for m in re.finditer(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", text, re.M):
-        if set(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(1) or "")) == want:
-            return float(m.group(2))
-    return None
+    want = {k: str(v) for k, v in (labels or {}).items()}
+    return next((value for got, value in scrape_samples(url, name) if got == want), None)
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
