@@ -1073,3 +1073,34 @@ def test_the_hysteresis_is_per_draft_process_and_the_trial_s_plain_arm_leaves_it
     assert not any(c.choose(b, probe=False).draft_lengths.values())
     c.step_time = even
     assert any(c.choose(b).draft_lengths.values())
+
+
+def test_uneven_draft_processes_price_drafting_at_the_largest_ones_share(monkeypatch):
+    """Each draft process (Verify stream) drafts its sequences in a batch of its own, so the verifier waits for
+    about the largest batch. One stream of 32 sequences beside 31 streams of one sequence each (a client can open
+    them) is about 63 / 32 processes' worth, not 32: priced at a 32nd, the large stream's drafted tokens and
+    catch-up rows looked almost free (found in review). Even streams keep their count."""
+    import verifier_service.goodput as goodput
+    from verifier_service.types import SeqKey
+
+    seen: list[tuple[float, float]] = []
+    real = goodput.choose_draft_lengths
+
+    def spy(*args, **kwargs):
+        seen.append((args[10], kwargs["catch_up_streams"]))  # the price of a drafted token, and the processes
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(goodput, "choose_draft_lengths", spy)
+    c = goodput.DraftLengthController(4, step_time=model_of(lambda n: 0.3 + 0.01 * n), probe_every=0)
+    c.acceptance.group_of = lambda key: key.stream_id
+    c.observe_step(5, 0.35, None)
+    c.observe_drafting(1.0, 4, True, 4)
+    per_token = c.idle_split()[2]
+    assert per_token > 0
+    big, small = [SeqKey(1, i) for i in range(32)], [SeqKey(2 + i, 0) for i in range(31)]
+    c.choose(dict.fromkeys(big + small, 4), probe=False)
+    c.choose(dict.fromkeys([SeqKey(1 + i % 4, i) for i in range(8)], 4), probe=False)
+    c.choose({**dict.fromkeys(big, 4), **dict.fromkeys(small, 0)}, probe=False)  # caps of 0 choose nothing
+    assert [streams for _, streams in seen] == [pytest.approx(63 / 32), 4.0, 1.0]
+    assert [price for price, _ in seen] == [pytest.approx(per_token * 32 / 63), pytest.approx(per_token / 4),
+                                            pytest.approx(per_token)]

@@ -386,3 +386,75 @@ def test_a_wave_tail_keeps_the_ratio_of_the_load_it_left():
     assert trial.ratio == trial.base_ratio
     _run(trial, {Arm.SPECULATE: 2.0, Arm.PLAIN: 2.1}, 0.2, num_running=15)  # about 16 again: its own ratio
     assert trial.ratio == raised
+
+
+def test_requests_that_come_and_go_still_finish_windows_and_keep_the_set_bounded():
+    """A steady 4 sequences, each request verified once outside its prompt's step (max_tokens of 2, say): the
+    distinct sequences outgrow the load. A window that waited for two verifications of each of them never
+    finished, and its set grew by a key a request (found in review); at most the load's worth is waited for."""
+    import itertools
+
+    trial = SpeculationTrial()
+    keys = itertools.count()
+    for _ in range(25):
+        trial.observe(STEP_S, STEP_S, 4, 4, [next(keys) for _ in range(4)], predicted_gain=1.2, mean_drafted=3.0)
+        assert len(trial._window.verified) <= 4
+    assert trial._windows_done == 2
+    # a step may verify more sequences than run after it (some ended in it): still the load's worth
+    after = SpeculationTrial()
+    after.observe(0.5, 0.5, 4, 20, range(6), predicted_gain=1.2, mean_drafted=3.0)
+    after.observe(0.5, 0.5, 4, 20, range(4), predicted_gain=1.2, mean_drafted=3.0)
+    assert after._windows_done == 1
+
+
+def _prompt_steps(trial: SpeculationTrial, seconds: float, num_running: int = 4) -> None:
+    """Steps of STEP_S that each compute a prompt's chunk besides verifying every running sequence (a steady stream
+    of arrivals): none is measured."""
+    for _ in range(round(seconds / STEP_S)):
+        trial.observe(STEP_S, STEP_S, num_running, num_running, range(num_running), num_prefill_tokens=50,
+                      predicted_gain=1.2, mean_drafted=3.0)
+
+
+def test_a_trial_that_cannot_measure_hands_plain_decoding_back_to_speculation():
+    """Where every step computes a prompt's chunk no window is measured, so plain decoding in place would hold
+    every sequence that lets the verifier choose at k = 0 for good (found in review); after max_unmeasured_s of
+    such steps it hands back to speculation. Speculation in place stays, and switches nothing."""
+    trial = SpeculationTrial()
+    trial.incumbent = Arm.PLAIN
+    trial._begin(trial._phase, Arm.PLAIN, 4)
+    _prompt_steps(trial, trial.max_unmeasured_s - 0.5)
+    assert trial.incumbent is Arm.PLAIN and trial.running is Arm.PLAIN
+    _prompt_steps(trial, 1.0)
+    assert trial.incumbent is Arm.SPECULATE and trial.running is Arm.SPECULATE and trial.num_switches == 1
+    held = SpeculationTrial()
+    held._windows_done = 2
+    _prompt_steps(held, 3 * held.max_unmeasured_s)
+    assert held.incumbent is Arm.SPECULATE and held.running is Arm.SPECULATE and held.num_switches == 0
+    assert held._windows_done == 2  # its count towards the next challenge kept
+
+
+def test_an_undecided_challenge_breaks_a_row_of_wins():
+    """A challenger takes over when it wins twice in a row: a challenge that ran out of time in between ends the
+    row (found in review: the first win outlived it)."""
+    from verifier_service.speculation_trial import _Phase
+
+    trial = SpeculationTrial()
+    trial._won_once = True
+    trial._begin(_Phase.CHALLENGE, Arm.PLAIN, 4)
+    _prompt_steps(trial, trial.max_challenge_s + 0.5)
+    assert trial._phase is _Phase.INCUMBENT and trial.running is Arm.SPECULATE and not trial._won_once
+
+
+def test_a_challenge_out_of_time_while_nothing_runs_ends_at_the_next_step_after_a_warm_up():
+    """A challenge whose time ran out in steps with nothing to judge ends at the next step that has something:
+    the incumbent's window then waits for each running sequence's two verifications (found in review: ended in
+    an idle step, it warmed up for none, and measured rounds still drafted under the challenger's choices)."""
+    from verifier_service.speculation_trial import _Phase
+
+    trial = SpeculationTrial()
+    trial._begin(_Phase.CHALLENGE, Arm.PLAIN, 4)
+    for _ in range(round((trial.max_challenge_s + 0.5) / STEP_S)):
+        trial.observe(STEP_S, STEP_S, 0, 0, ())
+    assert trial._phase is _Phase.CHALLENGE and trial.running is Arm.PLAIN
+    trial.observe(STEP_S, STEP_S, 4, 100, range(4))
+    assert trial.running is Arm.SPECULATE and trial._warmup_left == 8 and trial._window.tokens == 0

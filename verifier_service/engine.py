@@ -266,7 +266,7 @@ class VerifierEngine:
         # would count as the incumbent's: a challenge between two plain arms, lost, would double the ratio, and
         # its plain figure would stand for this load (found with k = 0 requests measured on an auto verifier). Such
         # a step is the trial's idle time: nothing running it can judge, while its phase's clock runs on (a
-        # challenge still ends at max_challenge_s)
+        # challenge past max_challenge_s ends at the next step that has something to judge)
         if self.trial is not None and not any(s.follows_choice for s in self.scheduler.running.values()):
             stats.speculation_arm = self.trial.observe(since_last, stats.step_time_s, 0, 0, ()).value
         elif self.trial is not None:

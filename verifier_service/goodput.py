@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -93,7 +93,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                          plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
                          idle_per_drafted_token: float = 0.0, other_drafted: int = 0,
                          plain_tolerance: float | None = None,
-                         idle_per_catch_up_row: float | None = None, catch_up_streams: int = 1) -> Allocation:
+                         idle_per_catch_up_row: float | None = None, catch_up_streams: float = 1.0) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -122,7 +122,8 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 
     A candidate's catch-up rows (Candidate.catch_up_rows) are priced at `idle_per_catch_up_row` each (None: as
     drafted tokens) once it drafts at all: the rows of all that draft, spread over `catch_up_streams` draft
-    processes (each feeds its own sequences' in its own batch, side by side), but never fewer than one candidate's
+    processes (each feeds its own sequences' in its own batch, side by side; where they are uneven, the sequences
+    over the largest process's, DraftLengthController.choose), but never fewer than one candidate's
     (its rows all go into its own process's batch). The
     search over prefixes of the gains then no longer finds the best of every allocation (a sequence's first gain
     carries its rows), so it runs twice, once with the candidates that would catch up held at k = 0, and the
@@ -136,7 +137,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
             plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
             idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row,
-            max(1, catch_up_streams))
+            max(1.0, catch_up_streams))
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
         chosen = _search(cands, *args)
     else:
@@ -160,7 +161,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int, idle_per_catch_up_row: float, catch_up_streams: int) -> Allocation:
+            other_drafted: int, idle_per_catch_up_row: float, catch_up_streams: float) -> Allocation:
     """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
@@ -625,12 +626,16 @@ class DraftLengthController:
         per_catch_up_row = self.exposure * self.draft_time.catch_up_coefficient()
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle, per_catch_up_row
         # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
-        # wait for S of them is about the longest, priced as if the tokens were spread evenly over them
+        # wait for them is about the longest batch's, priced as if the tokens were spread evenly over the
+        # sequences, so the largest process drafts its share of them: the wait for M tokens is that of M / S in
+        # one batch, S the sequences over the largest process's (S processes where they are even; a stream of 32
+        # beside 31 of one sequence each is S = 63 / 32, about 2, not 32, which priced its drafting at a 32nd)
         # (caps of 0, a request's last rounds, which its room bounds, choose nothing: their groups are not counted,
         # nor held by the hysteresis below, nor recorded by it)
         group_of = self.acceptance.group_of
-        groups: dict[object, bool] = {group_of(key): False for key, cap in pool.items() if cap > 0}
-        streams = max(1, len(groups))
+        members = Counter(group_of(key) for key, cap in pool.items() if cap > 0)
+        groups: dict[object, bool] = dict.fromkeys(members, False)
+        streams = members.total() / max(members.values()) if members else 1.0
         held = bool(groups) and all(self._group_drafting.get(group) is False for group in groups)
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,

@@ -45,7 +45,15 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   output). Under plain decoding, speculation challenges whenever the controller would draft, and at once (the
   ratio reset) when it expects more than `challenge_below_gain`.
 - A challenger's window ends at twice the incumbent's last window's time, judged by its rate then; a challenge
-  that has not finished a window within `max_challenge_s` of wall time ends undecided.
+  that has not finished a window within `max_challenge_s` ends undecided, and a first win waiting for its second
+  no longer counts (two wins in a row means no undecided challenge between them). Time here is the phase's steps'
+  times, each with at most `max_gap_s` of the gap before it; steps with nothing to judge (no running sequence
+  follows the choices) run the clock, and a challenge past its time ends at the next step that has one.
+- A trial that cannot measure does not hold plain decoding in place: where no window finishes for
+  `max_unmeasured_s` of steps that had something to judge (a prompt's chunk in every step, as under a steady
+  stream of arrivals; a load that keeps moving), plain decoding in place or in the window after a challenge
+  hands back to speculation, which follows the load through the controller's own choices and margins.
+  Speculation in place runs on; it has nothing to hand back.
 
 Lives on the engine thread: no locks; its state is a few numbers and the set of sequences the current window
 verified. Greedy and coupled outputs do not depend on k, so neither arm
@@ -118,7 +126,8 @@ class SpeculationTrial:
     min_drafted: float = 0.5  # and the controller drafts at least this many tokens per sequence, on average
     max_gap_s: float = 1.0  # a step's time counts at most its own time plus this
     max_warmup_s: float = 5.0
-    max_challenge_s: float = 60.0  # wall time
+    max_challenge_s: float = 60.0  # of the phase's time (the module's docstring)
+    max_unmeasured_s: float = 60.0  # of steps with something to judge, without a window finished
     decay: float = 0.9  # of the smoothed predicted gain and mean choice
     incumbent: Arm = Arm.SPECULATE
     running: Arm = Arm.SPECULATE  # the arm the next choices follow
@@ -135,7 +144,8 @@ class SpeculationTrial:
     _window_s: dict[_Phase, float] = field(default_factory=dict, init=False)  # and its seconds
     _warmup_left: int = field(default=0, init=False)  # verifications before measuring
     _warmup_s: float = field(default=0.0, init=False)
-    _phase_s: float = field(default=0.0, init=False)  # wall time in this phase
+    _phase_s: float = field(default=0.0, init=False)  # time in this phase (steps, gaps capped)
+    _unmeasured_s: float = field(default=0.0, init=False)  # steps' time with followers since a window finished
     _beats_plain: bool = field(default=False, init=False)  # the last window checked was exempt (logged)
     _exempt_windows: int = field(default=0, init=False)  # windows exempt in a row
     _plain_measured: tuple[float, int] | None = field(default=None, init=False)  # the last plain window: rate, load
@@ -157,16 +167,21 @@ class SpeculationTrial:
         self._smooth(predicted_gain, mean_drafted)
         dt = min(dt_s, step_s + self.max_gap_s)
         self._phase_s += dt
+        if num_running <= 0:  # nothing to judge: the clocks run on (a challenge past its time ends at the next)
+            return self.running
         if self._phase is _Phase.CHALLENGE and self._phase_s > self.max_challenge_s:
             log.info("speculation_trial", challenger=self.running.value, decided=False, reason="too long")
+            self._won_once = False  # an undecided challenge breaks a row of wins
             self._begin(_Phase.INCUMBENT, self.incumbent, num_running)
+            return self.running
+        self._unmeasured_s += dt
+        if self._unmeasured_s > self.max_unmeasured_s:
+            self._unmeasurable(num_running)
             return self.running
         if self._phase is _Phase.INCUMBENT and self.incumbent is Arm.PLAIN and self._eager_to_speculate():
             self.ratio = self.base_ratio
             self._ratios_elsewhere.clear()
             self._windows_done = max(self._windows_done, self.ratio)
-        if num_running <= 0:
-            return self.running
         self._follow_load(num_running)
         if (self.incumbent is Arm.SPECULATE and self._phase is not _Phase.INCUMBENT
                 and not _same_load(num_running, self._window.num_running)):
@@ -189,7 +204,8 @@ class SpeculationTrial:
                 return self.running
         w.tokens += num_emitted
         w.verifications += num_verifications
-        w.verified.update(verified)
+        if len(w.verified) < w.num_running:  # _window_done counts at most num_running of them (churn: bounded)
+            w.verified.update(verified)
         w.sequence_s += num_running * dt
         w.seconds += dt
         if plain_rate is not None and plain_rate > 0:
@@ -264,7 +280,10 @@ class SpeculationTrial:
     def _window_done(self, w: _Window) -> bool:
         if w.seconds < self.min_window_s:
             return False
-        if w.tokens >= self.window_tokens and w.verifications >= self.window_rounds * len(w.verified):
+        # twice each sequence it verified, at most the load's worth: where requests come and go (each verified
+        # once or twice before its end) the distinct sequences outgrow the load, and would outgrow every window
+        if (w.tokens >= self.window_tokens
+                and w.verifications >= self.window_rounds * min(len(w.verified), w.num_running)):
             return True
         # a challenger's window ends at twice the incumbent's last window's time, and is judged by its rate as it
         # is then (one that emits nothing must not run for ever)
@@ -272,6 +291,7 @@ class SpeculationTrial:
         return self._phase is _Phase.CHALLENGE and before is not None and w.seconds >= 2 * before
 
     def _window_finished(self, w: _Window, num_running: int) -> None:
+        self._unmeasured_s = 0.0
         self._rates[self._phase] = w.rate or 0.0
         if self.running is Arm.PLAIN:
             self._plain_measured = (w.rate or 0.0, w.num_running)
@@ -332,12 +352,30 @@ class SpeculationTrial:
         if not switched:  # a window of speculation after the challenge: arrivals' warm-up, as for any load move
             self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
 
+    def _unmeasurable(self, num_running: int) -> None:
+        """No window finished for max_unmeasured_s of steps with something to judge (module docstring): plain
+        decoding in place, or running in the window after a challenge, hands back to speculation; speculation in
+        place runs on as it was (it holds nothing)."""
+        self._unmeasured_s = 0.0
+        if self._phase is _Phase.INCUMBENT and self.incumbent is Arm.SPECULATE:
+            return
+        log.info("speculation_trial", challenger=Arm.SPECULATE.value, decided=False, reason="unmeasurable",
+                 was=self.incumbent.value, num_running=num_running)
+        if self.incumbent is not Arm.SPECULATE:  # as a decided switch (_decide): the old ratios no longer hold
+            self.num_switches += 1
+            self.incumbent = Arm.SPECULATE
+            self.ratio = self.base_ratio
+            self._ratios_elsewhere.clear()
+        self._won_once = False
+        self._begin(_Phase.INCUMBENT, Arm.SPECULATE, num_running)
+
     def _begin(self, phase: _Phase, arm: Arm, num_running: int) -> None:
         """Enter `phase` running `arm`; measure once each running sequence was verified about twice under it."""
         switched = arm is not self.running
         self._phase, self.running = phase, arm
         self._window = _Window(num_running)
         self._phase_s = 0.0
+        self._unmeasured_s = 0.0
         if phase is _Phase.INCUMBENT:
             self._windows_done = 0
         self._warmup_left = 2 * num_running if switched else 0

@@ -231,13 +231,15 @@ class DraftTimeModel:
 class AcceptanceTracker:
     """Acceptance per draft position, alpha_j = P(draft j accepted | drafts 1..j-1 accepted), per sequence and
     over the sequences of its group (`group_of`: the engine groups by Verify stream, i.e. by draft process and so
-    by draft model, so that one client's drafts never set another's prior). Counts decay at every verdict,
-    drafted or not, so a sequence whose drafts stopped (k = 0 for low acceptance) drifts back to its group's rates;
-    the controller's probes judge it again. At most `max_groups` groups are kept, the least recently seen go."""
+    by draft model, so that one client's drafts never set another's prior). A sequence's counts decay at every
+    verdict, drafted or not, so a sequence whose drafts stopped (k = 0 for low acceptance) drifts back to its
+    group's rates; the group's decay only at verdicts that judged a draft, so a group none of whose sequences
+    drafts keeps the rates that stopped it (decayed without evidence they would drift to `default_rate`, a
+    figure nobody measured): the controller's probes judge it again. At most `max_groups` groups are kept, the least recently seen go."""
 
     max_positions: int
     decay: float = 0.9  # per verdict, for a sequence's own counts
-    global_decay: float = 0.995  # per verdict, for the shared counts
+    global_decay: float = 0.995  # per verdict that judged a draft, for the shared counts
     prior_strength: float = 2.0  # pseudo-counts of the shared rates in a sequence's estimate
     default_rate: float = 0.7  # the shared rate before anything is observed
     # pseudo-counts of the group's rate over all its positions in one position's shared rate: a position that is
