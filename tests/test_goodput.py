@@ -827,12 +827,14 @@ def test_a_switch_to_drafting_prices_the_catch_up_it_makes():
     assert set(choose_draft_lengths(dear, step, **args, idle_per_catch_up_row=0.0005).draft_lengths.values()) == {4}
     assert choose_draft_lengths(dear, step, **{**args, "tolerance": 0.0}, idle_per_catch_up_row=0.001).goodput \
         == pytest.approx(4 * expected_tokens((0.9,) * 4, 4) / (step.predict(20) + 0.2 + 0.005 * 16 + 0.001 * rows))
-    # over S draft processes side by side: the rows of all over S, never fewer than one candidate's (100)
-    for streams, priced in ((2, rows / 2), (8, 100.0)):
-        spread = choose_draft_lengths(dear, step, **{**args, "tolerance": 0.0}, idle_per_catch_up_row=0.001,
-                                      catch_up_streams=streams)
-        assert spread.goodput == pytest.approx(
-            4 * expected_tokens((0.9,) * 4, 4) / (step.predict(20) + 0.2 + 0.005 * 16 + 0.001 * priced))
+    # over draft processes side by side, each feeds its own sequences' rows: the largest batch's are waited for,
+    # and so are its drafted tokens (two processes of two: half of each; four of one: one sequence's)
+    for streams, priced_rows, priced_tokens in ((2, rows / 2, 8), (4, 100.0, 4)):
+        spread = [dataclasses.replace(c, group=i % streams) for i, c in enumerate(dear)]
+        chosen = choose_draft_lengths(spread, step, **{**args, "tolerance": 0.0}, idle_per_catch_up_row=0.001)
+        assert chosen.goodput == pytest.approx(
+            4 * expected_tokens((0.9,) * 4, 4) / (step.predict(20) + 0.2 + 0.005 * priced_tokens
+                                                  + 0.001 * priced_rows))
 
     c = DraftLengthController(4, step_time=step)
     new, drafting, plain, prompt = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3), SeqKey(1, 4)
@@ -1075,32 +1077,39 @@ def test_the_hysteresis_is_per_draft_process_and_the_trial_s_plain_arm_leaves_it
     assert any(c.choose(b).draft_lengths.values())
 
 
-def test_uneven_draft_processes_price_drafting_at_the_largest_ones_share(monkeypatch):
-    """Each draft process (Verify stream) drafts its sequences in a batch of its own, so the verifier waits for
-    about the largest batch. One stream of 32 sequences beside 31 streams of one sequence each (a client can open
-    them) is about 63 / 32 processes' worth, not 32: priced at a 32nd, the large stream's drafted tokens and
-    catch-up rows looked almost free (found in review). Even streams keep their count."""
-    import verifier_service.goodput as goodput
-    from verifier_service.types import SeqKey
 
-    seen: list[tuple[float, float]] = []
-    real = goodput.choose_draft_lengths
+def test_draft_processes_are_priced_at_their_largest_batch():
+    """Each draft process (Verify stream) drafts its sequences in a batch of its own, so the verifier waits for the
+    largest batch. 63 sequences alike (acceptance 0.9, k <= 4), drafted tokens at 10 ms each in one batch: where
+    32 of them share one process beside 31 of one sequence each (a client can open such streams), that process's
+    batch of 32 is what a longer draft costs, and the choice stops short of 4; the 63 in processes of their own
+    each wait for 4 tokens at most, and draft 4. Priced at one over the number of processes (found in review) the
+    32 drafted 4 as if each token cost a 32nd; priced at the sequences over the largest process's (63 / 32, the
+    review's first mend), 31 processes of one beside 32 sequences the choice gives nothing paid for their
+    tokens as if in batches of 2 x 31, and drafted nothing."""
+    step = model_of(lambda n: 0.5 + 0.001 * n)
+    alike = [Candidate(i, 4, (0.9,) * 4, group=0 if i < 32 else i) for i in range(63)]
+    shared = choose_draft_lengths(alike, step, idle_per_drafted_token=0.01).draft_lengths
+    assert 0 < max(shared.values()) < 4
+    apart = [dataclasses.replace(c, group=i) for i, c in enumerate(alike)]
+    assert set(choose_draft_lengths(apart, step, idle_per_drafted_token=0.01).draft_lengths.values()) == {4}
+    # the 32 of one process accepted 5 % of the time: the choice gives them nothing, and the 31 alone draft
+    poor = [dataclasses.replace(c, rates=(0.05,) * 4) if c.group == 0 else c for c in alike]
+    lengths = choose_draft_lengths(poor, step, idle_per_drafted_token=0.02).draft_lengths
+    assert [lengths[c.key] for c in poor] == [0] * 32 + [4] * 31
 
-    def spy(*args, **kwargs):
-        seen.append((args[10], kwargs["catch_up_streams"]))  # the price of a drafted token, and the processes
-        return real(*args, **kwargs)
 
-    monkeypatch.setattr(goodput, "choose_draft_lengths", spy)
-    c = goodput.DraftLengthController(4, step_time=model_of(lambda n: 0.3 + 0.01 * n), probe_every=0)
-    c.acceptance.group_of = lambda key: key.stream_id
-    c.observe_step(5, 0.35, None)
-    c.observe_drafting(1.0, 4, True, 4)
-    per_token = c.idle_split()[2]
-    assert per_token > 0
-    big, small = [SeqKey(1, i) for i in range(32)], [SeqKey(2 + i, 0) for i in range(31)]
-    c.choose(dict.fromkeys(big + small, 4), probe=False)
-    c.choose(dict.fromkeys([SeqKey(1 + i % 4, i) for i in range(8)], 4), probe=False)
-    c.choose({**dict.fromkeys(big, 4), **dict.fromkeys(small, 0)}, probe=False)  # caps of 0 choose nothing
-    assert [streams for _, streams in seen] == [pytest.approx(63 / 32), 4.0, 1.0]
-    assert [price for price, _ in seen] == [pytest.approx(per_token * 32 / 63), pytest.approx(per_token / 4),
-                                            pytest.approx(per_token)]
+def test_running_group_sums_follow_the_order_within_each_group():
+    """Each element's group's sum up to it, in the order given, against a plain loop (many ties of groups: an
+    unstable sort would mix a group's order)."""
+    from verifier_service.goodput import _running_group_sums
+
+    rng = np.random.default_rng(0)
+    groups, weights = rng.integers(0, 5, 2000), rng.random(2000)
+    totals: dict[int, float] = {}
+    want = []
+    for g, w in zip(groups.tolist(), weights.tolist(), strict=True):
+        totals[g] = totals.get(g, 0.0) + w
+        want.append(totals[g])
+    assert np.allclose(_running_group_sums(groups, weights), want)
+    assert _running_group_sums(np.zeros(0, np.int64), np.zeros(0)).size == 0

@@ -443,6 +443,12 @@ def test_an_undecided_challenge_breaks_a_row_of_wins():
     trial._begin(_Phase.CHALLENGE, Arm.PLAIN, 4)
     _prompt_steps(trial, trial.max_challenge_s + 0.5)
     assert trial._phase is _Phase.INCUMBENT and trial.running is Arm.SPECULATE and not trial._won_once
+    # a challenge keeps its own limit, whatever max_unmeasured_s is: it is not handed back on the other clock
+    short = SpeculationTrial(max_unmeasured_s=30.0)
+    short.incumbent = Arm.PLAIN
+    short._begin(_Phase.CHALLENGE, Arm.SPECULATE, 4)
+    _prompt_steps(short, 40.0)
+    assert short._phase is _Phase.CHALLENGE and short.incumbent is Arm.PLAIN and short.num_switches == 0
 
 
 def test_a_challenge_out_of_time_while_nothing_runs_ends_at_the_next_step_after_a_warm_up():
@@ -458,3 +464,50 @@ def test_a_challenge_out_of_time_while_nothing_runs_ends_at_the_next_step_after_
     assert trial._phase is _Phase.CHALLENGE and trial.running is Arm.PLAIN
     trial.observe(STEP_S, STEP_S, 4, 100, range(4))
     assert trial.running is Arm.SPECULATE and trial._warmup_left == 8 and trial._window.tokens == 0
+
+
+def test_a_long_window_at_a_heavy_load_is_measured_not_handed_back():
+    """64 sequences in steps of 4 s, each verifying 8 of them (fragments of the batch): a window takes 16 steps,
+    over a minute. Its steps are measured, so plain decoding in place is not handed back on a timer (the review's
+    case against a clock of every step)."""
+    trial = SpeculationTrial()
+    trial.incumbent = Arm.PLAIN
+    trial._begin(trial._phase, Arm.PLAIN, 64)
+    for i in range(60):
+        trial.observe(4.0, 4.0, 64, 8, range(8 * (i % 8), 8 * (i % 8) + 8), predicted_gain=1.2, mean_drafted=3.0)
+    assert trial._windows_done >= 2
+    assert trial.incumbent is Arm.PLAIN and trial.running is Arm.PLAIN and trial.num_switches == 0
+
+
+def test_the_window_after_a_challenge_that_cannot_measure_ends_the_trial_undecided():
+    """Plain decoding's window after speculation's challenge hands back to speculation, a switch like a decided
+    one (the ratio back to its base); speculation's window after plain decoding's challenge ends the trial
+    undecided and keeps its ratio."""
+    from verifier_service.speculation_trial import _Phase
+
+    plain = SpeculationTrial()
+    plain.incumbent, plain.ratio = Arm.PLAIN, 16
+    plain._begin(_Phase.CONFIRM, Arm.PLAIN, 4)
+    _prompt_steps(plain, plain.max_unmeasured_s + 0.5)
+    assert (plain.incumbent, plain.running, plain._phase) == (Arm.SPECULATE, Arm.SPECULATE, _Phase.INCUMBENT)
+    assert plain.num_switches == 1 and plain.ratio == plain.base_ratio
+    spec = SpeculationTrial()
+    spec.ratio, spec._won_once = 16, True
+    spec._begin(_Phase.CONFIRM, Arm.SPECULATE, 4)
+    _prompt_steps(spec, spec.max_unmeasured_s + 0.5)
+    assert (spec.incumbent, spec.running, spec._phase) == (Arm.SPECULATE, Arm.SPECULATE, _Phase.INCUMBENT)
+    assert spec.num_switches == 0 and spec.ratio == 16 and not spec._won_once
+
+
+def test_a_load_that_grows_within_a_window_is_waited_for_whole():
+    """A window begun at 32 sequences whose load grew to 40 (still about the same): steps of 8 verify 40 in
+    turn, and the window waits for two verifications of each of the 40, not of the first 32 (found in review)."""
+    trial = SpeculationTrial()
+    trial.observe(1.0, 1.0, 32, 40, range(8), predicted_gain=1.2, mean_drafted=3.0)
+    steps = 1
+    while trial._windows_done == 0:
+        trial.observe(1.0, 1.0, 40, 40, range(8 * (steps % 5), 8 * (steps % 5) + 8), predicted_gain=1.2,
+                      mean_drafted=3.0)
+        steps += 1
+        assert steps <= 20
+    assert steps == 10

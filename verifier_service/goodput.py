@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -48,6 +48,9 @@ class Candidate:
     # rows the draft must feed before this sequence's first drafted token if it drafts (its catch-up), per round
     # of drafting it has left (DraftLengthController.catch_up_rows): priced when k > 0 (choose_draft_lengths)
     catch_up_rows: float = 0.0
+    # the draft process (Verify stream) that drafts it, as an index: each drafts its own sequences' blocks in one
+    # batch, beside the others, so a drafted token or a catch-up row costs the wait only in the largest batch
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                          plain_idle_s: float | None = None, step_ratios: tuple[float, float] = (1.0, 1.0),
                          idle_per_drafted_token: float = 0.0, other_drafted: int = 0,
                          plain_tolerance: float | None = None,
-                         idle_per_catch_up_row: float | None = None, catch_up_streams: float = 1.0) -> Allocation:
+                         idle_per_catch_up_row: float | None = None) -> Allocation:
     """The draft length per candidate that maximises expected verified tokens per second of a step that
     verifies all of them (each feeds 1 + k tokens) beside `other_tokens` of other work (prefill chunks, fixed-k
     verifications), which yields `other_output` tokens whatever is chosen: a longer draft slows that work too.
@@ -102,8 +105,10 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     blocks in one batch, one token of each per draft step, so the verifier, where it waits for that, waits as
     long as the longest block takes); `other_longest_block`: the longest block of the other work (fixed k), which
     is drafted whatever is chosen. `idle_per_drafted_token`: what each drafted token adds to the wait besides (the
-    draft's step over more rows: a CPU draft's time grows with the sequences it drafts for), the other work's
-    `other_drafted` tokens included. `plain_idle_s`: the wait where nothing at all is drafted (no candidate drafts
+    draft's step over more rows: a CPU draft's time grows with the sequences it drafts for), counted in the
+    largest draft process's batch (Candidate.group): the candidates' tokens in their processes' batches as each
+    option places them, the other work's `other_drafted` tokens spread evenly over the candidates' processes.
+    `plain_idle_s`: the wait where nothing at all is drafted (no candidate drafts
     and the other work's blocks draft nothing), in place of `idle_s` (None: the same). `step_ratios`: what a step
     that verifies nothing drafted, and one that verifies drafted tokens, takes against `step_time`'s prediction.
     `tolerance`: of the choices that lose at most this fraction of the candidates' expected tokens against the
@@ -120,11 +125,13 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     are new (the others are the same prefixes as under a smaller bound), and each bound is one pass of array
     arithmetic: the engine thread runs this after every step.
 
+    Over several draft processes each option is priced at its largest process's batch (what the verifier waits
+    for); the prefixes of the gains are then the best allocations of each total only in one process (over
+    several, a total spread over them may wait less than the largest gains, which may fall in one): the search
+    prices what it considers exactly, and considers the prefixes.
+
     A candidate's catch-up rows (Candidate.catch_up_rows) are priced at `idle_per_catch_up_row` each (None: as
-    drafted tokens) once it drafts at all: the rows of all that draft, spread over `catch_up_streams` draft
-    processes (each feeds its own sequences' in its own batch, side by side; where they are uneven, the sequences
-    over the largest process's, DraftLengthController.choose), but never fewer than one candidate's
-    (its rows all go into its own process's batch). The
+    drafted tokens) once it drafts at all, in its process's batch: the rows of the largest such batch. The
     search over prefixes of the gains then no longer finds the best of every allocation (a sequence's first gain
     carries its rows), so it runs twice, once with the candidates that would catch up held at k = 0, and the
     choice that lets them draft is taken only where it beats the other by more than `tolerance`: drafting for
@@ -136,8 +143,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
             plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
-            idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row,
-            max(1.0, catch_up_streams))
+            idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row)
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
         chosen = _search(cands, *args)
     else:
@@ -158,22 +164,41 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
                       chosen.plain_step_s, chosen.plain_goodput, chosen.plain_step_s, declined_gain=gain)
 
 
+def _running_group_sums(groups: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """For each element, in order, the sum of `weights` over its group's elements up to it (itself included).
+    Weights are not negative, so a group's sums rise along the order, and the largest group's at each prefix is
+    the running maximum of these."""
+    if not len(groups):
+        return np.zeros(0)
+    order = np.argsort(groups, kind="stable")
+    sorted_groups, sorted_weights = groups[order], weights[order]
+    totals = np.cumsum(sorted_weights)
+    starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
+    before = np.repeat(totals[starts] - sorted_weights[starts], np.diff(np.r_[starts, len(order)]))
+    sums = np.empty_like(totals)
+    sums[order] = totals - before
+    return sums
+
+
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int, idle_per_catch_up_row: float, catch_up_streams: float) -> Allocation:
+            other_drafted: int, idle_per_catch_up_row: float) -> Allocation:
     """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
+    group = np.asarray([c.group for c in cands], dtype=np.int64)
+    # the other work's drafted tokens, whose processes are not known: spread over the candidates' that may draft
+    other_share = other_drafted / max(1, len({c.group for c in cands if c.max_k > 0}))
     fixed_n = base + other_tokens
     start = float(base) + other_output
 
-    def cost(n: np.ndarray, longest: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def cost(n: np.ndarray, longest: np.ndarray, drafted: np.ndarray, rows: np.ndarray) -> np.ndarray:
         block = np.maximum(longest, other_longest_block)
         idle = np.full(len(n), idle_s) if plain_idle_s is None else np.where(block > 0, idle_s, plain_idle_s)
         ratio = np.where(block > 0, step_ratios[1], step_ratios[0])
         drafting = idle_per_block_token * block + np.where(
-            block > 0, idle_per_drafted_token * (n - fixed_n + other_drafted) + idle_per_catch_up_row * rows, 0.0)
+            block > 0, idle_per_drafted_token * (drafted + other_share) + idle_per_catch_up_row * rows, 0.0)
         return np.where(n > 0, step_time.predict_many(n) * ratio + idle + drafting, 0.0)
 
     gains, index, position = _sorted_gains(cands)
@@ -182,7 +207,8 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
     # per option: goodput, drafted tokens M, bound L, expected tokens, longest block; the first is M = 0
     ms, bounds, expected, longest = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [np.full(1, start)], \
         [np.zeros(1, np.int64)]
-    rows = [np.zeros(1)]  # per option, the catch-up rows of the sequences it drafts for, as priced
+    # per option, the drafted tokens and the catch-up rows of its largest process's batch
+    drafted, rows = [np.zeros(1)], [np.zeros(1)]
     for limit in limits:
         under = position < limit
         g, j = gains[under], position[under]
@@ -193,11 +219,13 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
         bounds.append(np.full(int(new.sum()), limit))
         expected.append((start + np.cumsum(g))[new])
         longest.append(run_longest[new])
+        groups = group[index[under]]
         first = np.where(j == 0, catch_up[index[under]], 0.0)
-        rows.append(np.maximum(np.cumsum(first) / catch_up_streams, np.maximum.accumulate(first))[new])
+        drafted.append(np.maximum.accumulate(_running_group_sums(groups, np.ones(len(g))))[new])
+        rows.append(np.maximum.accumulate(_running_group_sums(groups, first))[new])
     m_all, bound_all = np.concatenate(ms), np.concatenate(bounds)
     expected_all, longest_all = np.concatenate(expected), np.concatenate(longest)
-    costs = cost(fixed_n + m_all, longest_all, np.concatenate(rows))
+    costs = cost(fixed_n + m_all, longest_all, np.concatenate(drafted), np.concatenate(rows))
     goodputs = np.divide(expected_all, costs, out=np.zeros_like(expected_all), where=costs > 0)
     best = goodputs.max()
     if tolerance > 0 and goodputs[0] < best:
@@ -615,35 +643,33 @@ class DraftLengthController:
         per round (catch_up_rows; a key without them has none)."""
         pool = {**(away or {}), **caps}
         sizes = sizes or {}
+        group_of = self.acceptance.group_of
+        # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others:
+        # the wait is the largest batch's (choose_draft_lengths prices each option's; priced as one over the number
+        # of processes, a stream of 32 sequences beside 31 of one each drafted as if at a 32nd of its cost)
+        index_of: dict[object, int] = {}
         candidates = []
         for key, cap in pool.items():
             rates = tuple(self.acceptance.rates(key, cap))
             size = sizes.get(key) if key in caps else None
-            candidates.append(Candidate(key, cap, rates, self.catch_up_rows(key, rates, *size) if size else 0.0))
+            candidates.append(Candidate(key, cap, rates, self.catch_up_rows(key, rates, *size) if size else 0.0,
+                                        index_of.setdefault(group_of(key), len(index_of))))
         fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
         # a catch-up's rows at their own price (DraftTimeModel's c), a share e of it waited for like drafting's,
-        # spread over the draft processes but never below one sequence's (choose_draft_lengths)
+        # in the batch of the draft process that feeds them (choose_draft_lengths)
         per_catch_up_row = self.exposure * self.draft_time.catch_up_coefficient()
         self.last_price = fixed_idle, per_block_token, per_drafted_token, plain_idle, per_catch_up_row
-        # each draft process (Verify stream) drafts its own sequences in a batch of its own, beside the others: a
-        # wait for them is about the longest batch's, priced as if the tokens were spread evenly over the
-        # sequences, so the largest process drafts its share of them: the wait for M tokens is that of M / S in
-        # one batch, S the sequences over the largest process's (S processes where they are even; a stream of 32
-        # beside 31 of one sequence each is S = 63 / 32, about 2, not 32, which priced its drafting at a 32nd)
         # (caps of 0, a request's last rounds, which its room bounds, choose nothing: their groups are not counted,
         # nor held by the hysteresis below, nor recorded by it)
-        group_of = self.acceptance.group_of
-        members = Counter(group_of(key) for key, cap in pool.items() if cap > 0)
-        groups: dict[object, bool] = dict.fromkeys(members, False)
-        streams = members.total() / max(members.values()) if members else 1.0
+        groups: dict[object, bool] = {group_of(key): False for key, cap in pool.items() if cap > 0}
         held = bool(groups) and all(self._group_drafting.get(group) is False for group in groups)
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
-                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token / streams,
+                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
                                       other_drafted,
                                       plain_tolerance=max(self.switch_tolerance, self.plain_margin) if held
                                       else self.plain_margin,
-                                      idle_per_catch_up_row=per_catch_up_row, catch_up_streams=streams)
+                                      idle_per_catch_up_row=per_catch_up_row)
         if probe:
             for key, k in chosen.draft_lengths.items():
                 if k:

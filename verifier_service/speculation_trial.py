@@ -50,10 +50,11 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   times, each with at most `max_gap_s` of the gap before it; steps with nothing to judge (no running sequence
   follows the choices) run the clock, and a challenge past its time ends at the next step that has one.
 - A trial that cannot measure does not hold plain decoding in place: where no window finishes for
-  `max_unmeasured_s` of steps that had something to judge (a prompt's chunk in every step, as under a steady
-  stream of arrivals; a load that keeps moving), plain decoding in place or in the window after a challenge
-  hands back to speculation, which follows the load through the controller's own choices and margins.
-  Speculation in place runs on; it has nothing to hand back.
+  `max_unmeasured_s` of steps that no window measured (a prompt's chunk in every step, as under a steady stream
+  of arrivals; a load that keeps moving, each move a warm-up), plain decoding in place hands back to
+  speculation, which follows the load through the controller's own choices and margins, and the incumbent's
+  window after a challenge ends the trial undecided, speculation running. Speculation in place runs on; it has
+  nothing to hand back. A challenge keeps its own limit.
 
 Lives on the engine thread: no locks; its state is a few numbers and the set of sequences the current window
 verified. Greedy and coupled outputs do not depend on k, so neither arm
@@ -89,6 +90,7 @@ class _Window:
     """Tokens emitted and running-sequence seconds over a measured stretch, at about `num_running` sequences."""
 
     num_running: int = 0
+    most_running: int = 0  # the most running at a step it measured (the load may grow by a quarter in it)
     tokens: float = 0.0
     sequence_s: float = 0.0
     seconds: float = 0.0
@@ -127,7 +129,7 @@ class SpeculationTrial:
     max_gap_s: float = 1.0  # a step's time counts at most its own time plus this
     max_warmup_s: float = 5.0
     max_challenge_s: float = 60.0  # of the phase's time (the module's docstring)
-    max_unmeasured_s: float = 60.0  # of steps with something to judge, without a window finished
+    max_unmeasured_s: float = 60.0  # of steps no window measured, without a window finished (_not_measured)
     decay: float = 0.9  # of the smoothed predicted gain and mean choice
     incumbent: Arm = Arm.SPECULATE
     running: Arm = Arm.SPECULATE  # the arm the next choices follow
@@ -145,7 +147,7 @@ class SpeculationTrial:
     _warmup_left: int = field(default=0, init=False)  # verifications before measuring
     _warmup_s: float = field(default=0.0, init=False)
     _phase_s: float = field(default=0.0, init=False)  # time in this phase (steps, gaps capped)
-    _unmeasured_s: float = field(default=0.0, init=False)  # steps' time with followers since a window finished
+    _unmeasured_s: float = field(default=0.0, init=False)  # and their time since a window finished or a phase began
     _beats_plain: bool = field(default=False, init=False)  # the last window checked was exempt (logged)
     _exempt_windows: int = field(default=0, init=False)  # windows exempt in a row
     _plain_measured: tuple[float, int] | None = field(default=None, init=False)  # the last plain window: rate, load
@@ -174,10 +176,6 @@ class SpeculationTrial:
             self._won_once = False  # an undecided challenge breaks a row of wins
             self._begin(_Phase.INCUMBENT, self.incumbent, num_running)
             return self.running
-        self._unmeasured_s += dt
-        if self._unmeasured_s > self.max_unmeasured_s:
-            self._unmeasurable(num_running)
-            return self.running
         if self._phase is _Phase.INCUMBENT and self.incumbent is Arm.PLAIN and self._eager_to_speculate():
             self.ratio = self.base_ratio
             self._ratios_elsewhere.clear()
@@ -190,9 +188,9 @@ class SpeculationTrial:
         if self._warmup_left > 0 and self._warmup_s < self.max_warmup_s:
             self._warmup_left -= num_verifications
             self._warmup_s += dt
-            return self.running
+            return self._not_measured(dt, num_running)
         if num_prefill_tokens > 0:
-            return self.running
+            return self._not_measured(dt, num_running)
         w = self._window
         if w.num_running == 0 or not _same_load(num_running, w.num_running):
             moved = w.num_running > 0
@@ -201,10 +199,11 @@ class SpeculationTrial:
                 self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
                 if self.incumbent is Arm.SPECULATE:
                     self._won_once = False  # a plain challenger's first win was at the old load (_abandon)
-                return self.running
+                return self._not_measured(dt, num_running)
         w.tokens += num_emitted
         w.verifications += num_verifications
-        if len(w.verified) < w.num_running:  # _window_done counts at most num_running of them (churn: bounded)
+        w.most_running = max(w.most_running, num_running)
+        if len(w.verified) < w.most_running:  # _window_done counts at most that many of them (churn: bounded)
             w.verified.update(verified)
         w.sequence_s += num_running * dt
         w.seconds += dt
@@ -283,7 +282,7 @@ class SpeculationTrial:
         # twice each sequence it verified, at most the load's worth: where requests come and go (each verified
         # once or twice before its end) the distinct sequences outgrow the load, and would outgrow every window
         if (w.tokens >= self.window_tokens
-                and w.verifications >= self.window_rounds * min(len(w.verified), w.num_running)):
+                and w.verifications >= self.window_rounds * min(len(w.verified), w.most_running)):
             return True
         # a challenger's window ends at twice the incumbent's last window's time, and is judged by its rate as it
         # is then (one that emits nothing must not run for ever)
@@ -352,15 +351,27 @@ class SpeculationTrial:
         if not switched:  # a window of speculation after the challenge: arrivals' warm-up, as for any load move
             self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
 
+    def _not_measured(self, dt: float, num_running: int) -> Arm:
+        """A step with something to judge that no window measures (a warm-up, a prompt's chunk, a load move):
+        past max_unmeasured_s of such steps since a window finished, _unmeasurable. Steps a window measures do
+        not count (a window of many slow steps is a window all the same), nor a challenge's (it has its own
+        limit, max_challenge_s)."""
+        if self._phase is not _Phase.CHALLENGE:
+            self._unmeasured_s += dt
+            if self._unmeasured_s > self.max_unmeasured_s:
+                self._unmeasurable(num_running)
+        return self.running
+
     def _unmeasurable(self, num_running: int) -> None:
-        """No window finished for max_unmeasured_s of steps with something to judge (module docstring): plain
-        decoding in place, or running in the window after a challenge, hands back to speculation; speculation in
-        place runs on as it was (it holds nothing)."""
+        """No window finished for max_unmeasured_s of steps no window measured (module docstring): plain
+        decoding in place hands back to speculation, and the window of the incumbent after a challenge ends the
+        trial undecided (speculation running, in place of either incumbent); speculation in place runs on as it
+        was (it holds nothing)."""
         self._unmeasured_s = 0.0
         if self._phase is _Phase.INCUMBENT and self.incumbent is Arm.SPECULATE:
             return
-        log.info("speculation_trial", challenger=Arm.SPECULATE.value, decided=False, reason="unmeasurable",
-                 was=self.incumbent.value, num_running=num_running)
+        log.info("speculation_trial", decided=False, reason="unmeasurable", phase=self._phase.value,
+                 incumbent=self.incumbent.value, num_running=num_running)
         if self.incumbent is not Arm.SPECULATE:  # as a decided switch (_decide): the old ratios no longer hold
             self.num_switches += 1
             self.incumbent = Arm.SPECULATE
