@@ -1082,15 +1082,23 @@ def test_draft_processes_are_priced_at_their_largest_batch():
     """Each draft process (Verify stream) drafts its sequences in a batch of its own, so the verifier waits for the
     largest batch. 63 sequences alike (acceptance 0.9, k <= 4), drafted tokens at 10 ms each in one batch: where
     32 of them share one process beside 31 of one sequence each (a client can open such streams), that process's
-    batch of 32 is what a longer draft costs, and the choice stops short of 4; the 63 in processes of their own
-    each wait for 4 tokens at most, and draft 4. Priced at one over the number of processes (found in review) the
-    32 drafted 4 as if each token cost a 32nd; priced at the sequences over the largest process's (63 / 32, the
-    review's first mend), 31 processes of one beside 32 sequences the choice gives nothing paid for their
-    tokens as if in batches of 2 x 31, and drafted nothing."""
+    batch of 32 is what a longer draft costs, and the choice keeps it far below 4 tokens each; the 63 in
+    processes of their own each wait for 4 tokens at most, and draft 4. Priced at one over the number of processes
+    (found in review) the 32 drafted 4 as if each token cost a 32nd; priced at the sequences over the largest
+    process's (63 / 32, the review's first mend), 31 processes of one beside 32 sequences the choice gives nothing
+    paid for their tokens as if in batches of 2 x 31, and drafted nothing. Tied gains take the processes in turn,
+    so the choice does not depend on which process is listed first."""
     step = model_of(lambda n: 0.5 + 0.001 * n)
     alike = [Candidate(i, 4, (0.9,) * 4, group=0 if i < 32 else i) for i in range(63)]
     shared = choose_draft_lengths(alike, step, idle_per_drafted_token=0.01).draft_lengths
-    assert 0 < max(shared.values()) < 4
+    big = sum(shared[c.key] for c in alike if c.group == 0)
+    assert 0 < sum(shared.values()) and big < 32 * 2
+    flipped = choose_draft_lengths(alike[32:] + alike[:32], step, idle_per_drafted_token=0.01).draft_lengths
+
+    def per_process(lengths: dict) -> dict:
+        return {g: sorted(lengths[c.key] for c in alike if c.group == g) for g in {c.group for c in alike}}
+
+    assert per_process(flipped) == per_process(shared)
     apart = [dataclasses.replace(c, group=i) for i, c in enumerate(alike)]
     assert set(choose_draft_lengths(apart, step, idle_per_drafted_token=0.01).draft_lengths.values()) == {4}
     # the 32 of one process accepted 5 % of the time: the choice gives them nothing, and the 31 alone draft
@@ -1113,3 +1121,15 @@ def test_running_group_sums_follow_the_order_within_each_group():
         want.append(totals[g])
     assert np.allclose(_running_group_sums(groups, weights), want)
     assert _running_group_sums(np.zeros(0, np.int64), np.zeros(0)).size == 0
+
+
+def test_the_other_works_drafted_tokens_are_shared_alike_in_both_searches():
+    """Fixed-k work drafts 10 tokens in processes the choice does not know: spread over the candidates' two
+    processes, 5 in the largest batch. The search that holds the catching-up sequence at k = 0 must price them so
+    too; it counted only the processes left drafting (found in review), 10, and so leaned to the other search."""
+    step = model_of(lambda n: 0.5 + 0.001 * n)
+    cands = [Candidate(0, 4, (0.9,) * 4, catch_up_rows=1000.0, group=0), Candidate(1, 4, (0.9,) * 4, group=1)]
+    chosen = choose_draft_lengths(cands, step, idle_per_drafted_token=0.01, other_drafted=10)
+    k = chosen.draft_lengths[1]
+    assert chosen.draft_lengths[0] == 0 and k > 0
+    assert chosen.predicted_step_s == pytest.approx(step.predict(2 + k) + 0.01 * (k + 5))

@@ -511,3 +511,18 @@ def test_a_load_that_grows_within_a_window_is_waited_for_whole():
         steps += 1
         assert steps <= 20
     assert steps == 10
+
+
+def test_a_challenge_gets_the_time_a_long_window_needs():
+    """64 sequences in steps of 4 s, each verifying 8: plain decoding's windows take over a minute, so a
+    speculation challenge (a warm-up, then a window as long) cut at max_challenge_s ended undecided every time and
+    plain decoding stayed in place for good (found in review). Given twice its warm-up and twice that window, it is
+    decided, and speculation, here three times plain decoding's output, takes over."""
+    trial = SpeculationTrial()
+    trial.incumbent = Arm.PLAIN
+    trial._begin(trial._phase, Arm.PLAIN, 64)
+    for i in range(400):
+        emitted = 24 if trial.running is Arm.SPECULATE else 8
+        trial.observe(4.0, 4.0, 64, emitted, range(8 * (i % 8), 8 * (i % 8) + 8), predicted_gain=1.2,
+                      mean_drafted=3.0)
+    assert trial.num_trials >= 2 and trial.incumbent is Arm.SPECULATE

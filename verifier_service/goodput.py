@@ -73,20 +73,27 @@ class Allocation:
 
 def _sorted_gains(cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every candidate's marginal gains, largest first, as arrays (gain, candidate index, position j): gain j of c
-    is prod_{m<=j} alpha_{c,m}, which falls with j, and ties keep candidate and position order, so every prefix
-    of the order (and of its positions below any bound) takes each candidate's positions in order."""
+    is prod_{m<=j} alpha_{c,m}, which falls with j, and ties keep position order, so every prefix of the order
+    (and of its positions below any bound) takes each candidate's positions in order. Between candidates, ties
+    take the draft processes in turn (each one's first candidate, then each one's second, Candidate.group), then
+    candidate order: a total of tied gains then spreads over the processes' batches, and the choice does not
+    depend on which process's sequences are listed first (in one process, candidate order)."""
     gains: list[float] = []
     index: list[int] = []
     position: list[int] = []
+    slots: list[int] = []
+    seen: dict[int, int] = {}
     for i, c in enumerate(cands):
+        slot = seen[c.group] = seen.get(c.group, -1) + 1
         prod = 1.0
         for j in range(min(c.max_k, len(c.rates))):
             prod *= c.rates[j]
             gains.append(prod)
             index.append(i)
             position.append(j)
+            slots.append(slot)
     g, i, j = np.asarray(gains, dtype=np.float64), np.asarray(index, dtype=np.int64), np.asarray(position)
-    order = np.lexsort((j, i, -g))
+    order = np.lexsort((j, i, np.asarray(slots), -g))
     return g[order], i[order], j[order]
 
 
@@ -125,10 +132,13 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     are new (the others are the same prefixes as under a smaller bound), and each bound is one pass of array
     arithmetic: the engine thread runs this after every step.
 
-    Over several draft processes each option is priced at its largest process's batch (what the verifier waits
-    for); the prefixes of the gains are then the best allocations of each total only in one process (over
-    several, a total spread over them may wait less than the largest gains, which may fall in one): the search
-    prices what it considers exactly, and considers the prefixes.
+    Over several draft processes each option's drafted tokens and catch-up rows are priced at its largest
+    process's (what the verifier waits for), beside the longest block anywhere: a bound on the wait, as those
+    may be different processes' (one drafting 4 tokens for one sequence, another 1 for each of eight, is priced 4
+    blocks' steps and 8 tokens' rows where either batch takes less). The prefixes of the gains are then the best
+    allocations of each total only in one process (over several, a total placed otherwise may wait less: smaller
+    processes' tokens cost nothing while under the largest's), so the search drafts at most what it finds worth
+    it, and may find less.
 
     A candidate's catch-up rows (Candidate.catch_up_rows) are priced at `idle_per_catch_up_row` each (None: as
     drafted tokens) once it drafts at all, in its process's batch: the rows of the largest such batch. The
@@ -141,8 +151,11 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     if not step_time.ready:
         lengths = {c.key: c.max_k for c in cands}
         return Allocation(lengths, float(base), base + other_tokens + sum(lengths.values()), 0.0)
+    # the other work's drafted tokens, whose processes are not known: spread over those of the candidates that may
+    # draft (counted once: the catch-up's second search below holds some at 0, and must not price it otherwise)
+    other_share = other_drafted / max(1, len({c.group for c in cands if c.max_k > 0}))
     args = (step_time, other_tokens, other_output, idle_s, tolerance, idle_per_block_token, other_longest_block,
-            plain_idle_s, step_ratios, idle_per_drafted_token, other_drafted,
+            plain_idle_s, step_ratios, idle_per_drafted_token, other_share,
             idle_per_drafted_token if idle_per_catch_up_row is None else idle_per_catch_up_row)
     if not any(c.catch_up_rows > 0 and c.max_k > 0 for c in cands):
         chosen = _search(cands, *args)
@@ -183,13 +196,13 @@ def _running_group_sums(groups: np.ndarray, weights: np.ndarray) -> np.ndarray:
 def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int, other_output: float,
             idle_s: float, tolerance: float, idle_per_block_token: float, other_longest_block: int,
             plain_idle_s: float | None, step_ratios: tuple[float, float], idle_per_drafted_token: float,
-            other_drafted: int, idle_per_catch_up_row: float) -> Allocation:
-    """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready)."""
+            other_share: float, idle_per_catch_up_row: float) -> Allocation:
+    """choose_draft_lengths' search over the prefixes of the candidates' sorted gains (a model that is ready);
+    `other_share`: the other work's drafted tokens counted in the largest process's batch."""
     base = len(cands)
     catch_up = np.asarray([c.catch_up_rows for c in cands], dtype=np.float64)
     group = np.asarray([c.group for c in cands], dtype=np.int64)
-    # the other work's drafted tokens, whose processes are not known: spread over the candidates' that may draft
-    other_share = other_drafted / max(1, len({c.group for c in cands if c.max_k > 0}))
+    one_process = len({c.group for c in cands}) <= 1  # its batch is every option's whole: no per-process sums
     fixed_n = base + other_tokens
     start = float(base) + other_output
 
@@ -219,10 +232,14 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
         bounds.append(np.full(int(new.sum()), limit))
         expected.append((start + np.cumsum(g))[new])
         longest.append(run_longest[new])
-        groups = group[index[under]]
         first = np.where(j == 0, catch_up[index[under]], 0.0)
-        drafted.append(np.maximum.accumulate(_running_group_sums(groups, np.ones(len(g))))[new])
-        rows.append(np.maximum.accumulate(_running_group_sums(groups, first))[new])
+        if one_process:
+            drafted.append(m[new].astype(np.float64))
+            rows.append(np.cumsum(first)[new])
+        else:
+            groups = group[index[under]]
+            drafted.append(np.maximum.accumulate(_running_group_sums(groups, np.ones(len(g))))[new])
+            rows.append(np.maximum.accumulate(_running_group_sums(groups, first))[new])
     m_all, bound_all = np.concatenate(ms), np.concatenate(bounds)
     expected_all, longest_all = np.concatenate(expected), np.concatenate(longest)
     costs = cost(fixed_n + m_all, longest_all, np.concatenate(drafted), np.concatenate(rows))

@@ -21,7 +21,9 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
 - A window covers at least `window_rounds` verifications per sequence it verified as well: a step may verify a
   fragment of the batch (sequences that came back apart), and one such step judged an arm by its part of a round
   (measured at 32 streams on 2 cores: windows of one step, rates of one arm from 0.53 to 0.78 in a row). Counted
-  per sequence verified, not per sequence admitted: an idle one would stretch every window.
+  per sequence verified, not per sequence admitted: an idle one would stretch every window; and for at most as
+  many sequences as ran in the window at once: where requests come and go, the sequences verified outnumber the
+  load, and a window that waited for all of them never finished.
 - A window is measured after a warm-up in which each running sequence is verified twice under its arm (a choice
   takes effect a round later). Steps that compute prompts are not measured (arrivals would judge an arm), and a
   window restarts when the number of running sequences moves by more than a quarter (a per-sequence rate depends
@@ -45,7 +47,8 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   output). Under plain decoding, speculation challenges whenever the controller would draft, and at once (the
   ratio reset) when it expects more than `challenge_below_gain`.
 - A challenger's window ends at twice the incumbent's last window's time, judged by its rate then; a challenge
-  that has not finished a window within `max_challenge_s` ends undecided, and a first win waiting for its second
+  that has not finished a window within `max_challenge_s` (or twice its warm-up and that time, where more:
+  _challenge_limit_s) ends undecided, and a first win waiting for its second
   no longer counts (two wins in a row means no undecided challenge between them). Time here is the phase's steps'
   times, each with at most `max_gap_s` of the gap before it; steps with nothing to judge (no running sequence
   follows the choices) run the clock, and a challenge past its time ends at the next step that has one.
@@ -147,7 +150,8 @@ class SpeculationTrial:
     _warmup_left: int = field(default=0, init=False)  # verifications before measuring
     _warmup_s: float = field(default=0.0, init=False)
     _phase_s: float = field(default=0.0, init=False)  # time in this phase (steps, gaps capped)
-    _unmeasured_s: float = field(default=0.0, init=False)  # and their time since a window finished or a phase began
+    # the time of steps no window measured, outside challenges, since a window finished or a phase began
+    _unmeasured_s: float = field(default=0.0, init=False)
     _beats_plain: bool = field(default=False, init=False)  # the last window checked was exempt (logged)
     _exempt_windows: int = field(default=0, init=False)  # windows exempt in a row
     _plain_measured: tuple[float, int] | None = field(default=None, init=False)  # the last plain window: rate, load
@@ -171,7 +175,7 @@ class SpeculationTrial:
         self._phase_s += dt
         if num_running <= 0:  # nothing to judge: the clocks run on (a challenge past its time ends at the next)
             return self.running
-        if self._phase is _Phase.CHALLENGE and self._phase_s > self.max_challenge_s:
+        if self._phase is _Phase.CHALLENGE and self._phase_s > self._challenge_limit_s():
             log.info("speculation_trial", challenger=self.running.value, decided=False, reason="too long")
             self._won_once = False  # an undecided challenge breaks a row of wins
             self._begin(_Phase.INCUMBENT, self.incumbent, num_running)
@@ -350,6 +354,16 @@ class SpeculationTrial:
         self._begin(_Phase.INCUMBENT, Arm.SPECULATE, num_running)
         if not switched:  # a window of speculation after the challenge: arrivals' warm-up, as for any load move
             self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
+
+    def _challenge_limit_s(self) -> float:
+        """A challenge's time: max_challenge_s, or where the incumbent's last window took longer, what the
+        challenger needs to be judged as _window_done judges it (a warm-up, then twice that window) and as much
+        again: at 64 sequences in steps of 4 s, each verifying 8, a window takes over a minute, and a challenge cut
+        at max_challenge_s ended undecided every time, leaving plain decoding in place for good (found in review)."""
+        before = self._window_s.get(_Phase.INCUMBENT)
+        if before is None:
+            return self.max_challenge_s
+        return max(self.max_challenge_s, 2 * (self.max_warmup_s + 2 * before))
 
     def _not_measured(self, dt: float, num_running: int) -> Arm:
         """A step with something to judge that no window measures (a warm-up, a prompt's chunk, a load move):
