@@ -1086,8 +1086,8 @@ def test_draft_processes_are_priced_at_their_largest_batch():
     processes of their own each wait for 4 tokens at most, and draft 4. Priced at one over the number of processes
     (found in review) the 32 drafted 4 as if each token cost a 32nd; priced at the sequences over the largest
     process's (63 / 32, the review's first mend), 31 processes of one beside 32 sequences the choice gives nothing
-    paid for their tokens as if in batches of 2 x 31, and drafted nothing. Tied gains take the processes in turn,
-    so the choice does not depend on which process is listed first."""
+    paid for their tokens as if in batches of 2 x 31, and drafted nothing. Tied gains take the processes in turn:
+    here, listed either way, each process gets the same lengths."""
     step = model_of(lambda n: 0.5 + 0.001 * n)
     alike = [Candidate(i, 4, (0.9,) * 4, group=0 if i < 32 else i) for i in range(63)]
     shared = choose_draft_lengths(alike, step, idle_per_drafted_token=0.01).draft_lengths

@@ -526,3 +526,15 @@ def test_a_challenge_gets_the_time_a_long_window_needs():
         trial.observe(4.0, 4.0, 64, emitted, range(8 * (i % 8), 8 * (i % 8) + 8), predicted_gain=1.2,
                       mean_drafted=3.0)
     assert trial.num_trials >= 2 and trial.incumbent is Arm.SPECULATE
+
+
+def test_one_slow_window_does_not_hold_a_challenger_for_an_hour():
+    """A challenge's limit grows with the incumbent's last window, up to max_challenge_cap_s (found in review: a
+    window of an hour made a challenge of four)."""
+    trial = SpeculationTrial()
+    from verifier_service.speculation_trial import _Phase
+
+    trial._window_s[_Phase.INCUMBENT] = 30.0
+    assert trial._challenge_limit_s() == 2 * (trial.max_warmup_s + 60.0)
+    trial._window_s[_Phase.INCUMBENT] = 3600.0
+    assert trial._challenge_limit_s() == trial.max_challenge_cap_s

@@ -76,8 +76,8 @@ def _sorted_gains(cands: list[Candidate]) -> tuple[np.ndarray, np.ndarray, np.nd
     is prod_{m<=j} alpha_{c,m}, which falls with j, and ties keep position order, so every prefix of the order
     (and of its positions below any bound) takes each candidate's positions in order. Between candidates, ties
     take the draft processes in turn (each one's first candidate, then each one's second, Candidate.group), then
-    candidate order: a total of tied gains then spreads over the processes' batches, and the choice does not
-    depend on which process's sequences are listed first (in one process, candidate order)."""
+    candidate order (in one process, candidate order alone): tied gains of several candidates spread over the
+    processes' batches instead of filling the first-listed process's first."""
     gains: list[float] = []
     index: list[int] = []
     position: list[int] = []

@@ -47,8 +47,8 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   output). Under plain decoding, speculation challenges whenever the controller would draft, and at once (the
   ratio reset) when it expects more than `challenge_below_gain`.
 - A challenger's window ends at twice the incumbent's last window's time, judged by its rate then; a challenge
-  that has not finished a window within `max_challenge_s` (or twice its warm-up and that time, where more:
-  _challenge_limit_s) ends undecided, and a first win waiting for its second
+  that has not finished a window within `max_challenge_s` (or, where more, twice its warm-up and four times the
+  incumbent's last window, at most `max_challenge_cap_s`: _challenge_limit_s) ends undecided, and a first win waiting for its second
   no longer counts (two wins in a row means no undecided challenge between them). Time here is the phase's steps'
   times, each with at most `max_gap_s` of the gap before it; steps with nothing to judge (no running sequence
   follows the choices) run the clock, and a challenge past its time ends at the next step that has one.
@@ -131,7 +131,8 @@ class SpeculationTrial:
     min_drafted: float = 0.5  # and the controller drafts at least this many tokens per sequence, on average
     max_gap_s: float = 1.0  # a step's time counts at most its own time plus this
     max_warmup_s: float = 5.0
-    max_challenge_s: float = 60.0  # of the phase's time (the module's docstring)
+    max_challenge_s: float = 60.0  # of the phase's time (the module's docstring; _challenge_limit_s)
+    max_challenge_cap_s: float = 600.0  # the most _challenge_limit_s gives a long window
     max_unmeasured_s: float = 60.0  # of steps no window measured, without a window finished (_not_measured)
     decay: float = 0.9  # of the smoothed predicted gain and mean choice
     incumbent: Arm = Arm.SPECULATE
@@ -356,20 +357,21 @@ class SpeculationTrial:
             self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
 
     def _challenge_limit_s(self) -> float:
-        """A challenge's time: max_challenge_s, or where the incumbent's last window took longer, what the
-        challenger needs to be judged as _window_done judges it (a warm-up, then twice that window) and as much
-        again: at 64 sequences in steps of 4 s, each verifying 8, a window takes over a minute, and a challenge cut
-        at max_challenge_s ended undecided every time, leaving plain decoding in place for good (found in review)."""
+        """A challenge's time: max_challenge_s, or where it is more, twice what the challenger needs to be judged
+        as _window_done judges it (its warm-up, then twice the incumbent's last window), at most
+        max_challenge_cap_s (one slow window must not hold a challenger for an hour): at 64 sequences in steps
+        of 4 s, each verifying 8, a window takes over a minute, and a challenge cut at max_challenge_s ended
+        undecided every time, leaving plain decoding in place for good (found in review)."""
         before = self._window_s.get(_Phase.INCUMBENT)
         if before is None:
             return self.max_challenge_s
-        return max(self.max_challenge_s, 2 * (self.max_warmup_s + 2 * before))
+        return max(self.max_challenge_s, min(self.max_challenge_cap_s, 2 * (self.max_warmup_s + 2 * before)))
 
     def _not_measured(self, dt: float, num_running: int) -> Arm:
         """A step with something to judge that no window measures (a warm-up, a prompt's chunk, a load move):
         past max_unmeasured_s of such steps since a window finished, _unmeasurable. Steps a window measures do
         not count (a window of many slow steps is a window all the same), nor a challenge's (it has its own
-        limit, max_challenge_s)."""
+        limit, _challenge_limit_s)."""
         if self._phase is not _Phase.CHALLENGE:
             self._unmeasured_s += dt
             if self._unmeasured_s > self.max_unmeasured_s:
