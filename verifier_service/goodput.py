@@ -133,7 +133,7 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
     arithmetic: the engine thread runs this after every step.
 
     Over several draft processes each option's drafted tokens and catch-up rows are priced at its largest
-    process's (what the verifier waits for), beside the longest block anywhere: a bound on the wait, as those
+    process's (what the verifier waits for), beside the longest block anywhere: about a bound on the wait, as those
     may be different processes' (one drafting 4 tokens for one sequence, another 1 for each of eight, is priced 4
     blocks' steps and 8 tokens' rows where either batch takes less). The prefixes of the gains are then the best
     allocations of each total only in one process (over several, a total placed otherwise may wait less: smaller
@@ -178,16 +178,16 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
 
 
 def _running_group_sums(groups: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """For each element, in order, the sum of `weights` over its group's elements up to it (itself included).
-    Weights are not negative, so a group's sums rise along the order, and the largest group's at each prefix is
-    the running maximum of these."""
+    """For each element, in order, the sum of `weights` over its group's elements up to it (itself included);
+    `weights` may hold several columns (one sort for all of them). Weights are not negative, so a group's sums
+    rise along the order, and the largest group's at each prefix is the running maximum of these."""
     if not len(groups):
-        return np.zeros(0)
+        return np.zeros(weights.shape)
     order = np.argsort(groups, kind="stable")
     sorted_groups, sorted_weights = groups[order], weights[order]
-    totals = np.cumsum(sorted_weights)
+    totals = np.cumsum(sorted_weights, axis=0)
     starts = np.flatnonzero(np.r_[True, sorted_groups[1:] != sorted_groups[:-1]])
-    before = np.repeat(totals[starts] - sorted_weights[starts], np.diff(np.r_[starts, len(order)]))
+    before = np.repeat(totals[starts] - sorted_weights[starts], np.diff(np.r_[starts, len(order)]), axis=0)
     sums = np.empty_like(totals)
     sums[order] = totals - before
     return sums
@@ -238,8 +238,10 @@ def _search(cands: list[Candidate], step_time: StepTimeModel, other_tokens: int,
             rows.append(np.cumsum(first)[new])
         else:
             groups = group[index[under]]
-            drafted.append(np.maximum.accumulate(_running_group_sums(groups, np.ones(len(g))))[new])
-            rows.append(np.maximum.accumulate(_running_group_sums(groups, first))[new])
+            largest = np.maximum.accumulate(_running_group_sums(groups, np.column_stack((np.ones(len(g)), first))),
+                                            axis=0)[new]
+            drafted.append(largest[:, 0])
+            rows.append(largest[:, 1])
     m_all, bound_all = np.concatenate(ms), np.concatenate(bounds)
     expected_all, longest_all = np.concatenate(expected), np.concatenate(longest)
     costs = cost(fixed_n + m_all, longest_all, np.concatenate(drafted), np.concatenate(rows))

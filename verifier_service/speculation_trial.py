@@ -321,10 +321,7 @@ class SpeculationTrial:
         won = rate > max(before, after) * (1 + self.margin)
         confirm = won and not self._won_once
         if won and self._won_once:
-            self.incumbent = challenger
-            self.ratio = self.base_ratio
-            self._ratios_elsewhere.clear()  # what the old incumbent's losses said no longer holds anywhere
-            self.num_switches += 1
+            self._switch_to(challenger)
         elif not won:
             self.ratio = min(self.max_ratio, self.ratio * 2)
         self._won_once = confirm
@@ -355,6 +352,14 @@ class SpeculationTrial:
         self._begin(_Phase.INCUMBENT, Arm.SPECULATE, num_running)
         if not switched:  # a window of speculation after the challenge: arrivals' warm-up, as for any load move
             self._warmup_left, self._warmup_s = 2 * num_running - num_verifications, dt
+
+    def _switch_to(self, arm: Arm) -> None:
+        """`arm` takes the incumbent's place, its ratio the base's: what the old incumbent's losses said no longer
+        holds anywhere."""
+        self.incumbent = arm
+        self.ratio = self.base_ratio
+        self._ratios_elsewhere.clear()
+        self.num_switches += 1
 
     def _challenge_limit_s(self) -> float:
         """A challenge's time: max_challenge_s, or where it is more, twice what the challenger needs to be judged
@@ -388,11 +393,8 @@ class SpeculationTrial:
             return
         log.info("speculation_trial", decided=False, reason="unmeasurable", phase=self._phase.value,
                  incumbent=self.incumbent.value, num_running=num_running)
-        if self.incumbent is not Arm.SPECULATE:  # as a decided switch (_decide): the old ratios no longer hold
-            self.num_switches += 1
-            self.incumbent = Arm.SPECULATE
-            self.ratio = self.base_ratio
-            self._ratios_elsewhere.clear()
+        if self.incumbent is not Arm.SPECULATE:
+            self._switch_to(Arm.SPECULATE)
         self._won_once = False
         self._begin(_Phase.INCUMBENT, Arm.SPECULATE, num_running)
 
