@@ -110,20 +110,58 @@ def _request(prompt: str | list[int], k: int | None, fixed: bool = False) -> dic
             **({} if k is None else {"num_speculative_tokens": k}), **({"speculation": "fixed"} if fixed else {})}
 
 
+def full_load_span(arrivals: list[tuple[float, int]], start: float, first_idle: float) -> tuple[int, float]:
+    """(tokens, seconds) from `start` until `first_idle`, the moment the first stream found no request left to
+    send: the level's span while all its streams had a request in flight. The rest of the level is its tail, in
+    which the streams still running finish apart (a batch whose requests drafted is out of step) and the load
+    falls; the level's tok/s holds the tail, this does not. `arrivals`: (time, tokens) of every chunk received."""
+    return sum(n for t, n in arrivals if t <= first_idle), first_idle - start
+
+
 def full_load_tok_s(arrivals: list[tuple[float, int]], start: float, first_idle: float) -> float:
-    """Tokens a second from `start` until `first_idle`, the moment the first stream found no request left to send:
-    the level's rate while all its streams had a request in flight. The rest of the level is its tail, in which
-    the streams still running finish apart (a batch whose requests drafted is out of step) and the load falls;
-    the level's tok/s holds the tail, this does not. `arrivals`: (time, tokens) of every chunk received."""
-    span = first_idle - start
-    return sum(n for t, n in arrivals if t <= first_idle) / span if span > 0 else 0.0
+    """Tokens a second over full_load_span (0 for an empty span)."""
+    tokens, span = full_load_span(arrivals, start, first_idle)
+    return tokens / span if span > 0 else 0.0
+
+
+def figures(raw: dict) -> dict:
+    """A level's figures from its raw counts (run_level's and ModeStack.measure's `raw`; the sum of two parts'
+    under --order abba): tokens/s over the wall time, the same over the full-load spans, TTFT and ITL
+    percentiles over all requests, drafted tokens per verification and acceptance."""
+    ttfts, itls = raw["ttfts_s"], raw["itls_s"]
+    row = {"requests": raw["requests"], "tok_s": raw["generated"] / raw["wall_s"], "wall_s": raw["wall_s"],
+           "full_load_tok_s": raw["full_tokens"] / raw["full_span_s"] if raw["full_span_s"] > 0 else 0.0,
+           "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5), "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
+           "itl_p50_ms": 1e3 * percentile(itls, 0.5), "itl_p99_ms": 1e3 * percentile(itls, 0.99)}
+    if "drafts" in raw:
+        row["draft_tokens_per_verification"] = raw["draft_tokens"] / raw["drafts"] if raw["drafts"] else 0.0
+        row["acceptance"] = raw["accepted"] / max(1.0, raw["draft_tokens"])
+    return row
+
+
+def merge_parts(first: dict, second: dict) -> dict:
+    """One mode's level measured in two parts (--order abba) as one row: the raw counts summed (request lists
+    joined, the parts' wall times and full-load spans added) and the figures taken again from them; the
+    services' CPU seconds and the draft's rows summed."""
+    raw = {key: first["raw"][key] + second["raw"][key] for key in first["raw"]}
+    rows = {key: first["draft_rows"].get(key, 0.0) + second["draft_rows"].get(key, 0.0)
+            for key in sorted({*first["draft_rows"], *second["draft_rows"]})}
+    merged = {**first, **figures(raw), "raw": raw, "draft_rows": rows, "parts": 2,
+              "verifier_cpu_s": first["verifier_cpu_s"] + second["verifier_cpu_s"],
+              "draft_cpu_s": first["draft_cpu_s"] + second["draft_cpu_s"]}
+    if "warning" in second:
+        merged["warning"] = second["warning"]
+    return merged
 
 
 async def run_level(address: str, concurrency: int, prompts: list, tokens: int, k: int | None, *,
-                    per_stream: int = 2, min_requests: int = 8, fixed: bool = False) -> dict:
-    """`concurrency` streams, back to back, until max(min_requests, per_stream * concurrency) requests are done."""
+                    per_stream: int = 2, min_requests: int = 8, fixed: bool = False,
+                    part: tuple[int, int] | None = None) -> dict:
+    """`concurrency` streams, back to back, until max(min_requests, per_stream * concurrency) requests are done;
+    with `part` (first, count), only those requests of the level (their prompts: the level's from `first` on)."""
     total = max(min_requests, per_stream * concurrency)
-    next_request = iter(range(total))
+    first_request, count = part or (0, total)
+    next_request = iter(range(first_request, first_request + count))
     ttfts: list[float] = []
     itls: list[float] = []
     arrivals: list[tuple[float, int]] = []
@@ -162,10 +200,10 @@ async def run_level(address: str, concurrency: int, prompts: list, tokens: int, 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": total, "tok_s": generated / wall, "wall_s": wall,
-            "full_load_tok_s": full_load_tok_s(arrivals, t0, first_idle if first_idle is not None else t0 + wall),
-            "ttft_p50_ms": 1e3 * percentile(ttfts, 0.5), "ttft_p99_ms": 1e3 * percentile(ttfts, 0.99),
-            "itl_p50_ms": 1e3 * percentile(itls, 0.5), "itl_p99_ms": 1e3 * percentile(itls, 0.99)}
+    full_tokens, full_span = full_load_span(arrivals, t0, first_idle if first_idle is not None else t0 + wall)
+    raw = {"requests": count, "generated": generated, "wall_s": wall, "full_tokens": full_tokens,
+           "full_span_s": full_span, "ttfts_s": ttfts, "itls_s": itls}
+    return {"concurrency": concurrency, **figures(raw), "raw": raw}
 
 
 class ModeStack:
@@ -212,8 +250,9 @@ class ModeStack:
         asyncio.run(serve_all())
 
     def measure(self, concurrency: int, prompts: list, tokens: int, per_stream: int, min_requests: int,
-                mode: str | None = None) -> dict:
-        """`mode`: `K@auto` on the auto stack (its requests ask for a fixed k = K); else this stack's own."""
+                mode: str | None = None, part: tuple[int, int] | None = None) -> dict:
+        """`mode`: `K@auto` on the auto stack (its requests ask for a fixed k = K); else this stack's own. `part`:
+        run_level's (a part of the level's requests)."""
         mode = mode or self.mode
         k = k_of(mode)
         before = _spec_counters(self.metrics_url)
@@ -221,7 +260,7 @@ class ModeStack:
         cpu_before = cpu_seconds(self.verifier.proc.pid), cpu_seconds(self.draft.proc.pid)
         row = {"mode": mode, **asyncio.run(run_level(self.draft.address, concurrency, prompts, tokens, k,
                                                      per_stream=per_stream, min_requests=min_requests,
-                                                     fixed=fixed_on_auto(mode)))}
+                                                     fixed=fixed_on_auto(mode), part=part))}
         after = _spec_counters(self.metrics_url)
         # CPU seconds each service used in the level (both share the cores unless pinned)
         row["verifier_cpu_s"] = cpu_seconds(self.verifier.proc.pid) - cpu_before[0]
@@ -229,11 +268,8 @@ class ModeStack:
         # what the draft's model computed in the level: token positions by kind (prompt, catch_up, round, draft)
         # and when (drafting, warming); see specwire_draft_model_rows
         row["draft_rows"] = rows_between(rows_before, draft_rows(self.draft_metrics_url))
-        drafts = after["drafts"] - before["drafts"]
-        row["draft_tokens_per_verification"] = ((after["draft_tokens"] - before["draft_tokens"]) / drafts
-                                                if drafts else 0.0)
-        row["acceptance"] = ((after["accepted"] - before["accepted"])
-                             / max(1.0, after["draft_tokens"] - before["draft_tokens"]))
+        row["raw"].update({key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")})
+        row.update(figures(row["raw"]))
         if fixed_on_auto(mode) and row["draft_tokens_per_verification"] < k / 2:
             # a draft that ignored the request's speculation FIXED (one older than the field) runs it as auto
             row["warning"] = f"k = {k} requested fixed, {row['draft_tokens_per_verification']:.2f} drafted a verification"
@@ -247,10 +283,24 @@ class ModeStack:
 def schedule(modes: list[str], levels: list[int], order: str) -> list[tuple[str, int]]:
     """(mode, concurrency) in the order they run. "mode": each mode's levels in turn. "level": each level's modes
     back to back, the direction reversed from one level to the next, so that a drift of the host's speed over the
-    run (other tenants, thermal state) falls on every mode alike instead of on the mode measured last."""
+    run (other tenants, thermal state) falls on every mode alike instead of on the mode measured last. "abba":
+    each level's modes as "level" orders them, then again in reverse, each run half the level's requests (a pair
+    appears twice): within a level every mode's two halves sit at the same mean time, so a drift that is linear
+    over the level falls on all modes alike, and no mode's whole level comes right after its own previous level
+    (auto's controllers carry their state from a lighter load into it) or right after another's."""
     if order == "mode":
         return [(m, c) for m in modes for c in levels]
-    return [(m, c) for i, c in enumerate(levels) for m in (modes if i % 2 == 0 else modes[::-1])]
+    runs = [(m, c) for i, c in enumerate(levels) for m in (modes if i % 2 == 0 else modes[::-1])]
+    if order == "abba":
+        n = len(modes)
+        return [run for at in range(0, len(runs), n) for run in runs[at:at + n] + runs[at:at + n][::-1]]
+    return runs
+
+
+def part_of(total: int, half: int) -> tuple[int, int]:
+    """(first request, count) of a level's half (0 or 1) under --order abba: the first takes total // 2."""
+    first = total // 2
+    return (0, first) if half == 0 else (first, total - first)
 
 
 def _spec_counters(url: str) -> dict[str, float]:
@@ -350,9 +400,10 @@ def main() -> int:
     p.add_argument("--min-requests", type=int, default=8, help="and at least this many")
     p.add_argument("--rtt-ms", type=float, default=0.0)
     p.add_argument("--pin", action="store_true", help="verifier on core 0, draft on core 1")
-    p.add_argument("--order", choices=["level", "mode"], default="level",
+    p.add_argument("--order", choices=["level", "mode", "abba"], default="level",
                    help="level (default): each level runs all modes back to back, alternating their order; mode: one "
-                        "mode's levels after another (a drift of the host's speed then falls on whole modes)")
+                        "mode's levels after another (a drift of the host's speed then falls on whole modes); abba: "
+                        "each level's modes, then again in reverse, half its requests each (see schedule)")
     p.add_argument("--auto-k", type=int, default=None,
                    help="the auto draft's cap on k (its --num-speculative-tokens; default: the service's, 4)")
     p.add_argument("--draft-args", default="",
@@ -378,15 +429,18 @@ def main() -> int:
         extra_verifier = ["--dtype", "float32"]
         extra_draft = ["--dtype", "float32"]
     rows = []
+    rows_at: dict[tuple[str, int], dict] = {}  # each (mode, level)'s row in `rows`
     stacks: dict[str, ModeStack] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
+    stem += "-abba" if args.order == "abba" else ""
     for side, extra in (("v", args.verifier_args), ("d", args.draft_args)):  # which side's flags: in the name too
         stem += f"-{side}-{re.sub(r'[^a-z0-9]+', '-', extra.lower()).strip('-')}" if extra else ""
     title = (f"{args.pair} pair, {args.tokens} tokens, greedy, RTT {args.rtt_ms:g} ms"
              f"{', pinned 1+1 cores' if args.pin else ', colocated'}"
              f"{f', auto capped at k = {args.auto_k}' if args.auto_k is not None else ''}"
+             f"{', each level in two halves (modes ABC CBA)' if args.order == 'abba' else ''}"
              f"{f', verifier {args.verifier_args}' if args.verifier_args else ''}"
              f"{f', draft {args.draft_args}' if args.draft_args else ''}")
 
@@ -420,9 +474,17 @@ def main() -> int:
                                         [*extra_verifier, *shlex.split(args.verifier_args)],
                                         [*extra_draft, *cap, *shlex.split(args.draft_args)], name=f"{own}-from-c{c}")  # logs: one per start
                 stacks[own].warm(prompts)
-            row = stacks[own].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests, mode)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            part = None
+            if args.order == "abba":  # the level's first half, or its second where the first is in
+                part = part_of(max(args.min_requests, args.requests_per_stream * c), int((mode, c) in rows_at))
+            row = stacks[own].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests, mode, part)
+            print(json.dumps({key: value for key, value in row.items() if key != "raw"}), flush=True)
+            if (mode, c) in rows_at:  # the level's second half (--order abba): one row of both
+                row = merge_parts(rows_at[(mode, c)], row)
+                rows[rows.index(rows_at[(mode, c)])] = row
+            else:
+                rows.append(row)
+            rows_at[(mode, c)] = row
             write()
     finally:
         for stack in stacks.values():

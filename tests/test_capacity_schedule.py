@@ -1,5 +1,6 @@
 """bench/capacity.py's run order: with --order level every level runs all modes back to back, alternating their
-order, so a drift of the host's speed over a 40-minute run does not fall on one mode."""
+order, so a drift of the host's speed over a 40-minute run does not fall on one mode; with --order abba each
+level's modes run twice, half its requests each, the second time in reverse."""
 
 from __future__ import annotations
 
@@ -26,6 +27,50 @@ def test_level_order_runs_each_levels_modes_together_in_alternating_order():
     assert len({sum(p) for p in positions.values()}) == 1
 
 
+def test_abba_order_runs_each_levels_modes_then_again_in_reverse():
+    """--order abba: a level's modes, then the same reversed (ABC CBA), each half the level's requests; levels
+    alternate as in level order. Each mode's two halves then sit at the same mean time within the level."""
+    runs = schedule(MODES, LEVELS, "abba")
+    assert runs[:6] == [("0", 1), ("4", 1), ("auto", 1), ("auto", 1), ("4", 1), ("0", 1)]
+    assert runs[6:12] == [("auto", 2), ("4", 2), ("0", 2), ("0", 2), ("4", 2), ("auto", 2)]
+    assert sorted(runs) == sorted((m, c) for m in MODES for c in LEVELS for _ in range(2))
+    for level in LEVELS:
+        at = {m: [i for i, run in enumerate(runs) if run == (m, level)] for m in MODES}
+        assert len({sum(i) for i in at.values()}) == 1
+
+
+def test_a_levels_halves_take_its_requests_and_prompts_once_each():
+    import capacity
+
+    assert capacity.part_of(8, 0) == (0, 4) and capacity.part_of(8, 1) == (4, 4)
+    assert capacity.part_of(9, 0) == (0, 4) and capacity.part_of(9, 1) == (4, 5)
+
+
+def test_two_halves_merge_into_the_levels_figures_from_their_counts():
+    """A level measured in two parts reads as one: tokens over the summed wall time (not the mean of two rates),
+    percentiles over all requests, drafted tokens per verification from the summed counts."""
+    import capacity
+
+    def half(generated, wall, ttfts, drafts, draft_tokens, accepted, cpu):
+        raw = {"requests": len(ttfts), "generated": generated, "wall_s": wall, "full_tokens": generated,
+               "full_span_s": wall / 2, "ttfts_s": ttfts, "itls_s": [t / 10 for t in ttfts], "drafts": drafts,
+               "draft_tokens": draft_tokens, "accepted": accepted}
+        return {"mode": "auto", "concurrency": 2, **capacity.figures(raw), "raw": raw, "verifier_cpu_s": cpu,
+                "draft_cpu_s": cpu / 2, "draft_rows": {"prompt/drafting": 10.0}}
+
+    first = half(100, 10.0, [0.1, 0.2], 10, 40, 30, 4.0)
+    second = half(100, 30.0, [0.3, 0.4, 0.5, 0.6], 30, 0, 0, 6.0)
+    second["draft_rows"] = {"catch_up/drafting": 5.0}
+    row = capacity.merge_parts(first, second)
+    assert row["tok_s"] == 200 / 40.0 and row["full_load_tok_s"] == 200 / 20.0
+    assert row["requests"] == 6 and row["wall_s"] == 40.0 and row["parts"] == 2
+    assert row["ttft_p50_ms"] == 1e3 * capacity.percentile([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], 0.5)
+    assert row["ttft_p99_ms"] == 600.0
+    assert row["draft_tokens_per_verification"] == 40 / 40 and row["acceptance"] == 30 / 40
+    assert row["verifier_cpu_s"] == 10.0 and row["draft_cpu_s"] == 5.0
+    assert row["draft_rows"] == {"catch_up/drafting": 5.0, "prompt/drafting": 10.0}
+
+
 def test_mode_order_runs_one_modes_levels_after_another():
     assert schedule(MODES, LEVELS, "mode") == [(m, c) for m in MODES for c in LEVELS]
 
@@ -42,7 +87,8 @@ def test_k0_on_the_auto_stack_runs_on_that_stack_with_k0_requests(monkeypatch):
 
     async def run_level(address, concurrency, prompts, tokens, k, fixed=False, **_):
         asked.append((k, fixed))
-        return {"tok_s": 1.0}
+        return {"tok_s": 1.0, "raw": {"requests": 1, "generated": 8, "wall_s": 8.0, "full_tokens": 8,
+                                      "full_span_s": 8.0, "ttfts_s": [0.5], "itls_s": [1.0]}}
 
     monkeypatch.setattr(capacity, "run_level", run_level)
     monkeypatch.setattr(capacity, "_spec_counters", lambda url: dict.fromkeys(("drafts", "draft_tokens", "accepted"), 0.0))
@@ -159,3 +205,43 @@ def test_the_benches_read_every_kind_of_row_the_draft_counts():
     from draft_service.draft_model import RowCounts
 
     assert service_usage.DRAFT_ROW_KINDS == tuple(f.name for f in dataclasses.fields(RowCounts))
+
+
+def test_a_part_of_a_level_sends_its_own_requests_prompts(monkeypatch):
+    """run_level's `part` (first, count): that many requests, whose prompts go on from the level's `first`, so a
+    level's two halves send the prompts one whole level sends, each once."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import capacity
+
+    sent = []
+
+    class Client:
+        def __init__(self, address, timeout):
+            pass
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc):
+            return False
+
+        async def generate(self, **kwargs):
+            return None
+
+        async def stream(self, prompt, **kwargs):
+            sent.append(prompt)
+            for token in (1, 2, 3):
+                yield SimpleNamespace(token_ids=[token])
+
+    prompts = [f"p{i}" for i in range(10)]
+    monkeypatch.setattr(capacity, "AsyncClient", Client)
+    whole = asyncio.run(capacity.run_level("a", 2, prompts, 3, 0, per_stream=3, min_requests=1))
+    assert sorted(sent) == prompts[:6] and whole["raw"]["requests"] == 6
+    sent.clear()
+    for half in (0, 1):
+        row = asyncio.run(capacity.run_level("a", 2, prompts, 3, 0, per_stream=3, min_requests=1,
+                                             part=capacity.part_of(6, half)))
+        assert row["raw"]["requests"] == 3 and row["raw"]["generated"] == 9
+    assert sorted(sent) == prompts[:6]
