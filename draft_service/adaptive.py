@@ -12,7 +12,8 @@ and a slow network makes them worth more (the best k grows with the round-trip t
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -64,6 +65,38 @@ class AdaptiveDraftLength:
 
 
 @dataclass
+class RecentChoices:
+    """The verifier's recent load choices on this process (RoundLength.load_choice), each with the generations this
+    process had running when it came: what a new sequence's opening drafts ahead (RoundLength.for_mode's
+    recent_choice). The opening takes the latest choice made at a load of this process at least as heavy as its
+    own (the generations running with it), or, where none was, the choice at the heaviest load on record.
+
+    The latest choice alone misleads where the load rises: a level's (or a burst's) last requests run few to a
+    batch, the verifier lets them draft, and the next wave's openings then all drafted ahead, feeding their
+    prompts to the draft, at a load the verifier ran plain (bench/capacity.py at 8 and 16 streams, 53371d5: 244
+    and 376 prompt rows for 0.30 and 0.08 tokens drafted a verification)."""
+
+    window: int = 64
+    _choices: deque = field(default_factory=deque)  # (running, choice), oldest first
+
+    def record(self, running: int, choice: int) -> None:
+        self._choices.append((running, choice))
+        while len(self._choices) > self.window:
+            self._choices.popleft()
+
+    def opening(self, running: int) -> int | None:
+        """The choice for an opening with `running` generations on the process (its own included); None before
+        any."""
+        if not self._choices:
+            return None
+        for seen, choice in reversed(self._choices):
+            if seen >= running:
+                return choice
+        heaviest = max(seen for seen, _ in self._choices)
+        return next(choice for seen, choice in reversed(self._choices) if seen == heaviest)
+
+
+@dataclass
 class RoundLength:
     """Each round's draft length for one sequence: at most `k`; under --speculation auto, the verifier's latest
     choice (`choice`, None before its first), or 0 where the own-cost rule says drafting does not pay this
@@ -72,8 +105,8 @@ class RoundLength:
     Under auto the first round (`opening`) proposes no drafts: its empty block goes out with the prompt, so the
     verifier computes the prompt and samples the first token in one step, as for k = 0. Beside that step the
     draft feeds the prompt, guesses the first token and drafts the second round's block after it (`ahead`, a
-    pipelined branch, whatever --pipeline says), of the length last chosen on this process (for_mode's
-    recent_choice), or none where that was 0 (under load: the prompt is not warmed either, as after any choice
+    pipelined branch, whatever --pipeline says), of the length last chosen on this process at a load like the
+    opening's (for_mode's recent_choice: RecentChoices.opening), or none where that was 0 (under load: the prompt is not warmed either, as after any choice
     of 0, and the proposal says it is left to feed). When the guess holds, the second round's block is at the
     verifier when the first token is; when it misses, the second round drafts after the verdict. That block
     drafts in a task of its own (Generator._draft_ahead), and the first token goes to the client when its
@@ -107,9 +140,9 @@ class RoundLength:
     def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool, recent_choice: int | None,
                  pooled: AdaptiveDraftLength | None = None) -> RoundLength:
         """`mode`: --speculation; `varies`: whether this sequence's k may vary at all; `recent_choice`: the
-        verifier's last choice for any sequence of this process, so a request that starts under load does not
-        begin with a full-k block; `pooled`: the own-cost estimate over this process's recent rounds, the new
-        sequence's starting point (AdaptiveDraftLength.seeded)."""
+        verifier's last choice on this process at a load like this sequence's (RecentChoices.opening), so a
+        request that starts under load does not begin with a full-k block; `pooled`: the own-cost estimate over
+        this process's recent rounds, the new sequence's starting point (AdaptiveDraftLength.seeded)."""
         own = None
         if varies and weighs_own_cost:
             own = (pooled or AdaptiveDraftLength.for_mode(k, mode)).seeded(k)

@@ -17,7 +17,7 @@ from common.errors import ErrorCode, ServiceError, invalid_argument
 from common.generation_stats import GenerationStats
 from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
 from common.tokenizer import INLINE_PROMPT_IDS, PromptEncoder
-from draft_service.adaptive import AdaptiveDraftLength, RoundLength
+from draft_service.adaptive import AdaptiveDraftLength, RecentChoices, RoundLength
 from draft_service.config import DraftConfig
 from draft_service.drafters import Drafter
 from draft_service.due_rounds import DueRounds
@@ -123,7 +123,7 @@ class Generator:
         self._running = 0  # generations in progress
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
-        self._recent_choice: int | None = None  # the verifier's last choice for any sequence (auto)
+        self._recent_choices = RecentChoices()  # the verifier's recent choices on this process, by load (auto)
         # n-gram drafts cost nothing to make: there is no draft time for the own-cost rule to weigh
         self.weighs_own_cost = config.proposer == "model"
         # the own-cost rule's estimate over every sequence's rounds: where a new sequence's starts
@@ -329,7 +329,8 @@ class Generator:
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
                             num_prompt_tokens=len(prompt))
         length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k) and not req.fixed_k,
-                                      weighs_own_cost=self.weighs_own_cost, recent_choice=self._recent_choice,
+                                      weighs_own_cost=self.weighs_own_cost,
+                                      recent_choice=self._recent_choices.opening(self._running),
                                       pooled=self._pooled_own)
         return prompt, seq, length, identity.max_model_len
 
@@ -384,7 +385,7 @@ class Generator:
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
         choice = length.load_choice(room)
         if choice is not None:
-            self._recent_choice = choice
+            self._recent_choices.record(self._running, choice)
 
     def _finish(self, stats: GenerationStats, seq: DraftSequence, flight: Flight, t0: float) -> GenerationStats:
         stats.wall_time_s = time.perf_counter() - t0

@@ -209,3 +209,28 @@ def test_an_opening_s_times_teach_the_own_cost_rule_nothing():
     assert (own.t_draft, own.t_verify, length.choice) == (0.01, 0.2, 3)
     length.observe(0, 0, 2, draft_s=None, wait_s=0.0)
     assert own.t_verify == pytest.approx(0.14) and length.choice == 2
+
+
+def test_an_opening_takes_the_latest_choice_made_at_a_load_at_least_its_own():
+    """RecentChoices: the latest choice made with at least the opening's generations running on the process; where
+    none was (the load rose past any on record), the latest at the heaviest load on record; None before any. A
+    burst's last requests, few to a batch, let draft where a full batch ran plain: their choices do not decide
+    the next full batch's openings."""
+    from draft_service.adaptive import RecentChoices
+
+    recent = RecentChoices(window=6)
+    assert recent.opening(1) is None
+    for _ in range(3):
+        recent.record(8, 0)  # a full batch, plain
+    recent.record(2, 4)  # its tail, drafting
+    recent.record(1, 4)
+    assert recent.opening(8) == 0 and recent.opening(3) == 0
+    assert recent.opening(2) == 4 and recent.opening(1) == 4
+    assert recent.opening(16) == 0  # heavier than any on record: the heaviest's
+    recent.record(8, 3)  # the full batch drafts again
+    assert recent.opening(8) == 3 and recent.opening(16) == 3
+    recent.record(4, 2)
+    assert recent.opening(16) == 3  # the heaviest load's latest, not the latest overall
+    for _ in range(6):
+        recent.record(1, 4)  # the window forgets the heavier loads
+    assert list(recent._choices) == [(1, 4)] * 6 and recent.opening(8) == 4

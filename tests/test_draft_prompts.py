@@ -1045,10 +1045,11 @@ def test_an_opening_proposes_its_prompt_alone_and_drafts_the_second_block_ahead(
 
 
 def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_feed():
-    """Where the last choice on the process was 0, the opening drafts nothing ahead, nor is its prompt warmed (a
-    choice of 0 mostly comes again): its proposal says the prompt is left to feed, less its last token. So does a
-    later round the verifier chose 0 for, which also waits for the batch of its burst; a round that drafts says
-    nothing is left."""
+    """Where the last choice on the process at a load like the opening's (8 generations running with it) was 0,
+    the opening drafts nothing ahead, nor is its prompt warmed (a choice of 0 mostly comes again), though a
+    lighter load's choice came after it (a burst's last requests, few to a batch): its proposal says the prompt is
+    left to feed, less its last token. So does a later round the verifier chose 0 for, which also waits for the
+    batch of its burst; a round that drafts says nothing is left. Its own choices are recorded at its load."""
     link = BacklogVerifier([0, 0, 2, 0])
     drafter = AheadDrafter()
     waits = []
@@ -1058,9 +1059,12 @@ def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_fee
 
     drafter.wait_for_batch = wait_for_batch
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
-    gen._recent_choice = 0
+    gen._recent_choices.record(8, 0)
+    gen._recent_choices.record(1, 3)
+    gen._running = 7  # 7 other generations in progress
     _generate_once(gen, tuple(range(1, 11)))
     gen.prompts.close()
+    assert gen._running == 7 and gen._recent_choices._choices[-1] == (8, 2)
     assert drafter.lengths == [0, 0, 0, 2] and drafter.aheads == []
     assert waits == [1, 2]  # rounds 2 and 3, before their (empty) drafting
     assert link.sent == [(0, 4, 9, ()), (0, 4, 10, ()), (0, 4, 11, ()), (2, 4, 0, ())]
@@ -1383,7 +1387,7 @@ def test_a_request_that_asks_for_a_fixed_k_drafts_it_whatever_the_verifier_choos
     asyncio.run(asyncio.wait_for(request(True), 10))
     assert drafter.lengths == [3] * 4 and drafter.may_defer == [False] * 4
     assert link.caps == [None] * 4  # no cap sent: the verifier does not count it as following its choice
-    assert gen._recent_choice is None
+    assert gen._recent_choices.opening(1) is None
     link._round, drafter.lengths, link.caps = 0, [], []
     asyncio.run(asyncio.wait_for(request(False), 10))  # the same service's own mode for a request that asks nothing
     gen.prompts.close()
