@@ -26,14 +26,14 @@ concurrency and mode it reports:
     python bench/capacity.py [--pair default|synthetic] [--concurrency 1,2,4,8,16,32,64] [--tokens 48]
                              [--modes 0,4,auto|0@auto,4,auto] [--rtt-ms 0] [--pin] [--requests-per-stream 2]
                              [--min-requests 8]
-                             [--order level|mode]
+                             [--order level|mode|abba]
                              [--out bench/out/capacity]
 
 --pair default: the pair from `make models` (.models/target and .models/draft), colocated on this host as
 `specwire verifier` and `specwire draft` start them. --pair synthetic: bench/rtt.py's pair (a 1024-hidden,
 8-layer random Qwen2 target and a draft made of its first layer: it agrees often), with --pin putting the verifier
 on core 0 and the draft on core 1 as if on two hosts, and --rtt-ms through bench/delay_proxy.py.
-Writes JSON and a markdown table (after every mode's level, so a run that fails late keeps them) and, at the end, a PNG
+Writes JSON and a markdown table (after every run of a mode, so a run that fails late keeps them) and, at the end, a PNG
 (throughput against concurrency, one line per mode; TTFT and ITL p50/p99).
 """
 
@@ -149,8 +149,9 @@ def merge_parts(first: dict, second: dict) -> dict:
     merged = {**first, **figures(raw), "raw": raw, "draft_rows": rows, "parts": 2,
               "verifier_cpu_s": first["verifier_cpu_s"] + second["verifier_cpu_s"],
               "draft_cpu_s": first["draft_cpu_s"] + second["draft_cpu_s"]}
-    if "warning" in second:
-        merged["warning"] = second["warning"]
+    warnings = [part["warning"] for part in (first, second) if "warning" in part]
+    if warnings:
+        merged["warning"] = "; ".join(warnings)
     return merged
 
 
@@ -285,9 +286,13 @@ def schedule(modes: list[str], levels: list[int], order: str) -> list[tuple[str,
     back to back, the direction reversed from one level to the next, so that a drift of the host's speed over the
     run (other tenants, thermal state) falls on every mode alike instead of on the mode measured last. "abba":
     each level's modes as "level" orders them, then again in reverse, each run half the level's requests (a pair
-    appears twice): within a level every mode's two halves sit at the same mean time, so a drift that is linear
-    over the level falls on all modes alike, and no mode's whole level comes right after its own previous level
-    (auto's controllers carry their state from a lighter load into it) or right after another's."""
+    appears twice): within a level every mode's two halves sit at about the same mean time (exactly where a mode's
+    halves take equal times), so a drift that is linear over the level falls on all modes alike, and each mode
+    follows another mode as often as it is followed. It does not spare auto's controllers the state they carry
+    from the lighter level before (its first half starts with it, its second with the first's). A level then
+    starts twice and has two tails, each half a wave or two of its own; a mode whose requests finish apart
+    (drafting) spends a larger share of its level in a thinner tail than in "level" order, so the figures are not
+    comparable with a "level" run's."""
     if order == "mode":
         return [(m, c) for m in modes for c in levels]
     runs = [(m, c) for i, c in enumerate(levels) for m in (modes if i % 2 == 0 else modes[::-1])]
@@ -295,6 +300,48 @@ def schedule(modes: list[str], levels: list[int], order: str) -> list[tuple[str,
         n = len(modes)
         return [run for at in range(0, len(runs), n) for run in runs[at:at + n] + runs[at:at + n][::-1]]
     return runs
+
+
+def stacks_to_close(running: list[str], own: str, modes: list[str], order: str) -> list[str]:
+    """The stacks to stop before `own`'s mode runs: at most two at a time (each holds its own copy of the weights:
+    about 10 GB for the default pair). The auto stack lives through the run in level and abba order, as a service
+    would (its step-time model and trial state carry from one level to the next), and in mode order too where it
+    serves `K@auto` modes; a fixed mode learns nothing, so its stack starts again where it is next measured."""
+    keep_auto = order in ("level", "abba") or any(m.endswith(ON_AUTO) for m in modes)
+    return [m for m in running if m != own and not (keep_auto and m == "auto")]
+
+
+class Rows:
+    """The run's rows, one per (mode, level), in the order first measured. Under --order abba a level's first half
+    is a row marked "part": 0 until its second half comes, and then the two are one row (merge_parts)."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+        self._at: dict[tuple[str, int], int] = {}  # (mode, level) -> its index in rows
+        self._halves: dict[tuple[str, int], int] = {}  # halves measured
+
+    def half_next(self, mode: str, level: int) -> int:
+        """Which half of (mode, level) runs next under abba: 0, then 1 (a level listed twice: ValueError)."""
+        half = self._halves.get((mode, level), 0)
+        if half > 1:
+            raise ValueError(f"{mode} at {level} streams: both halves are measured already")
+        return half
+
+    def add(self, row: dict, half: int | None = None) -> dict:
+        """A run's row (`half`: which half, under abba; None: a whole level, a new row even where the level
+        repeats); returns the row as kept (both halves merged, for the second)."""
+        key = (row["mode"], row["concurrency"])
+        if half is None:
+            self.rows.append(row)
+            return row
+        self._halves[key] = half + 1
+        if half == 0:
+            self._at[key] = len(self.rows)
+            self.rows.append({**row, "part": 0})
+            return self.rows[-1]
+        first = {k: v for k, v in self.rows[self._at[key]].items() if k != "part"}
+        self.rows[self._at[key]] = merge_parts(first, row)
+        return self.rows[self._at[key]]
 
 
 def part_of(total: int, half: int) -> tuple[int, int]:
@@ -428,8 +475,13 @@ def main() -> int:
         prompts = PROMPTS
         extra_verifier = ["--dtype", "float32"]
         extra_draft = ["--dtype", "float32"]
-    rows = []
-    rows_at: dict[tuple[str, int], dict] = {}  # each (mode, level)'s row in `rows`
+    def level_requests(c: int) -> int:
+        return max(args.min_requests, args.requests_per_stream * c)
+
+    if args.order == "abba" and (short := [c for c in levels if level_requests(c) // 2 < c]):
+        p.error(f"--order abba: half of a level's requests must keep every stream busy at first; at {short} streams "
+                "it does not (raise --requests-per-stream or --min-requests)")
+    rows = Rows()
     stacks: dict[str, ModeStack] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
@@ -447,8 +499,8 @@ def main() -> int:
     def write() -> str:
         """The JSON and the table of the rows so far (after every measurement: a run that fails late keeps them;
         each file replaced whole, never left half written)."""
-        md = table(rows, modes, levels)
-        for path, text in ((args.out / f"{stem}.json", json.dumps({"title": title, "rows": rows}, indent=1)),
+        md = table(rows.rows, modes, levels)
+        for path, text in ((args.out / f"{stem}.json", json.dumps({"title": title, "rows": rows.rows}, indent=1)),
                            (args.out / f"{stem}.md", f"{title}\n\n{md}\n")):
             part = path.with_name(path.name + ".part")
             part.write_text(text)
@@ -457,14 +509,8 @@ def main() -> int:
 
     try:
         for mode, c in schedule(modes, levels, args.order):
-            # At most two stacks at a time (each holds its own copy of the weights: about 10 GB for the default
-            # pair). The auto stack lives through the run in either order, as a service would: its step-time model
-            # and trial state carry from one level to the next. A fixed mode learns nothing, so in level order its
-            # stack starts again where it is next measured.
             own = stack_of(mode)
-            # the auto stack also serves `K@auto`: in mode order too it stays while the modes between them run
-            keep_auto = args.order == "level" or any(m.endswith(ON_AUTO) for m in modes)
-            for other in [m for m in stacks if m != own and not (keep_auto and m == "auto")]:
+            for other in stacks_to_close(list(stacks), own, modes, args.order):
                 stacks.pop(other).close()
             if own not in stacks:
                 cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
@@ -474,25 +520,19 @@ def main() -> int:
                                         [*extra_verifier, *shlex.split(args.verifier_args)],
                                         [*extra_draft, *cap, *shlex.split(args.draft_args)], name=f"{own}-from-c{c}")  # logs: one per start
                 stacks[own].warm(prompts)
-            part = None
-            if args.order == "abba":  # the level's first half, or its second where the first is in
-                part = part_of(max(args.min_requests, args.requests_per_stream * c), int((mode, c) in rows_at))
+            half = rows.half_next(mode, c) if args.order == "abba" else None
+            part = part_of(level_requests(c), half) if half is not None else None
             row = stacks[own].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests, mode, part)
+            row = rows.add(row, half)
             print(json.dumps({key: value for key, value in row.items() if key != "raw"}), flush=True)
-            if (mode, c) in rows_at:  # the level's second half (--order abba): one row of both
-                row = merge_parts(rows_at[(mode, c)], row)
-                rows[rows.index(rows_at[(mode, c)])] = row
-            else:
-                rows.append(row)
-            rows_at[(mode, c)] = row
             write()
     finally:
         for stack in stacks.values():
             stack.close()
     md = write()
-    plot(rows, modes, args.out / f"{stem}.png", title)
+    plot(rows.rows, modes, args.out / f"{stem}.png", title)
     print(f"\n{title}\n\n{md}\n\nlogs: {log_dir}")
-    medians = [r["tok_s"] for r in rows]
+    medians = [r["tok_s"] for r in rows.rows]
     return 0 if medians and statistics.fmean(medians) > 0 else 1
 
 

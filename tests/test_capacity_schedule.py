@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.append(str(Path(__file__).resolve().parent.parent / "bench"))  # last: bench/kernels.py must not shadow kernels/
 
 from capacity import schedule  # noqa: E402
@@ -245,3 +247,42 @@ def test_a_part_of_a_level_sends_its_own_requests_prompts(monkeypatch):
                                              part=capacity.part_of(6, half)))
         assert row["raw"]["requests"] == 3 and row["raw"]["generated"] == 9
     assert sorted(sent) == prompts[:6]
+
+
+def test_a_levels_second_half_replaces_its_first_with_both_in_one_row():
+    """Rows: under abba a level's first half is a row marked part 0 until its second comes, and then one row of
+    both, where the first stood; without halves a repeated level is a row of its own; a third half is refused."""
+    import capacity
+
+    def row(mode, c, generated, warning=None):
+        raw = {"requests": 1, "generated": generated, "wall_s": 1.0, "full_tokens": 0, "full_span_s": 0.0,
+               "ttfts_s": [0.1], "itls_s": [0.01]}
+        return {"mode": mode, "concurrency": c, **capacity.figures(raw), "raw": raw, "verifier_cpu_s": 1.0,
+                "draft_cpu_s": 0.0, "draft_rows": {}, **({"warning": warning} if warning else {})}
+
+    rows = capacity.Rows()
+    assert rows.half_next("0", 1) == 0
+    assert rows.add(row("0", 1, 10), 0)["part"] == 0
+    rows.add(row("auto", 1, 20, "w1"), rows.half_next("auto", 1))
+    assert rows.half_next("auto", 1) == 1
+    merged = rows.add(row("auto", 1, 40, "w2"), 1)
+    assert merged["tok_s"] == 30.0 and merged["parts"] == 2 and "part" not in merged
+    assert merged["warning"] == "w1; w2"
+    assert rows.add(row("0", 1, 30), rows.half_next("0", 1))["tok_s"] == 20.0
+    assert [(r["mode"], r["tok_s"]) for r in rows.rows] == [("0", 20.0), ("auto", 30.0)]
+    with pytest.raises(ValueError):
+        rows.half_next("0", 1)
+    whole = capacity.Rows()
+    whole.add(row("0", 1, 10))
+    whole.add(row("0", 1, 30))
+    assert [r["tok_s"] for r in whole.rows] == [10.0, 30.0]
+
+
+def test_the_auto_stack_lives_through_level_and_abba_order():
+    import capacity
+
+    for order in ("level", "abba"):
+        assert capacity.stacks_to_close(["auto"], "4", ["0", "4", "auto"], order) == []
+        assert capacity.stacks_to_close(["auto", "0"], "4", ["0", "4", "auto"], order) == ["0"]
+    assert capacity.stacks_to_close(["auto"], "4", ["0", "4", "auto"], "mode") == ["auto"]
+    assert capacity.stacks_to_close(["auto"], "4", ["0@auto", "4", "auto"], "mode") == []
