@@ -12,7 +12,6 @@ and a slow network makes them worth more (the best k grows with the round-trip t
 from __future__ import annotations
 
 import dataclasses
-from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -66,34 +65,38 @@ class AdaptiveDraftLength:
 
 @dataclass
 class RecentChoices:
-    """The verifier's recent load choices on this process (RoundLength.load_choice), each with the generations this
-    process had running when it came: what a new sequence's opening drafts ahead (RoundLength.for_mode's
-    recent_choice). The opening takes the latest choice made at a load of this process at least as heavy as its
-    own (the generations running with it), or, where none was, the choice at the heaviest load on record.
+    """The verifier's latest load choice on this process (RoundLength.load_choice) at each load it came at (the
+    generations this process had running then, the choosing one's own included): what a new sequence's opening
+    drafts ahead (RoundLength.for_mode's recent_choice). The opening takes the latest choice made at a load at
+    least as heavy as its own (the generations running as it opens, its own included), or, where the load has
+    risen past every load on record, the latest at the heaviest.
 
     The latest choice alone misleads where the load rises: a level's (or a burst's) last requests run few to a
     batch, the verifier lets them draft, and the next wave's openings then all drafted ahead, feeding their
     prompts to the draft, at a load the verifier ran plain (bench/capacity.py at 8 and 16 streams, 53371d5: 244
-    and 376 prompt rows for 0.30 and 0.08 tokens drafted a verification)."""
+    and 376 prompt rows for 0.30 and 0.08 tokens drafted a verification). One choice a load is kept, however long
+    the tail that follows it. The load counted is this process's generations (any k, those still being prepared
+    included), not the verifier's batch, and a burst's openings count only those that arrived before them: the
+    first of a burst that follows a tail still takes the tail's choice."""
 
-    window: int = 64
-    _choices: deque = field(default_factory=deque)  # (running, choice), oldest first
+    most_loads: int = 1024  # loads kept; past it the one whose choice is oldest goes
+    _latest: dict = field(default_factory=dict)  # running -> (record number, choice), least recently recorded first
+    _recorded: int = 0
 
     def record(self, running: int, choice: int) -> None:
-        self._choices.append((running, choice))
-        while len(self._choices) > self.window:
-            self._choices.popleft()
+        self._recorded += 1
+        self._latest.pop(running, None)
+        self._latest[running] = (self._recorded, choice)
+        if len(self._latest) > self.most_loads:
+            del self._latest[next(iter(self._latest))]
 
     def opening(self, running: int) -> int | None:
         """The choice for an opening with `running` generations on the process (its own included); None before
         any."""
-        if not self._choices:
+        if not self._latest:
             return None
-        for seen, choice in reversed(self._choices):
-            if seen >= running:
-                return choice
-        heaviest = max(seen for seen, _ in self._choices)
-        return next(choice for seen, choice in reversed(self._choices) if seen == heaviest)
+        heavier = [latest for seen, latest in self._latest.items() if seen >= running]
+        return max(heavier)[1] if heavier else self._latest[max(self._latest)][1]
 
 
 @dataclass

@@ -213,24 +213,26 @@ def test_an_opening_s_times_teach_the_own_cost_rule_nothing():
 
 def test_an_opening_takes_the_latest_choice_made_at_a_load_at_least_its_own():
     """RecentChoices: the latest choice made with at least the opening's generations running on the process; where
-    none was (the load rose past any on record), the latest at the heaviest load on record; None before any. A
-    burst's last requests, few to a batch, let draft where a full batch ran plain: their choices do not decide
+    the load has risen past every load on record, the latest at the heaviest; None before any. A burst's last
+    requests, few to a batch, may draft where a full batch ran plain: their choices, however many, do not decide
     the next full batch's openings."""
     from draft_service.adaptive import RecentChoices
 
-    recent = RecentChoices(window=6)
+    recent = RecentChoices(most_loads=4)
     assert recent.opening(1) is None
     for _ in range(3):
         recent.record(8, 0)  # a full batch, plain
-    recent.record(2, 4)  # its tail, drafting
-    recent.record(1, 4)
-    assert recent.opening(8) == 0 and recent.opening(3) == 0
+    recent.record(7, 3)
+    for _ in range(200):  # its long tail, drafting
+        recent.record(2, 4)
+        recent.record(1, 4)
+    assert recent.opening(8) == 0 and recent.opening(7) == 3 and recent.opening(3) == 3
     assert recent.opening(2) == 4 and recent.opening(1) == 4
     assert recent.opening(16) == 0  # heavier than any on record: the heaviest's
     recent.record(8, 3)  # the full batch drafts again
     assert recent.opening(8) == 3 and recent.opening(16) == 3
-    recent.record(4, 2)
-    assert recent.opening(16) == 3  # the heaviest load's latest, not the latest overall
-    for _ in range(6):
-        recent.record(1, 4)  # the window forgets the heavier loads
-    assert list(recent._choices) == [(1, 4)] * 6 and recent.opening(8) == 4
+    recent.record(4, 2)  # a fifth load: the one whose choice is oldest goes (7)
+    assert sorted(recent._latest) == [1, 2, 4, 8]
+    assert recent.opening(16) == 3 and recent.opening(5) == 3  # the heaviest load's latest, not the latest overall
+    recent.record(5, 1)
+    assert sorted(recent._latest) == [1, 4, 5, 8]
