@@ -146,7 +146,9 @@ def merge_parts(first: dict, second: dict) -> dict:
     raw = {key: first["raw"][key] + second["raw"][key] for key in first["raw"]}
     rows = {key: first["draft_rows"].get(key, 0.0) + second["draft_rows"].get(key, 0.0)
             for key in sorted({*first["draft_rows"], *second["draft_rows"]})}
-    merged = {**first, **figures(raw), "raw": raw, "draft_rows": rows, "parts": 2,
+    halves = [{key: half[key] for key in ("tok_s", "wall_s", "full_load_tok_s", "draft_tokens_per_verification")
+               if key in half} for half in (first, second)]
+    merged = {**first, **figures(raw), "raw": raw, "draft_rows": rows, "parts": 2, "halves": halves,
               "verifier_cpu_s": first["verifier_cpu_s"] + second["verifier_cpu_s"],
               "draft_cpu_s": first["draft_cpu_s"] + second["draft_cpu_s"]}
     warnings = [part["warning"] for part in (first, second) if "warning" in part]
@@ -286,13 +288,14 @@ def schedule(modes: list[str], levels: list[int], order: str) -> list[tuple[str,
     back to back, the direction reversed from one level to the next, so that a drift of the host's speed over the
     run (other tenants, thermal state) falls on every mode alike instead of on the mode measured last. "abba":
     each level's modes as "level" orders them, then again in reverse, each run half the level's requests (a pair
-    appears twice): within a level every mode's two halves sit at about the same mean time (exactly where a mode's
-    halves take equal times), so a drift that is linear over the level falls on all modes alike, and each mode
-    follows another mode as often as it is followed. It does not spare auto's controllers the state they carry
-    from the lighter level before (its first half starts with it, its second with the first's). A level then
-    starts twice and has two tails, each half a wave or two of its own; a mode whose requests finish apart
-    (drafting) spends a larger share of its level in a thinner tail than in "level" order, so the figures are not
-    comparable with a "level" run's."""
+    appears twice): within a level every mode's two halves sit at about the same mean time (exactly where every
+    mode's halves take equal times), so a drift that is linear over the level falls on all modes alike, and each
+    mode follows another mode as often as it is followed. It does not spare auto's controllers the state they
+    carry from the lighter level before (its first half starts with it, its second with the first's). A level
+    then starts twice and has two tails, each half a wave or two of its own; a mode whose requests finish apart
+    (drafting) spends a larger share of its level in a thinner tail than in "level" order, and a mode on a stack
+    of its own (not `K@auto`) runs its halves on two fresh processes, where auto's run on one that lives through
+    the run: the figures are not comparable with a "level" run's."""
     if order == "mode":
         return [(m, c) for m in modes for c in levels]
     runs = [(m, c) for i, c in enumerate(levels) for m in (modes if i % 2 == 0 else modes[::-1])]
@@ -321,11 +324,20 @@ class Rows:
         self._halves: dict[tuple[str, int], int] = {}  # halves measured
 
     def half_next(self, mode: str, level: int) -> int:
-        """Which half of (mode, level) runs next under abba: 0, then 1 (a level listed twice: ValueError)."""
+        """Which half of (mode, level) runs next under abba: 0, then 1 (a level listed twice: ValueError;
+        plan_refusal refuses such a run before it starts)."""
         half = self._halves.get((mode, level), 0)
         if half > 1:
             raise ValueError(f"{mode} at {level} streams: both halves are measured already")
         return half
+
+    def plan(self, mode: str, level: int, order: str, total: int) -> tuple[int | None, tuple[int, int] | None]:
+        """(half, run_level's part) of the next run of (mode, level), `total` its level's requests: (None, None)
+        for a whole level; under abba the next half and its requests."""
+        if order != "abba":
+            return None, None
+        half = self.half_next(mode, level)
+        return half, part_of(total, half)
 
     def add(self, row: dict, half: int | None = None) -> dict:
         """A run's row (`half`: which half, under abba; None: a whole level, a new row even where the level
@@ -342,6 +354,25 @@ class Rows:
         first = {k: v for k, v in self.rows[self._at[key]].items() if k != "part"}
         self.rows[self._at[key]] = merge_parts(first, row)
         return self.rows[self._at[key]]
+
+
+def level_requests(concurrency: int, per_stream: int, min_requests: int) -> int:
+    """A level's requests: per_stream a stream, at least min_requests."""
+    return max(min_requests, per_stream * concurrency)
+
+
+def plan_refusal(modes: list[str], levels: list[int], order: str, per_stream: int, min_requests: int) -> str | None:
+    """Why a run's plan is refused before anything starts (None: it is not): a mode or a level listed twice (the
+    table keeps one row a pair; under abba its halves would not pair up), or under abba a level whose half leaves
+    a stream with nothing to send at first."""
+    for name, values in (("mode", modes), ("level", levels)):
+        if len(set(values)) < len(values):
+            return f"a {name} is listed twice in {values}"
+    short = [c for c in levels if level_requests(c, per_stream, min_requests) // 2 < c]
+    if order == "abba" and short:
+        return (f"--order abba: half of a level's requests must keep every stream busy at first; at "
+                f"{', '.join(map(str, short))} streams it does not (raise --requests-per-stream or --min-requests)")
+    return None
 
 
 def part_of(total: int, half: int) -> tuple[int, int]:
@@ -382,7 +413,9 @@ def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     head += " | auto draft CPU; rows prompt / catch-up / round / draft (+warming) |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for c in levels:
-        cells = [f"{by[(m, c)]['tok_s']:.1f}" if (m, c) in by else "" for m in modes]
+        # a level's first half alone (abba, a run cut between halves) says so
+        cells = [f"{by[(m, c)]['tok_s']:.1f}" + (" (half)" if "part" in by[(m, c)] else "") if (m, c) in by else ""
+                 for m in modes]
         fixed = [m for m in modes if m != "auto"]
         ratio = _versus_best(by, c, "tok_s", fixed)
         if same_stack:  # the ratio between modes of one pair of processes, without the spread between processes
@@ -462,6 +495,8 @@ def main() -> int:
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
+    if (refusal := plan_refusal(modes, levels, args.order, args.requests_per_stream, args.min_requests)):
+        p.error(refusal)
     log_dir = Path(tempfile.mkdtemp(prefix="specwire-capacity-"))
     if args.pair == "default":
         target, draft = args.models / "target", args.models / "draft"
@@ -475,14 +510,9 @@ def main() -> int:
         prompts = PROMPTS
         extra_verifier = ["--dtype", "float32"]
         extra_draft = ["--dtype", "float32"]
-    def level_requests(c: int) -> int:
-        return max(args.min_requests, args.requests_per_stream * c)
-
-    if args.order == "abba" and (short := [c for c in levels if level_requests(c) // 2 < c]):
-        p.error(f"--order abba: half of a level's requests must keep every stream busy at first; at {short} streams "
-                "it does not (raise --requests-per-stream or --min-requests)")
     rows = Rows()
     stacks: dict[str, ModeStack] = {}
+    starts: dict[str, int] = {}
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{args.pair}-rtt{args.rtt_ms:g}{'-pinned' if args.pin else ''}"
     stem += f"-autok{args.auto_k}" if args.auto_k is not None else ""
@@ -516,12 +546,13 @@ def main() -> int:
                 cap = ["--num-speculative-tokens", str(args.auto_k)] if own == "auto" and args.auto_k is not None else []
                 if own == "auto" and any(fixed_on_auto(m) for m in modes):
                     cap.append("--allow-request-fixed")
+                starts[own] = starts.get(own, 0) + 1  # logs: one per start (abba starts a fixed mode twice a level)
                 stacks[own] = ModeStack(own, target, draft, args.rtt_ms, args.pin, log_dir,
                                         [*extra_verifier, *shlex.split(args.verifier_args)],
-                                        [*extra_draft, *cap, *shlex.split(args.draft_args)], name=f"{own}-from-c{c}")  # logs: one per start
+                                        [*extra_draft, *cap, *shlex.split(args.draft_args)],
+                                        name=f"{own}-from-c{c}-{starts[own]}")
                 stacks[own].warm(prompts)
-            half = rows.half_next(mode, c) if args.order == "abba" else None
-            part = part_of(level_requests(c), half) if half is not None else None
+            half, part = rows.plan(mode, c, args.order, level_requests(c, args.requests_per_stream, args.min_requests))
             row = stacks[own].measure(c, prompts, args.tokens, args.requests_per_stream, args.min_requests, mode, part)
             row = rows.add(row, half)
             print(json.dumps({key: value for key, value in row.items() if key != "raw"}), flush=True)

@@ -12,6 +12,8 @@ and a slow network makes them worth more (the best k grows with the round-trip t
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -67,36 +69,45 @@ class AdaptiveDraftLength:
 class RecentChoices:
     """The verifier's latest load choice on this process (RoundLength.load_choice) at each load it came at (the
     generations this process had running then, the choosing one's own included): what a new sequence's opening
-    drafts ahead (RoundLength.for_mode's recent_choice). The opening takes the latest choice made at a load at
-    least as heavy as its own (the generations running as it opens, its own included), or, where the load has
-    risen past every load on record, the latest at the heaviest.
+    drafts ahead (RoundLength.for_mode's recent_choice): the block its second round proposes. The opening takes the
+    latest choice made at a load at least as heavy as its own (the generations running as it opens, its own
+    included), or, where the load has risen past every load on record, the latest at the heaviest.
 
     The latest choice alone misleads where the load rises: a level's (or a burst's) last requests run few to a
     batch, the verifier lets them draft, and the next wave's openings then all drafted ahead, feeding their
     prompts to the draft, at a load the verifier ran plain (bench/capacity.py at 8 and 16 streams, 53371d5: 244
     and 376 prompt rows for 0.30 and 0.08 tokens drafted a verification). One choice a load is kept, however long
-    the tail that follows it. The load counted is this process's generations (any k, those still being prepared
-    included), not the verifier's batch, and a burst's openings count only those that arrived before them: the
-    first of a burst that follows a tail still takes the tail's choice."""
+    the tail that follows it, and a choice older than `max_age_s` is passed over while a younger one is on record
+    (a spike's heavy load an hour ago says little of the acceptance or the verifier now). The load counted is this
+    process's generations (any k, those still being prepared included), not the verifier's batch, and a burst's
+    openings count only those that arrived before the opening's prompt was checked (a long prompt's tokenizing,
+    on a thread, or a reconnect lets later ones in): the first of a burst that follows a tail mostly takes the
+    tail's choice."""
 
+    max_age_s: float = 60.0
     most_loads: int = 1024  # loads kept; past it the one whose choice is oldest goes
-    _latest: dict = field(default_factory=dict)  # running -> (record number, choice), least recently recorded first
+    clock: Callable[[], float] = time.monotonic
+    # running -> (record number, when, choice), least recently recorded first
+    _latest: dict = field(default_factory=dict)
     _recorded: int = 0
 
     def record(self, running: int, choice: int) -> None:
         self._recorded += 1
         self._latest.pop(running, None)
-        self._latest[running] = (self._recorded, choice)
+        self._latest[running] = (self._recorded, self.clock(), choice)
         if len(self._latest) > self.most_loads:
             del self._latest[next(iter(self._latest))]
 
     def opening(self, running: int) -> int | None:
         """The choice for an opening with `running` generations on the process (its own included); None before
         any."""
-        if not self._latest:
+        now = self.clock()
+        recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
+        recent = recent or self._latest
+        if not recent:
             return None
-        heavier = [latest for seen, latest in self._latest.items() if seen >= running]
-        return max(heavier)[1] if heavier else self._latest[max(self._latest)][1]
+        heavier = [latest for seen, latest in recent.items() if seen >= running]
+        return max(heavier)[2] if heavier else recent[max(recent)][2]
 
 
 @dataclass
@@ -106,20 +117,20 @@ class RoundLength:
     sequence at all; under adaptive, the own-cost rule's length.
 
     Under auto the first round (`opening`) proposes no drafts: its empty block goes out with the prompt, so the
-    verifier computes the prompt and samples the first token in one step, as for k = 0. Beside that step the
-    draft feeds the prompt, guesses the first token and drafts the second round's block after it (`ahead`, a
-    pipelined branch, whatever --pipeline says), of the length last chosen on this process at a load like the
-    opening's (for_mode's recent_choice: RecentChoices.opening), or none where that was 0 (under load: the prompt is not warmed either, as after any choice
-    of 0, and the proposal says it is left to feed). When the guess holds, the second round's block is at the
-    verifier when the first token is; when it misses, the second round drafts after the verdict. That block
-    drafts in a task of its own (Generator._draft_ahead), and the first token goes to the client when its
-    verdict arrives. (While the round awaited that drafting first, the first token waited for the block: at one
-    stream 1,180 ms against 771 for k = 0 and 1,532 for k = 4, default pair, 2 cores, 2026-12-06.) Drafted
-    before the prompt was sent (until 2026-12-06), the first block waited for the
-    draft's prompt and drafts, the verifier computed the prompt with no token to emit, and the first token came
-    a step later (one stream, default pair, 2 cores: time to first token 1,007 ms against 529 for k = 0; 16
-    streams, 7.7 s against 5.5). Plain with no block drafted ahead (tried the same day), the second round
-    waited for its drafts after the first token: at one stream 0.86x fixed k = 4's tokens/s.
+    verifier computes the prompt and samples the first token in one step, as for k = 0. Beside that step the draft
+    feeds the prompt, guesses the first token and drafts the second round's block after it (`ahead`, a pipelined
+    branch, whatever --pipeline says), of the length last chosen on this process at a load at least as heavy as the
+    opening's (for_mode's recent_choice: RecentChoices.opening), or none where that was 0 (under load: the prompt is
+    not warmed either, as after any choice of 0, and the proposal says it is left to feed). When the guess holds,
+    the second round's block is at the verifier when the first token is; when it misses, the second round drafts
+    after the verdict. That block drafts in a task of its own (Generator._draft_ahead), and the first token goes to
+    the client when its verdict arrives. (While the round awaited that drafting first, the first token waited for
+    the block: at one stream 1,180 ms against 771 for k = 0 and 1,532 for k = 4, default pair, 2 cores, 2026-12-06.)
+    Drafted before the prompt was sent (until 2026-12-06), the first block waited for the draft's prompt and drafts,
+    the verifier computed the prompt with no token to emit, and the first token came a step later (one stream,
+    default pair, 2 cores: time to first token 1,007 ms against 529 for k = 0; 16 streams, 7.7 s against 5.5). Plain
+    with no block drafted ahead (tried the same day), the second round waited for its drafts after the first token:
+    at one stream 0.86x fixed k = 4's tokens/s.
 
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
     and waiting times. Under auto the verifier prices the batch, the network and its wait for drafting, so only
@@ -143,9 +154,10 @@ class RoundLength:
     def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool, recent_choice: int | None,
                  pooled: AdaptiveDraftLength | None = None) -> RoundLength:
         """`mode`: --speculation; `varies`: whether this sequence's k may vary at all; `recent_choice`: the
-        verifier's last choice on this process at a load like this sequence's (RecentChoices.opening), so a
-        request that starts under load does not begin with a full-k block; `pooled`: the own-cost estimate over
-        this process's recent rounds, the new sequence's starting point (AdaptiveDraftLength.seeded)."""
+        verifier's last choice on this process at a load at least as heavy as this sequence's
+        (RecentChoices.opening), so a request that starts under load does not begin with a full-k block;
+        `pooled`: the own-cost estimate over this process's recent rounds, the new sequence's starting point
+        (AdaptiveDraftLength.seeded)."""
         own = None
         if varies and weighs_own_cost:
             own = (pooled or AdaptiveDraftLength.for_mode(k, mode)).seeded(k)

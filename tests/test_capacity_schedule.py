@@ -286,3 +286,24 @@ def test_the_auto_stack_lives_through_level_and_abba_order():
         assert capacity.stacks_to_close(["auto", "0"], "4", ["0", "4", "auto"], order) == ["0"]
     assert capacity.stacks_to_close(["auto"], "4", ["0", "4", "auto"], "mode") == ["auto"]
     assert capacity.stacks_to_close(["auto"], "4", ["0@auto", "4", "auto"], "mode") == []
+
+
+def test_a_run_plan_is_refused_before_anything_starts_where_it_cannot_pair_its_rows():
+    """plan_refusal: a mode or a level listed twice, and under abba a level whose half (the smaller, total // 2)
+    leaves a stream with nothing to send at first; Rows.plan: under abba the halves in turn, with their requests."""
+    import capacity
+
+    modes = ["0@auto", "4@auto", "auto"]
+    assert capacity.plan_refusal(modes, [1, 2, 4, 8, 16, 32, 64], "abba", 2, 8) is None
+    assert "8" in capacity.plan_refusal(modes, [4, 8], "abba", 1, 8)  # 8 requests at 8 streams: halves of 4
+    assert capacity.plan_refusal(modes, [4, 8], "level", 1, 8) is None
+    assert capacity.plan_refusal(modes, [5], "abba", 1, 11) is None  # 11 // 2 = 5: every stream busy
+    assert capacity.plan_refusal(modes, [6], "abba", 1, 11) is not None
+    assert "twice" in capacity.plan_refusal(modes, [4, 4], "level", 2, 8)
+    assert "twice" in capacity.plan_refusal(["0", "0", "auto"], [4], "abba", 2, 8)
+    assert capacity.level_requests(16, 2, 8) == 32 and capacity.level_requests(2, 2, 8) == 8
+    rows = capacity.Rows()
+    assert rows.plan("auto", 4, "level", 8) == (None, None)
+    assert rows.plan("auto", 4, "abba", 9) == (0, (0, 4))
+    rows._halves[("auto", 4)] = 1  # (Rows.add's record of the first half)
+    assert rows.plan("auto", 4, "abba", 9) == (1, (4, 5))

@@ -236,3 +236,20 @@ def test_an_opening_takes_the_latest_choice_made_at_a_load_at_least_its_own():
     assert recent.opening(16) == 3 and recent.opening(5) == 3  # the heaviest load's latest, not the latest overall
     recent.record(5, 1)
     assert sorted(recent._latest) == [1, 4, 5, 8]
+
+
+def test_an_opening_passes_over_choices_older_than_a_minute_while_younger_ones_are_on_record():
+    """A heavy load's choice from long ago (a spike) does not decide openings now, while younger choices are on
+    record; with none younger, the old ones still serve."""
+    from draft_service.adaptive import RecentChoices
+
+    now = [0.0]
+    recent = RecentChoices(max_age_s=60.0, clock=lambda: now[0])
+    recent.record(50, 0)  # a spike, plain
+    now[0] = 30.0
+    recent.record(8, 4)
+    assert recent.opening(16) == 0  # the spike's load is heavier, and young enough
+    now[0] = 61.0
+    assert recent.opening(16) == 4 and recent.opening(50) == 4  # past its age: the heaviest younger one
+    now[0] = 200.0
+    assert recent.opening(16) == 0  # none younger: the old ones serve as they are

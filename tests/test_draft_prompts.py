@@ -1059,13 +1059,14 @@ def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_fee
 
     drafter.wait_for_batch = wait_for_batch
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+    gen._recent_choices.record(9, 3)  # (an opening that counted one too many would take it)
     gen._recent_choices.record(8, 0)
     gen._recent_choices.record(7, 3)  # at a load of 7 with the opening's own: not one as heavy as the opening's
     gen._recent_choices.record(1, 3)
     gen._running = 7  # 7 other generations in progress
     _generate_once(gen, tuple(range(1, 11)))
     gen.prompts.close()
-    assert gen._running == 7 and gen._recent_choices._latest[8][1] == 2
+    assert gen._running == 7 and gen._recent_choices._latest[8][2] == 2
     assert drafter.lengths == [0, 0, 0, 2] and drafter.aheads == []
     assert waits == [1, 2]  # rounds 2 and 3, before their (empty) drafting
     assert link.sent == [(0, 4, 9, ()), (0, 4, 10, ()), (0, 4, 11, ()), (2, 4, 0, ())]
