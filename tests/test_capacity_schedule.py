@@ -17,6 +17,23 @@ MODES = ["0", "4", "auto"]
 LEVELS = [1, 2, 4, 8]
 
 
+class FakeClient:
+    """What run_level uses of AsyncClient, less `stream` (each test's own): a context manager whose warm-up
+    request does nothing."""
+
+    def __init__(self, address, timeout):
+        pass
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        return False
+
+    async def generate(self, **_):
+        return None
+
+
 def test_level_order_runs_each_levels_modes_together_in_alternating_order():
     runs = schedule(MODES, LEVELS, "level")
     assert sorted(runs) == sorted((m, c) for m in MODES for c in LEVELS)  # each pair once
@@ -166,19 +183,7 @@ def test_a_level_s_full_load_span_ends_when_the_first_stream_finds_no_request_le
     clock = [0.0]
     chunks = {"a": (2, 1.0), "b": (3, 1.0), "c": (6, 2.0)}  # per prompt: chunks of one token, clock step each
 
-    class Client:
-        def __init__(self, address, timeout):
-            pass
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
-        async def generate(self, **_):
-            return None
-
+    class Client(FakeClient):
         async def _chunks(self, prompt):
             count, step = chunks[prompt]
             for _ in range(count):
@@ -219,19 +224,7 @@ def test_a_part_of_a_level_sends_its_own_requests_prompts(monkeypatch):
 
     sent = []
 
-    class Client:
-        def __init__(self, address, timeout):
-            pass
-
-        async def __aenter__(self):
-            return self
-
-        async def __aexit__(self, *exc):
-            return False
-
-        async def generate(self, **kwargs):
-            return None
-
+    class Client(FakeClient):
         async def stream(self, prompt, **kwargs):
             sent.append(prompt)
             for token in (1, 2, 3):

@@ -48,9 +48,9 @@ of at least `window_tokens` tokens and `min_window_s` seconds.
   ratio reset) when it expects more than `challenge_below_gain`.
 - A challenger's window ends at twice the incumbent's last window's time, judged by its rate then; a challenge
   that has not finished a window within `max_challenge_s` (or, where more, twice its warm-up and four times the
-  incumbent's last window, at most `max_challenge_cap_s`: _challenge_limit_s) ends undecided, and a first win waiting for its second
-  no longer counts (two wins in a row means no undecided challenge between them). Time here is the phase's steps'
-  times, each with at most `max_gap_s` of the gap before it; steps with nothing to judge (no running sequence
+  incumbent's last window, at most `max_challenge_cap_s`: _challenge_limit_s) ends undecided, and a first win
+  waiting for its second no longer counts (two wins in a row means no undecided challenge between them). Time here
+  is the phase's steps' times, each with at most `max_gap_s` of the gap before it; steps with nothing to judge (no running sequence
   follows the choices) run the clock, and a challenge past its time ends at the next step that has one.
 - A trial that cannot measure does not hold plain decoding in place: where no window finishes for
   `max_unmeasured_s` of steps that no window measured (a prompt's chunk in every step, as under a steady stream
