@@ -8,7 +8,8 @@ engine's plain decode step of --seqs sequences with the host's other core:
   sequence a step: the draft model's weights and KV streamed as in its drafting, not its multi-token rounds).
 This host drifts within minutes, so the three alternate in windows of --seconds, in pairs of rounds ABC then CBA
 (--rounds, even): a drift linear over a pair falls on every condition alike. Each neighbour is started once,
-pinned to the other core, and stopped (SIGSTOP) outside its windows, after a warm-up window that is not counted.
+pinned to the other core, and stopped (SIGSTOP) outside its windows; the measured side runs an uncounted warm-up
+window first, the draft neighbour 5 s of its steps before it is stopped.
 Each window starts fresh sequences of the same prompts on the measured side, and on the draft neighbour when it
 resumes (a step's attention grows with the context).
 Prints every window's median step as it ends, then per pair of rounds each neighbour's windows' summed
@@ -56,7 +57,7 @@ def one_thread() -> None:
     """One intra-op thread with the services' OpenMP wait policy; before torch is imported."""
     from common.threads import apply_cpu_threads, set_torch_threads
 
-    threads = apply_cpu_threads(SimpleNamespace(num_threads=1, cpu_wait_policy=None))
+    threads = apply_cpu_threads(SimpleNamespace(num_threads=1, cpu_wait_policy="passive"))
     set_torch_threads(threads)
 
 
@@ -118,9 +119,9 @@ class Decoder:
         return statistics.median(times)
 
 
-def neighbour(kind: str, draft: str, seqs: int, ready_file: str) -> None:
-    """Runs on its core until killed or its parent is gone; touches `ready_file` once it runs its work."""
-    parent = os.getppid()
+def neighbour(kind: str, draft: str, seqs: int, ready_file: str, parent: int) -> None:
+    """Runs on its core until killed or its parent (pid `parent`) is gone; touches `ready_file` once it runs its
+    work (the draft: after a few seconds of it, so that its first window does not run its cold first steps)."""
     if kind == "python":
         Path(ready_file).touch()
         x = 0
@@ -137,6 +138,9 @@ def neighbour(kind: str, draft: str, seqs: int, ready_file: str) -> None:
         resumed = True
 
     signal.signal(signal.SIGCONT, on_resume)
+    warm_until = time.monotonic() + 5.0
+    while time.monotonic() < warm_until:
+        decoder.step()
     Path(ready_file).touch()
     while os.getppid() == parent:
         if resumed:  # a new window: fresh sequences, as on the measured side
@@ -150,7 +154,8 @@ def start_neighbour(kind: str, args: argparse.Namespace, core: int, workdir: str
     ready = os.path.join(workdir, f"{kind}.ready")
     with open(os.path.join(workdir, f"{kind}.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, __file__, "--neighbour", kind, "--core", str(core), "--draft",
-                                 args.draft, "--seqs", str(args.seqs), "--ready-file", ready],
+                                 args.draft, "--seqs", str(args.seqs), "--ready-file", ready,
+                                 "--parent", str(os.getpid())],
                                 stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -168,8 +173,8 @@ def start_neighbour(kind: str, args: argparse.Namespace, core: int, workdir: str
 
 
 def die_with_parent() -> None:
-    """SIGKILL when the parent dies, however it dies (Linux; elsewhere the neighbours' own check of their parent):
-    a neighbour left stopped would keep its model in memory."""
+    """SIGKILL when the parent dies, however it dies (Linux with glibc; elsewhere only the neighbours' own check of
+    their parent, which a stopped neighbour cannot run: a parent killed with SIGKILL then leaves it stopped)."""
     try:
         import ctypes
 
@@ -180,7 +185,8 @@ def die_with_parent() -> None:
 
 def alive(proc: subprocess.Popen | None, kind: str) -> None:
     if proc is not None and proc.poll() is not None:
-        raise RuntimeError(f"the {kind} neighbour exited ({proc.returncode}): its windows would be idle ones")
+        raise RuntimeError(f"the {kind} neighbour exited ({proc.returncode}): its windows would be idle ones "
+                           "(its log is in the run's temporary directory, removed on exit)")
 
 
 def main() -> int:
@@ -193,15 +199,21 @@ def main() -> int:
     parser.add_argument("--neighbour", choices=KINDS[1:], help=argparse.SUPPRESS)
     parser.add_argument("--core", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--ready-file", help=argparse.SUPPRESS)
+    parser.add_argument("--parent", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.neighbour:
         die_with_parent()
+        if os.getppid() != args.parent:  # the parent died before the death signal was set
+            return 1
         os.sched_setaffinity(0, {args.core})
-        neighbour(args.neighbour, args.draft, args.seqs, args.ready_file)
+        neighbour(args.neighbour, args.draft, args.seqs, args.ready_file, args.parent)
         return 0
-    order = schedule(args.rounds)
-    if not args.seconds > 0 or args.seqs < 1:
-        parser.error("--seconds must be > 0 and --seqs >= 1")
+    try:
+        order = schedule(args.rounds)
+    except ValueError as err:
+        parser.error(str(err))
+    if not args.seconds > 0 or not 1 <= args.seqs <= 64:
+        parser.error("--seconds must be > 0 and --seqs from 1 to 64 (the prompts' step fits one step's token budget)")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         print("needs 2 cores", file=sys.stderr)

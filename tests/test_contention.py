@@ -39,9 +39,11 @@ def test_paired_ratios_cancel_a_linear_drift() -> None:
     assert python == pytest.approx([1.0, 1.0])
     first_idle = (windows["idle"][0] + windows["idle"][1]) / 2
     assert draft[0] == pytest.approx(1 + 0.05 / first_idle)
-    assert draft[1] > 1.0
+    assert draft[1] == pytest.approx(1 + 0.1 / (windows["idle"][2] + windows["idle"][3]))
 
 
 def test_paired_ratios_refuse_unpaired_windows() -> None:
     with pytest.raises(ValueError):
         paired_ratios({"idle": [1.0, 1.0, 1.0], "draft": [1.0, 1.0, 1.0]}, "draft")
+    with pytest.raises(ValueError):
+        paired_ratios({"idle": [1.0, 1.0], "draft": [1.0, 1.0, 1.0, 1.0]}, "draft")
