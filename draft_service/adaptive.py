@@ -116,8 +116,9 @@ class RoundLength:
     choice (`choice`, None before its first), or 0 where the own-cost rule says drafting does not pay this
     sequence at all; under adaptive, the own-cost rule's length.
 
-    Under auto the first round (`opening`) proposes no drafts: its empty block goes out with the prompt, so the
-    verifier computes the prompt and samples the first token in one step, as for k = 0. Beside that step the draft
+    Under auto, on a process with no other generation running (`opens_ahead`), the first round (`opening`)
+    proposes no drafts: its empty block goes out with the prompt, so the verifier computes the prompt and samples
+    the first token in one step, as for k = 0. Beside that step the draft
     feeds the prompt, guesses the first token and drafts the second round's block after it (`ahead`, a pipelined
     branch, whatever --pipeline says), of the length last chosen on this process at a load at least as heavy as the
     opening's (for_mode's recent_choice: RecentChoices.opening), or none where that was 0 (under load: the prompt is
@@ -131,6 +132,17 @@ class RoundLength:
     default pair, 2 cores: time to first token 1,007 ms against 529 for k = 0; 16 streams, 7.7 s against 5.5). Plain
     with no block drafted ahead (tried the same day), the second round waited for its drafts after the first token:
     at one stream 0.86x fixed k = 4's tokens/s.
+
+    Beside other generations the opening drafts its first block before proposing, as a fixed k does, of the recent
+    choice's length (none where that was 0): the prompt and its drafts go in one proposal, which the draft's batch
+    sends with the other new sequences' of its burst. Opened the other way under load, a wave's sequences came
+    apart: their prompts reached the verifier over two steps as their requests arrived, each group's second round
+    came back while the other's step ran, and the batch ran in groups for seconds (bench/capacity.py, abba order,
+    default pair, 2 cores, 8bd7d8c: at 8 streams steps of 3, 6, 4, 7, 1, 6 and 2 sequences for 12.5 s, where fixed
+    k = 4's openings ran whole from their second round). The opening's drafting delays its first token (at 4 streams
+    it waits for the draft's prompt and block, as a fixed k's first token does), so it is kept to openings beside
+    others: alone, the first token comes after the prompt's step. Where the process has no recent choice (a fresh
+    service) the opening drafts ahead at the full k whatever the load, as it did before any choice was known.
 
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
     and waiting times. Under auto the verifier prices the batch, the network and its wait for drafting, so only
@@ -147,22 +159,24 @@ class RoundLength:
     probe_every: int = 8
     asked: int | None = None  # the cap the last round sent for the verifier's choice (None: none)
     opening: bool = True  # no round yet
+    opens_ahead: bool = True  # the opening proposes the prompt alone and drafts its second block ahead (the class)
     ahead: int = 0  # the last round's block drafted ahead beside it (the opening's; see the class)
     _rounds_at_zero: int = 0
 
     @classmethod
     def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool, recent_choice: int | None,
-                 pooled: AdaptiveDraftLength | None = None) -> RoundLength:
+                 pooled: AdaptiveDraftLength | None = None, alone: bool = True) -> RoundLength:
         """`mode`: --speculation; `varies`: whether this sequence's k may vary at all; `recent_choice`: the
         verifier's last choice on this process at a load at least as heavy as this sequence's
         (RecentChoices.opening), so a request that starts under load does not begin with a full-k block;
         `pooled`: the own-cost estimate over this process's recent rounds, the new sequence's starting point
-        (AdaptiveDraftLength.seeded)."""
+        (AdaptiveDraftLength.seeded); `alone`: no other generation runs on the process (the class's opening)."""
         own = None
         if varies and weighs_own_cost:
             own = (pooled or AdaptiveDraftLength.for_mode(k, mode)).seeded(k)
         follows = varies and mode == "auto"
-        return cls(k, own, follows, recent_choice if follows else None)
+        choice = recent_choice if follows else None
+        return cls(k, own, follows, choice, opens_ahead=alone or choice is None)
 
     def next_round(self) -> tuple[int, int | None]:
         """(this round's draft length, the cap to send with its proposal for the verifier's choice, or None)."""
@@ -185,7 +199,7 @@ class RoundLength:
             self._rounds_at_zero = 0
         k_round = min(self.k, own_cap if self.choice is None else min(own_cap, self.choice))
         self.ahead = 0
-        if self.opening and self.follows_verifier:
+        if self.opening and self.follows_verifier and self.opens_ahead:
             self.ahead, k_round = k_round, 0  # the class's opening
         self.opening = False
         self.asked = ask if self.follows_verifier else None

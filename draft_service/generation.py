@@ -40,6 +40,13 @@ from specwire.v1 import wire
 
 log = structlog.get_logger(__name__)
 
+# Under --speculation auto an opening that finds no other generation on the process waits this long for another
+# to arrive before it takes the lone opening (RoundLength.opens_ahead): a burst's requests arrive a little apart
+# (1 to 3 ms on loopback, bench/capacity.py at 4 streams), and its first found itself alone, proposed its prompt
+# alone and came apart from the rest of its wave. The wait ends at the next arrival; a request that stays alone
+# (one stream) pays it whole before its prompt goes out.
+OPENING_BURST_WINDOW_S = 0.01
+
 
 class VerifierFailed(ServiceError):
     """An error the verifier sent for a sequence: it has freed the sequence already. Any other failure, this
@@ -121,6 +128,7 @@ class Generator:
         self.due = due
         self._awaiting: set[int] = set()  # sequence ids whose generation waits for its verdict now
         self._running = 0  # generations in progress
+        self._arrival_waiters: set[asyncio.Future] = set()  # openings waiting for another generation (_alone)
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
         self._recent_choices = RecentChoices()  # the verifier's recent choices on this process, by load (auto)
@@ -142,7 +150,7 @@ class Generator:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
-        self._running += 1
+        self._arrived()
         outcome = "error"
         try:
             async for event in self._generate(req):
@@ -159,6 +167,13 @@ class Generator:
             if not self._running:
                 self.drafter.idle_again()
             self.metrics.requests.labels(outcome=outcome).inc()
+
+    def _arrived(self) -> None:
+        """A generation starts: counted, and the openings waiting to see whether they are alone learn of it."""
+        self._running += 1
+        for waiter in self._arrival_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def _generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         t0 = time.perf_counter()
@@ -328,11 +343,29 @@ class Generator:
         sampling = self._sampling(requested.with_seed(), identity)
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
                             num_prompt_tokens=len(prompt))
-        length = RoundLength.for_mode(k, self.speculation, varies=self.adapts_k(requested, k) and not req.fixed_k,
-                                      weighs_own_cost=self.weighs_own_cost,
+        varies = self.adapts_k(requested, k) and not req.fixed_k
+        alone = await self._alone(varies)
+        length = RoundLength.for_mode(k, self.speculation, varies=varies, weighs_own_cost=self.weighs_own_cost,
                                       recent_choice=self._recent_choices.opening(self._running),
-                                      pooled=self._pooled_own)
+                                      pooled=self._pooled_own, alone=alone)
         return prompt, seq, length, identity.max_model_len
+
+    async def _alone(self, varies: bool) -> bool:
+        """Whether no other generation runs on the process as this one opens. Under auto, with a choice on
+        record (else the opening drafts ahead whatever the load: RoundLength.for_mode), one that finds itself
+        alone waits up to OPENING_BURST_WINDOW_S for another to arrive."""
+        if self._running > 1:
+            return False
+        if not (varies and self.speculation == "auto") or self._recent_choices.opening(1) is None:
+            return True
+        arrival = asyncio.get_running_loop().create_future()
+        self._arrival_waiters.add(arrival)
+        try:
+            await asyncio.wait({arrival}, timeout=OPENING_BURST_WINDOW_S)
+        finally:
+            self._arrival_waiters.discard(arrival)
+            arrival.cancel()
+        return self._running <= 1
 
     def _check_fixed(self, req: GenerationRequest) -> None:
         """A request's speculation FIXED needs --allow-request-fixed where it changes anything (a k above 0 on a
@@ -360,10 +393,12 @@ class Generator:
         return min(tokens_left(seq, num_prompt_tokens, max_model_len))
 
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength, opening: bool) -> DraftBlock:
-        """`opening`: the sequence's first round, which has no burst to wait for: its prompt goes at once."""
+        """`opening`: the sequence's first round, which has no burst to wait for: its prompt goes at once. One
+        that drafts (RoundLength.opens_ahead False) feeds its prompt whatever the batch's catch-up budget, as a
+        fixed k's: deferred, it would propose the prompt alone, a round apart from the openings of its burst."""
         if length.follows_verifier and k == 0 and not opening:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
-        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier)
+        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier and not (opening and k))
 
     def _record_round(self, stats: GenerationStats, length: RoundLength, seq: DraftSequence, block: DraftBlock,
                       verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float,

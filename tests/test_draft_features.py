@@ -198,6 +198,26 @@ def test_a_new_sequence_starts_from_the_processs_recent_acceptance():
     assert seeded.next_round()[0] == 4
 
 
+def test_an_opening_beside_other_generations_drafts_its_block_before_proposing():
+    """Under auto an opening proposes its prompt alone and drafts ahead only where no other generation runs on
+    the process (or no choice is on record yet, a fresh service): beside others it drafts the recent choice first,
+    as a fixed k does, and a recent choice of 0 leaves the prompt alone with nothing ahead."""
+    from draft_service.adaptive import RoundLength
+
+    def opening(recent, alone):
+        length = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=False, recent_choice=recent,
+                                      alone=alone)
+        return length.next_round(), length.ahead, length.next_round()
+
+    assert opening(3, alone=True) == ((0, 4), 3, (3, 4))
+    assert opening(3, alone=False) == ((3, 4), 0, (3, 4))
+    assert opening(0, alone=False) == ((0, 4), 0, (0, 4))
+    assert opening(None, alone=False) == ((0, 4), 4, (4, 4))
+    # a fixed k, and a sequence whose k may not vary, draft their k from the first round whatever the load
+    fixed = RoundLength.for_mode(4, "fixed", varies=True, weighs_own_cost=False, recent_choice=3, alone=True)
+    assert fixed.next_round() == (4, None) and fixed.ahead == 0
+
+
 def test_an_opening_s_times_teach_the_own_cost_rule_nothing():
     """An opening's round takes its prompt's and its block-ahead's time, not a round's: observed untimed, the
     own-cost rule's times stay as they were, while the verifier's choice is still taken."""

@@ -1044,6 +1044,70 @@ def test_an_opening_proposes_its_prompt_alone_and_drafts_the_second_block_ahead(
     assert waits == [] and drafter.warmed == []  # the opening waits for no batch; what drafts ahead feeds the prompt
 
 
+def test_an_opening_beside_another_generation_proposes_its_prompt_with_the_recent_choice_drafted():
+    """With another generation running on the process, the opening drafts the recent choice at its load (2
+    running, its own included) before it proposes, its prompt fed whatever the batch's catch-up budget (not
+    deferrable, as a fixed k's), and proposes prompt and block at once: nothing is drafted ahead, and the proposal
+    says nothing is left to feed. Alone on the process, the same record leaves the opening's block to draft ahead."""
+    def run(others):
+        link = BacklogVerifier([2, 0])
+        drafter = AheadDrafter()
+        gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+        gen._recent_choices.record(2, 3)
+        gen._running = others
+        _generate_once(gen, tuple(range(1, 11)))
+        gen.prompts.close()
+        return drafter.lengths, drafter.may_defer, drafter.aheads, link.sent[0]
+
+    lengths, may_defer, aheads, first = run(others=1)
+    assert (lengths[:2], may_defer[:2], aheads, first) == ([3, 2], [False, True], [], (3, 4, 0, ()))
+    lengths, may_defer, aheads, first = run(others=0)
+    assert (lengths[0], aheads, first) == (0, [3], (0, 4, 0, ()))
+
+
+def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_request(monkeypatch):
+    """Under auto, with a choice on record, an opening alone on the process waits for another generation to
+    arrive (a burst's requests come a little apart), and is not alone once one does, without waiting out the
+    window. With no choice on record, under a fixed k, or beside another generation already, nothing is awaited."""
+    import draft_service.generation as generation
+
+    def generator(speculation="auto"):
+        gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation), BlockingTokenizer(),
+                        VOCAB, BacklogVerifier([0]), AheadDrafter())
+        gen._running = 1  # the opening's own
+        return gen
+
+    async def arrival_during_the_wait():
+        gen = generator()
+        gen._recent_choices.record(1, 3)
+        alone = asyncio.ensure_future(gen._alone(True))
+        await asyncio.sleep(0)
+        assert not alone.done()
+        gen._arrived()
+        return await asyncio.wait_for(alone, 5)
+
+    async def at_once(gen, varies=True):
+        return await asyncio.wait_for(gen._alone(varies), 5)
+
+    monkeypatch.setattr(generation, "OPENING_BURST_WINDOW_S", 60.0)
+    assert asyncio.run(arrival_during_the_wait()) is False
+    assert asyncio.run(at_once(generator())) is True  # no choice on record: it drafts ahead at the full k anyway
+    fixed = generator("fixed")
+    fixed._recent_choices.record(1, 3)
+    assert asyncio.run(at_once(fixed)) is True
+    no_vary = generator()
+    no_vary._recent_choices.record(1, 3)
+    assert asyncio.run(at_once(no_vary, varies=False)) is True
+    beside = generator()
+    beside._recent_choices.record(1, 3)
+    beside._running = 2
+    assert asyncio.run(at_once(beside)) is False
+    monkeypatch.setattr(generation, "OPENING_BURST_WINDOW_S", 0.01)
+    lone = generator()
+    lone._recent_choices.record(1, 3)
+    assert asyncio.run(at_once(lone)) is True
+
+
 def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_feed():
     """Where the last choice on the process at a load like the opening's (8 generations running with it) was 0,
     the opening drafts nothing ahead, nor is its prompt warmed (a choice of 0 mostly comes again), though a
