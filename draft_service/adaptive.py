@@ -165,7 +165,7 @@ class RoundLength:
 
     @classmethod
     def for_mode(cls, k: int, mode: str, *, varies: bool, weighs_own_cost: bool, recent_choice: int | None,
-                 pooled: AdaptiveDraftLength | None = None, alone: bool = True) -> RoundLength:
+                 alone: bool, pooled: AdaptiveDraftLength | None = None) -> RoundLength:
         """`mode`: --speculation; `varies`: whether this sequence's k may vary at all; `recent_choice`: the
         verifier's last choice on this process at a load at least as heavy as this sequence's
         (RecentChoices.opening), so a request that starts under load does not begin with a full-k block;

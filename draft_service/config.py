@@ -87,6 +87,11 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                                    "above it); bounds how long one prompt's tokenization takes", parse=parse_bytes,
                                    show=format_bytes)
     connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
+    opening_wait_ms: float = option(10.0, "under --speculation auto, how long a new request that finds no other "
+                                    "generation on this service waits for one to arrive before it opens as a lone "
+                                    "request (its prompt proposed at once, its next block drafted beside it); with "
+                                    "another it drafts first and proposes with its burst. Ended at once by an "
+                                    "arrival; 0: no wait")
     drain_grace_s: float = option(10.0, "on SIGTERM (or SIGINT): take no new request (clients are told to go to "
                                   "another draft service) and let the generations in progress finish for at most "
                                   "this many seconds, then cancel them", flag="--drain-grace")
@@ -147,6 +152,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
             raise ValueError(f"q_max_support must be >= 1, got {self.q_max_support}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if not 0 <= self.opening_wait_ms <= 1000:
+            raise ValueError(f"opening_wait_ms must be in [0, 1000], got {self.opening_wait_ms}")
         VerifierTargets.parse(self.verifier)  # raises ValueError naming the forms it takes
         if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
             raise ValueError("ports must be in [0, 65535]")

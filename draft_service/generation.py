@@ -19,6 +19,7 @@ from common.sampling import FinishReason, SamplingParams, WireMode, validate_tok
 from common.tokenizer import INLINE_PROMPT_IDS, PromptEncoder
 from draft_service.adaptive import AdaptiveDraftLength, RecentChoices, RoundLength
 from draft_service.config import DraftConfig
+from draft_service.draft_model import CATCH_UP_BUDGET_TOKENS
 from draft_service.drafters import Drafter
 from draft_service.due_rounds import DueRounds
 from draft_service.metrics import DraftMetrics
@@ -39,13 +40,6 @@ from draft_service.verifier_link import LinkDown, VerifierLink
 from specwire.v1 import wire
 
 log = structlog.get_logger(__name__)
-
-# Under --speculation auto an opening that finds no other generation on the process waits this long for another
-# to arrive before it takes the lone opening (RoundLength.opens_ahead): a burst's requests arrive a little apart
-# (1 to 3 ms on loopback, bench/capacity.py at 4 streams), and its first found itself alone, proposed its prompt
-# alone and came apart from the rest of its wave. The wait ends at the next arrival; a request that stays alone
-# (one stream) pays it whole before its prompt goes out.
-OPENING_BURST_WINDOW_S = 0.01
 
 
 class VerifierFailed(ServiceError):
@@ -128,7 +122,7 @@ class Generator:
         self.due = due
         self._awaiting: set[int] = set()  # sequence ids whose generation waits for its verdict now
         self._running = 0  # generations in progress
-        self._arrival_waiters: set[asyncio.Future] = set()  # openings waiting for another generation (_alone)
+        self._arrival_waiters: set[asyncio.Future[None]] = set()  # openings waiting for another one (_alone)
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
         self._recent_choices = RecentChoices()  # the verifier's recent choices on this process, by load (auto)
@@ -351,21 +345,29 @@ class Generator:
         return prompt, seq, length, identity.max_model_len
 
     async def _alone(self, varies: bool) -> bool:
-        """Whether no other generation runs on the process as this one opens. Under auto, with a choice on
-        record (else the opening drafts ahead whatever the load: RoundLength.for_mode), one that finds itself
-        alone waits up to OPENING_BURST_WINDOW_S for another to arrive."""
+        """Whether no other generation runs on the process as this one opens (RoundLength.for_mode's `alone`).
+        Under auto, with a choice on record (else the opening drafts ahead whatever the load), one that finds
+        itself alone waits up to --opening-wait-ms for another to arrive: a burst's requests arrive a little apart
+        (1 to 3 ms on loopback, bench/capacity.py at 4 streams, 2 cores), and its first, finding itself alone,
+        proposed its prompt alone and came apart from the rest of its wave. The wait ends at the next arrival; a
+        request that stays alone (one stream) pays it whole before its prompt goes out. It comes before the
+        sequence is opened on the verifier: an idle verifier computes an opened prompt at once, and a lone
+        opening's proposal must reach it with the prompt, not a step later."""
         if self._running > 1:
             return False
-        if not (varies and self.speculation == "auto") or self._recent_choices.opening(1) is None:
+        wait_s = self.config.opening_wait_ms / 1e3
+        if not (varies and self.speculation == "auto") or self._recent_choices.opening(1) is None or wait_s <= 0:
             return True
         arrival = asyncio.get_running_loop().create_future()
         self._arrival_waiters.add(arrival)
         try:
-            await asyncio.wait({arrival}, timeout=OPENING_BURST_WINDOW_S)
+            await asyncio.wait({arrival}, timeout=wait_s)
+            alone = not arrival.done()  # one that arrived is of its burst, even where it has ended since
         finally:
             self._arrival_waiters.discard(arrival)
             arrival.cancel()
-        return self._running <= 1
+        log.debug("opening_alone" if alone else "opening_joined_a_burst", running=self._running)
+        return alone
 
     def _check_fixed(self, req: GenerationRequest) -> None:
         """A request's speculation FIXED needs --allow-request-fixed where it changes anything (a k above 0 on a
@@ -393,12 +395,16 @@ class Generator:
         return min(tokens_left(seq, num_prompt_tokens, max_model_len))
 
     async def _draft(self, seq: DraftSequence, k: int, length: RoundLength, opening: bool) -> DraftBlock:
-        """`opening`: the sequence's first round, which has no burst to wait for: its prompt goes at once. One
-        that drafts (RoundLength.opens_ahead False) feeds its prompt whatever the batch's catch-up budget, as a
-        fixed k's: deferred, it would propose the prompt alone, a round apart from the openings of its burst."""
+        """`opening`: the sequence's first round, which waits for no burst's batch (one that drafts nothing
+        proposes its prompt at once). One that drafts (RoundLength.opens_ahead False) feeds a prompt of at most
+        CATCH_UP_BUDGET_TOKENS whatever the batch's catch-up budget, as a fixed k's round does: deferred, it would
+        propose the prompt alone, a round apart from the openings of its burst. A longer prompt is deferrable as
+        any catch-up: the budget bounds what one batch feeds before the running sequences' drafting steps, which a
+        burst of long prompts fed whole would hold up for seconds."""
         if length.follows_verifier and k == 0 and not opening:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
-        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier and not (opening and k))
+        feeds_whole = opening and k > 0 and seq.num_prompt_tokens <= CATCH_UP_BUDGET_TOKENS
+        return await self.drafter.draft(seq, k, may_defer=length.follows_verifier and not feeds_whole)
 
     def _record_round(self, stats: GenerationStats, length: RoundLength, seq: DraftSequence, block: DraftBlock,
                       verdict: VerdictEvent, tokens: tuple[int, ...], t0: float, draft_s: float, wait_s: float,
@@ -414,9 +420,11 @@ class Generator:
         # a tree counts by its positions (its depth), as the length it was drafted for; a round whose batch fed a
         # catch-up first says nothing of drafting's usual time
         own_draft_s = None if block.catch_up_tokens else draft_s
+        timed = not (length.follows_verifier and stats.num_rounds == 1)  # an opening's times are its prompt's
         length.observe(block.num_positions, verdict.num_accepted, verdict.next_draft_tokens, own_draft_s, wait_s,
-                       timed=not (length.follows_verifier and stats.num_rounds == 1))
-        if length.own and block.num_draft_tokens:  # a round that drafted nothing says nothing of drafting
+                       timed=timed)
+        # a round that drafted nothing says nothing of drafting
+        if length.own and block.num_draft_tokens and timed:
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
         choice = length.load_choice(room)
         if choice is not None:

@@ -66,6 +66,15 @@ def test_draft_prefill_budget_and_prompt_size_flags(monkeypatch):
         DraftConfig(model="m", max_prompt_bytes=0)
 
 
+def test_the_opening_wait_flag_is_parsed_and_bounded(monkeypatch):
+    assert DraftConfig(model="m").opening_wait_ms == 10.0
+    assert _parse(DraftConfig, ["--model", "m", "--opening-wait-ms", "25"], monkeypatch).opening_wait_ms == 25.0
+    assert _parse(DraftConfig, ["--model", "m", "--opening-wait-ms", "0"], monkeypatch).opening_wait_ms == 0.0
+    for bad in ("-1", "1001", "nan"):
+        with pytest.raises(ValueError, match="opening_wait_ms"):
+            _parse(DraftConfig, ["--model", "m", "--opening-wait-ms", bad], monkeypatch)
+
+
 @pytest.mark.parametrize("flag,value,fragment", [
     ("--max-streams", "0", "max_streams"),
     ("--max-sequences", "0", "max_sequences"),

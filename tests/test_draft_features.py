@@ -186,8 +186,9 @@ def test_a_new_sequence_starts_from_the_processs_recent_acceptance():
     pooled = AdaptiveDraftLength(4, decay=0.95, tolerance=0.03)
     for _ in range(40):
         pooled.observe(4, 0, draft_s=0.4, wait_s=1.0)
-    fresh = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4)
-    seeded = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4, pooled=pooled)
+    fresh = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4, alone=True)
+    seeded = RoundLength.for_mode(4, "auto", varies=True, weighs_own_cost=True, recent_choice=4, alone=True,
+                                  pooled=pooled)
     # (under auto the opening proposes no drafts, and drafts the next block ahead at the rule's length)
     assert fresh.next_round() == (0, 4) and fresh.ahead == 4
     assert seeded.next_round() == (0, 0) and seeded.ahead == 0
@@ -216,6 +217,8 @@ def test_an_opening_beside_other_generations_drafts_its_block_before_proposing()
     # a fixed k, and a sequence whose k may not vary, draft their k from the first round whatever the load
     fixed = RoundLength.for_mode(4, "fixed", varies=True, weighs_own_cost=False, recent_choice=3, alone=True)
     assert fixed.next_round() == (4, None) and fixed.ahead == 0
+    steady = RoundLength.for_mode(4, "auto", varies=False, weighs_own_cost=False, recent_choice=3, alone=True)
+    assert steady.next_round() == (4, None) and steady.ahead == 0
 
 
 def test_an_opening_s_times_teach_the_own_cost_rule_nothing():

@@ -1065,15 +1065,117 @@ def test_an_opening_beside_another_generation_proposes_its_prompt_with_the_recen
     assert (lengths[0], aheads, first) == (0, [3], (0, 4, 0, ()))
 
 
-def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_request(monkeypatch):
+def test_an_opening_beside_others_with_a_long_prompt_may_be_deferred():
+    """A drafting opening feeds its prompt whatever the batch's catch-up budget only where the prompt is at most
+    that budget: a longer one is deferrable like any catch-up, so a burst of long prompts cannot hold up the
+    running sequences' drafting steps for as long as feeding them all whole takes."""
+    from draft_service.draft_model import CATCH_UP_BUDGET_TOKENS
+
+    def first_may_defer(prompt_len):
+        drafter, link = AheadDrafter(), BacklogVerifier([0])
+        link.identity = dataclasses.replace(link.identity, max_model_len=4 * CATCH_UP_BUDGET_TOKENS)
+        gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+        gen._recent_choices.record(2, 3)
+        gen._running = 1
+        _generate_once(gen, tuple(1 + i % 50 for i in range(prompt_len)))
+        gen.prompts.close()
+        return drafter.lengths[0], drafter.may_defer[0]
+
+    assert first_may_defer(CATCH_UP_BUDGET_TOKENS) == (3, False)
+    assert first_may_defer(CATCH_UP_BUDGET_TOKENS + 1) == (3, True)
+
+
+class SlowFirstVerdict(ChoosingVerifier):
+    """ChoosingVerifier whose first verdict takes `first_s` (a prompt's step under load)."""
+
+    def __init__(self, choices: list[int], first_s: float) -> None:
+        super().__init__(choices)
+        self.first_s = first_s
+
+    async def next_event(self, seq_id):
+        if self._round == 0:
+            await asyncio.sleep(self.first_s)
+        return await super().next_event(seq_id)
+
+
+def test_a_drafting_opening_s_times_teach_the_pooled_own_cost_nothing():
+    """An opening that drafts beside other generations waits for its prompt's step: the pooled own-cost estimate,
+    which seeds every new sequence, learns its rounds from the second on, as the sequence's own rule does."""
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, SlowFirstVerdict([3] * 4, 0.5),
+                    AheadDrafter())
+    gen.weighs_own_cost = True
+    gen._recent_choices.record(2, 3)
+    gen._running = 1
+    _generate_once(gen, tuple(range(1, 11)))
+    gen.prompts.close()
+    assert gen._pooled_own.t_verify is not None and gen._pooled_own.t_verify < 0.25  # 0.5 s if counted
+
+
+class FirstProposals(OneTokenVerifier):
+    """OneTokenVerifier that records the drafts of each sequence's proposals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drafts: list[int] = []
+
+    def propose(self, seq_id, start_position, block, **_) -> int:
+        self.drafts.append(block.num_draft_tokens)
+        return 1
+
+
+def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
+    """Two requests a moment apart on a process with a choice on record: the first, alone as it opens, waits for
+    the second, and both then open beside each other, drafting the recent choice before proposing (no block is
+    drafted ahead). Nothing is left waiting, and a request cancelled during its wait is not opened on the
+    verifier, nor counted."""
+    def generator(link, drafter, wait_ms):
+        gen = Generator(DraftConfig(model="m", proposer="ngram", opening_wait_ms=wait_ms), BlockingTokenizer(),
+                        VOCAB, link, drafter)
+        gen._recent_choices.record(2, 3)
+        return gen
+
+    def request():
+        return GenerationRequest(sampling=SamplingParams(temperature=0.0), prompt_text=None,
+                                 prompt_token_ids=(1, 2, 3, 4))
+
+    async def drain(gen):
+        return [event async for event in gen.generate(request())]
+
+    async def burst():
+        link, drafter = FirstProposals(), AheadDrafter()
+        gen = generator(link, drafter, 1000)
+        first = asyncio.ensure_future(drain(gen))
+        while not gen._arrival_waiters:
+            await asyncio.sleep(0)
+        second = asyncio.ensure_future(drain(gen))
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        gen.prompts.close()
+        return link.drafts, drafter.lengths, drafter.aheads, gen._arrival_waiters, gen._running
+
+    assert asyncio.run(burst()) == ([3, 3], [3, 3], [], set(), 0)
+
+    async def cancelled():
+        link = FirstProposals()
+        gen = generator(link, AheadDrafter(), 1000)
+        task = asyncio.ensure_future(drain(gen))
+        while not gen._arrival_waiters:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gen.prompts.close()
+        return link.opened, gen._arrival_waiters, gen._running
+
+    assert asyncio.run(cancelled()) == ([], set(), 0)
+
+
+def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_request():
     """Under auto, with a choice on record, an opening alone on the process waits for another generation to
     arrive (a burst's requests come a little apart), and is not alone once one does, without waiting out the
     window. With no choice on record, under a fixed k, or beside another generation already, nothing is awaited."""
-    import draft_service.generation as generation
-
-    def generator(speculation="auto"):
-        gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation), BlockingTokenizer(),
-                        VOCAB, BacklogVerifier([0]), AheadDrafter())
+    def generator(speculation="auto", wait_ms=1000):
+        gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation, opening_wait_ms=wait_ms),
+                        BlockingTokenizer(), VOCAB, BacklogVerifier([0]), AheadDrafter())
         gen._running = 1  # the opening's own
         return gen
 
@@ -1084,12 +1186,14 @@ def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_re
         await asyncio.sleep(0)
         assert not alone.done()
         gen._arrived()
-        return await asyncio.wait_for(alone, 5)
+        for _ in range(5):  # woken by the arrival, not at the end of its 1 s window
+            await asyncio.sleep(0)
+        assert alone.done()
+        return alone.result()
 
     async def at_once(gen, varies=True):
         return await asyncio.wait_for(gen._alone(varies), 5)
 
-    monkeypatch.setattr(generation, "OPENING_BURST_WINDOW_S", 60.0)
     assert asyncio.run(arrival_during_the_wait()) is False
     assert asyncio.run(at_once(generator())) is True  # no choice on record: it drafts ahead at the full k anyway
     fixed = generator("fixed")
@@ -1102,10 +1206,12 @@ def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_re
     beside._recent_choices.record(1, 3)
     beside._running = 2
     assert asyncio.run(at_once(beside)) is False
-    monkeypatch.setattr(generation, "OPENING_BURST_WINDOW_S", 0.01)
-    lone = generator()
+    lone = generator(wait_ms=10)
     lone._recent_choices.record(1, 3)
     assert asyncio.run(at_once(lone)) is True
+    unwaiting = generator(wait_ms=0)  # --opening-wait-ms 0: no wait at all
+    unwaiting._recent_choices.record(1, 3)
+    assert asyncio.run(at_once(unwaiting)) is True
 
 
 def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_feed():
