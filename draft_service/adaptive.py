@@ -68,8 +68,9 @@ class AdaptiveDraftLength:
 @dataclass
 class RecentChoices:
     """The verifier's latest load choice on this process (RoundLength.load_choice) at each load it came at (the
-    generations this process had running then, the choosing one's own included): what a new sequence's opening
-    drafts ahead (RoundLength.for_mode's recent_choice): the block its second round proposes. The opening takes the
+    generations this process had running then, the choosing one's own included): the length of a new sequence's
+    first block (RoundLength.for_mode's recent_choice), drafted ahead for its second round where it opens alone,
+    else drafted before its first proposal (RoundLength.opens_ahead). The opening takes the
     latest choice made at a load at least as heavy as its own (the generations running as it opens, its own
     included), or, where the load has risen past every load on record, the latest at the heaviest.
 
@@ -101,13 +102,21 @@ class RecentChoices:
     def opening(self, running: int) -> int | None:
         """The choice for an opening with `running` generations on the process (its own included); None before
         any."""
-        now = self.clock()
-        recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
-        recent = recent or self._latest
+        recent = self._recent()
         if not recent:
             return None
         heavier = [latest for seen, latest in recent.items() if seen >= running]
         return max(heavier)[2] if heavier else recent[max(recent)][2]
+
+    def seen_at(self, running: int) -> bool:
+        """Whether a choice made at a load at least as heavy as `running` is on record: opening() does not take
+        the heaviest load's for a heavier one."""
+        return any(seen >= running for seen in self._recent())
+
+    def _recent(self) -> dict:
+        now = self.clock()
+        recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
+        return recent or self._latest
 
 
 @dataclass
@@ -222,8 +231,8 @@ class RoundLength:
 
     def observe(self, num_drafted: int, num_accepted: int, next_draft_tokens: int | None, draft_s: float | None,
                 wait_s: float, timed: bool = True) -> None:
-        """`timed`: False for an opening, whose times are its prompt's and its block drafted ahead's: the own-cost
-        rule learns nothing from it."""
+        """`timed`: False for an opening, whose times are its prompt's (and its block's, drafted ahead or before
+        it was proposed): the own-cost rule learns nothing from it."""
         if self.follows_verifier:
             self.choice = next_draft_tokens
         if self.own and timed:

@@ -1065,6 +1065,23 @@ def test_an_opening_beside_another_generation_proposes_its_prompt_with_the_recen
     assert (lengths[0], aheads, first) == (0, [3], (0, 4, 0, ()))
 
 
+def test_an_opening_beside_others_at_a_load_past_every_one_on_record_drafts_nothing():
+    """Beside another generation at a load heavier than any choice on record (2 running, choices at 1 only), the
+    opening drafts nothing and nothing ahead: it proposes its prompt alone and says the prompt is left to feed, as
+    after a choice of 0. Alone, at the load on record, it drafts that choice ahead."""
+    def run(others):
+        link, drafter = BacklogVerifier([2, 0]), AheadDrafter()
+        gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
+        gen._recent_choices.record(1, 3)
+        gen._running = others
+        _generate_once(gen, tuple(range(1, 11)))
+        gen.prompts.close()
+        return drafter.lengths[0], drafter.aheads, link.sent[0]
+
+    assert run(others=1) == (0, [], (0, 4, 9, ()))
+    assert run(others=0) == (0, [3], (0, 4, 0, ()))
+
+
 def test_an_opening_beside_others_with_a_long_prompt_may_be_deferred():
     """A drafting opening feeds its prompt whatever the batch's catch-up budget only where the prompt is at most
     that budget: a longer one is deferrable like any catch-up, so a burst of long prompts cannot hold up the

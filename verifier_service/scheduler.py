@@ -325,7 +325,9 @@ class Scheduler:
 
 def _folded(seq: Sequence) -> ProposeCmd | None:
     """The pipelined proposal second in `seq`'s queue that its head's verification can take along (a fold), or
-    None. A draft under --speculation auto opens a sequence with an empty block, so that the prompt's step samples
+    None. A draft under --speculation auto with no other generation on its process opens a sequence with an empty
+    block (beside others its opening drafts first and proposes the prompt with its block, which needs no fold:
+    draft_service.adaptive.RoundLength.opens_ahead), so that the prompt's step samples
     the first token at once, and drafts the next block beside that step, after a guess of that token (one assumed
     token; draft_service.adaptive.RoundLength): under load the prompt's step waits for a step before it, and that
     block can be in before it starts (where the draft is fast against the verifier's steps: see below). The step then verifies the guess and the block after the prompt, as one
