@@ -108,11 +108,6 @@ class RecentChoices:
         heavier = [latest for seen, latest in recent.items() if seen >= running]
         return max(heavier)[2] if heavier else recent[max(recent)][2]
 
-    def seen_at(self, running: int) -> bool:
-        """Whether a choice made at a load at least as heavy as `running` is on record: opening() does not take
-        the heaviest load's for a heavier one."""
-        return any(seen >= running for seen in self._recent())
-
     def _recent(self) -> dict:
         now = self.clock()
         recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}

@@ -340,13 +340,6 @@ class Generator:
         varies = self.adapts_k(requested, k) and not req.fixed_k
         alone = await self._alone(varies)
         recent = self._recent_choices.opening(self._running)
-        if recent and not self._recent_choices.seen_at(self._running):
-            # at a load heavier than any on record (beside others: alone, load 1 is), the opening drafts nothing:
-            # a drafting opening makes its burst wait for the draft's prompts and blocks, which a load the verifier
-            # then runs plain does not repay (bench/capacity.py at 16 streams, abba order, default pair, 2 cores, f307590: the
-            # first wave, opened at 8 streams' choice of 4, ran whole and plain 7.7 s after its first request, a
-            # step held 1.4 s for the drafts, against 4.7 s for k = 0's; the level 0.93x k = 0)
-            recent = 0
         length = RoundLength.for_mode(k, self.speculation, varies=varies, weighs_own_cost=self.weighs_own_cost,
                                       recent_choice=recent, pooled=self._pooled_own, alone=alone)
         return prompt, seq, length, identity.max_model_len

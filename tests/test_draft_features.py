@@ -259,8 +259,6 @@ def test_an_opening_takes_the_latest_choice_made_at_a_load_at_least_its_own():
     assert recent.opening(16) == 3 and recent.opening(5) == 3  # the heaviest load's latest, not the latest overall
     recent.record(5, 1)
     assert sorted(recent._latest) == [1, 4, 5, 8]
-    assert recent.seen_at(8) and recent.seen_at(1) and not recent.seen_at(9)
-    assert not RecentChoices().seen_at(1)
 
 
 def test_an_opening_passes_over_choices_older_than_a_minute_while_younger_ones_are_on_record():

@@ -1065,23 +1065,6 @@ def test_an_opening_beside_another_generation_proposes_its_prompt_with_the_recen
     assert (lengths[0], aheads, first) == (0, [3], (0, 4, 0, ()))
 
 
-def test_an_opening_beside_others_at_a_load_past_every_one_on_record_drafts_nothing():
-    """Beside another generation at a load heavier than any choice on record (2 running, choices at 1 only), the
-    opening drafts nothing and nothing ahead: it proposes its prompt alone and says the prompt is left to feed, as
-    after a choice of 0. Alone, at the load on record, it drafts that choice ahead."""
-    def run(others):
-        link, drafter = BacklogVerifier([2, 0]), AheadDrafter()
-        gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB, link, drafter)
-        gen._recent_choices.record(1, 3)
-        gen._running = others
-        _generate_once(gen, tuple(range(1, 11)))
-        gen.prompts.close()
-        return drafter.lengths[0], drafter.aheads, link.sent[0]
-
-    assert run(others=1) == (0, [], (0, 4, 9, ()))
-    assert run(others=0) == (0, [3], (0, 4, 0, ()))
-
-
 def test_an_opening_beside_others_with_a_long_prompt_may_be_deferred():
     """A drafting opening feeds its prompt whatever the batch's catch-up budget only where the prompt is at most
     that budget: a longer one is deferrable like any catch-up, so a burst of long prompts cannot hold up the
@@ -1125,7 +1108,16 @@ def test_a_drafting_opening_s_times_teach_the_pooled_own_cost_nothing():
     gen._running = 1
     _generate_once(gen, tuple(range(1, 11)))
     gen.prompts.close()
-    assert gen._pooled_own.t_verify is not None and gen._pooled_own.t_verify < 0.25  # 0.5 s if counted
+    assert gen._pooled_own.t_verify is not None and gen._pooled_own.t_verify < 0.05  # 0.17 s or more if counted
+
+
+async def _until(condition, turns: int = 100) -> None:
+    """Lets the event loop turn until `condition()` holds, at most `turns` times (then the test fails)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
 
 
 class FirstProposals(OneTokenVerifier):
@@ -1162,8 +1154,7 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
         link, drafter = FirstProposals(), AheadDrafter()
         gen = generator(link, drafter, 1000)
         first = asyncio.ensure_future(drain(gen))
-        while not gen._arrival_waiters:
-            await asyncio.sleep(0)
+        await _until(lambda: gen._arrival_waiters)
         second = asyncio.ensure_future(drain(gen))
         await asyncio.wait_for(asyncio.gather(first, second), 5)
         gen.prompts.close()
@@ -1175,8 +1166,7 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
         link = FirstProposals()
         gen = generator(link, AheadDrafter(), 1000)
         task = asyncio.ensure_future(drain(gen))
-        while not gen._arrival_waiters:
-            await asyncio.sleep(0)
+        await _until(lambda: gen._arrival_waiters)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -1203,9 +1193,7 @@ def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_re
         await asyncio.sleep(0)
         assert not alone.done()
         gen._arrived()
-        for _ in range(5):  # woken by the arrival, not at the end of its 1 s window
-            await asyncio.sleep(0)
-        assert alone.done()
+        await _until(alone.done)  # woken by the arrival, not at the end of its 1 s window
         return alone.result()
 
     async def at_once(gen, varies=True):
