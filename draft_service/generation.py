@@ -399,8 +399,9 @@ class Generator:
         proposes its prompt at once). One that drafts (RoundLength.opens_ahead False) feeds a prompt of at most
         CATCH_UP_BUDGET_TOKENS whatever the batch's catch-up budget, as a fixed k's round does: deferred, it would
         propose the prompt alone, a round apart from the openings of its burst. A longer prompt is deferrable as
-        any catch-up: the budget bounds what one batch feeds before the running sequences' drafting steps, which a
-        burst of long prompts fed whole would hold up for seconds."""
+        any catch-up, so that a burst of long prompts is not fed whole before the running sequences' drafting
+        steps. A burst of short ones is (16 prompts of 30 tokens are 480 rows against the budget's 64), as a fixed
+        k's openings are."""
         if length.follows_verifier and k == 0 and not opening:
             await self.drafter.wait_for_batch()  # proposed with the sequences of its burst
         feeds_whole = opening and k > 0 and seq.num_prompt_tokens <= CATCH_UP_BUDGET_TOKENS
