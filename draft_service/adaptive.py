@@ -102,16 +102,13 @@ class RecentChoices:
     def opening(self, running: int) -> int | None:
         """The choice for an opening with `running` generations on the process (its own included); None before
         any."""
-        recent = self._recent()
+        now = self.clock()
+        recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
+        recent = recent or self._latest
         if not recent:
             return None
         heavier = [latest for seen, latest in recent.items() if seen >= running]
         return max(heavier)[2] if heavier else recent[max(recent)][2]
-
-    def _recent(self) -> dict:
-        now = self.clock()
-        recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
-        return recent or self._latest
 
 
 @dataclass

@@ -339,9 +339,9 @@ class Generator:
                             num_prompt_tokens=len(prompt))
         varies = self.adapts_k(requested, k) and not req.fixed_k
         alone = await self._alone(varies)
-        recent = self._recent_choices.opening(self._running)
         length = RoundLength.for_mode(k, self.speculation, varies=varies, weighs_own_cost=self.weighs_own_cost,
-                                      recent_choice=recent, pooled=self._pooled_own, alone=alone)
+                                      recent_choice=self._recent_choices.opening(self._running),
+                                      pooled=self._pooled_own, alone=alone)
         return prompt, seq, length, identity.max_model_len
 
     async def _alone(self, varies: bool) -> bool:
