@@ -83,7 +83,12 @@ class RecentChoices:
     process's generations (any k, those still being prepared included), not the verifier's batch, and a burst's
     openings count only those that arrived before the opening's prompt was checked (a long prompt's tokenizing,
     on a thread, or a reconnect lets later ones in): the first of a burst that follows a tail mostly takes the
-    tail's choice."""
+    tail's choice.
+
+    The verifier's word on loads not on record (Verdict.plain_from, `note_plain_from`) comes first: an opening
+    under a load at least that heavy drafts nothing. At a new, heavier level the record held only a lighter one's
+    choices, and a wave's openings drafted those (4 tokens at 16 streams after 8, where the verifier then held a
+    step 1.4 s for their drafts and ran plain: bench/capacity.py, default pair, 2 cores, f307590)."""
 
     max_age_s: float = 60.0
     most_loads: int = 1024  # loads kept; past it the one whose choice is oldest goes
@@ -91,6 +96,12 @@ class RecentChoices:
     # running -> (record number, when, choice), least recently recorded first
     _latest: dict = field(default_factory=dict)
     _recorded: int = 0
+    _plain_from: tuple[float, int] | None = None  # (when, the verifier's plain_from) of the latest verdict
+
+    def note_plain_from(self, plain_from: int | None) -> None:
+        """A verdict that carries a choice: its plain_from (None: drafting pays at every load it looked at, or it did
+        not say; the last word is forgotten)."""
+        self._plain_from = None if plain_from is None else (self.clock(), plain_from)
 
     def record(self, running: int, choice: int) -> None:
         self._recorded += 1
@@ -103,6 +114,9 @@ class RecentChoices:
         """The choice for an opening with `running` generations on the process (its own included); None before
         any."""
         now = self.clock()
+        if self._plain_from is not None and now - self._plain_from[0] <= self.max_age_s:
+            if running >= self._plain_from[1]:
+                return 0
         recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
         recent = recent or self._latest
         if not recent:

@@ -87,11 +87,11 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                                    "above it); bounds how long one prompt's tokenization takes", parse=parse_bytes,
                                    show=format_bytes)
     connect_timeout_s: float = option(60.0, "seconds to wait for the verifier at start", flag="--connect-timeout")
-    opening_wait_ms: float = option(10.0, "under --speculation auto, how long a new request that finds no other "
-                                    "generation on this service waits for one to arrive before it opens as a lone "
-                                    "request (its prompt proposed at once, its next block drafted beside it); with "
-                                    "another it drafts first and proposes with its burst. Ended at once by an "
-                                    "arrival; 0: no wait")
+    opening_wait_ms: float = option(10.0, "under --speculation auto, how long a new request waits for no other to "
+                                    "arrive before it counts the requests on this service and opens: alone, its "
+                                    "prompt is proposed at once and its next block drafted beside it; with others "
+                                    "it drafts first the length the verifier chose at that load, and proposes with "
+                                    "its burst. An arrival starts the wait again, up to 5 waits in all; 0: no wait")
     drain_grace_s: float = option(10.0, "on SIGTERM (or SIGINT): take no new request (clients are told to go to "
                                   "another draft service) and let the generations in progress finish for at most "
                                   "this many seconds, then cancel them", flag="--drain-grace")

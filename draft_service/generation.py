@@ -50,6 +50,9 @@ class VerifierFailed(ServiceError):
 
 # The longest token-id prompt taken before any verifier stated its context length (see check_num_prompt_ids).
 MAX_PROMPT_TOKEN_IDS = 1 << 21
+# an opening's waits for its burst (Generator._alone), at most this many --opening-wait-ms in all: a steady
+# stream of arrivals must not hold a request's prompt back for long
+SETTLE_WAITS = 5
 
 
 def checked_prompt_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -345,27 +348,36 @@ class Generator:
         return prompt, seq, length, identity.max_model_len
 
     async def _alone(self, varies: bool) -> bool:
-        """Whether no other generation runs on the process as this one opens (RoundLength.for_mode's `alone`).
-        Under auto, with a choice on record (else the opening drafts ahead whatever the load), one that finds
-        itself alone waits up to --opening-wait-ms for another to arrive: a burst's requests arrive a little apart
-        (1 to 3 ms on loopback, bench/capacity.py at 4 streams, 2 cores), and its first, finding itself alone,
-        proposed its prompt alone and came apart from the rest of its wave. The wait ends at the next arrival; a
-        request that stays alone (one stream) pays it whole before its prompt goes out. It comes before the
-        sequence is opened on the verifier: an idle verifier computes an opened prompt at once, and a lone
-        opening's proposal must reach it with the prompt, not a step later."""
-        if self._running > 1:
-            return False
+        """Whether no other generation ran on the process as this one opened (RoundLength.for_mode's `alone`), once
+        its burst has arrived. Under auto, with a choice on record (else the opening drafts ahead whatever the
+        load), an opening waits until no other request has arrived for --opening-wait-ms (at most
+        SETTLE_WAITS such waits in all), and then counts the process's generations (_prepare: the load its
+        first block's length is looked up at). A burst's requests arrive a little apart (1 to 3 ms on loopback,
+        bench/capacity.py at 4 and 16 streams, 2 cores), and each opening counted only those before it: the first,
+        finding itself alone, proposed its prompt alone and came apart from its wave, and the rest took the choices
+        of loads from 1 to the burst's, some drafting, some not, at a load where the verifier then ran plain (16
+        streams, f307590: 8 of 16 openings drafted, and those finished about 3 s apart from the rest). A request
+        that stays alone (one stream) pays one wait before its prompt goes out, as does an opening beside others;
+        an arrival starts the wait again. It comes before the sequence is opened on the verifier: an idle
+        verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
+        not a step later."""
         wait_s = self.config.opening_wait_ms / 1e3
+        alone = self._running <= 1
         if not (varies and self.speculation == "auto") or self._recent_choices.opening(1) is None or wait_s <= 0:
-            return True
-        arrival = asyncio.get_running_loop().create_future()
-        self._arrival_waiters.add(arrival)
-        try:
-            await asyncio.wait({arrival}, timeout=wait_s)
-            alone = not arrival.done()  # one that arrived is of its burst, even where it has ended since
-        finally:
-            self._arrival_waiters.discard(arrival)
-            arrival.cancel()
+            return alone
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_WAITS * wait_s
+        while (left := min(wait_s, deadline - loop.time())) > 0:
+            arrival = loop.create_future()
+            self._arrival_waiters.add(arrival)
+            try:
+                await asyncio.wait({arrival}, timeout=left)
+            finally:
+                self._arrival_waiters.discard(arrival)
+                arrival.cancel()
+            if arrival.cancelled():  # none arrived
+                break
+            alone = False  # one that arrived is of its burst, even where it has ended since
         log.debug("opening_alone" if alone else "opening_joined_a_burst", running=self._running)
         return alone
 
@@ -427,6 +439,7 @@ class Generator:
         # a round that drafted nothing says nothing of drafting
         if length.own and block.num_draft_tokens and timed:
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
+        self._recent_choices.note_plain_from(verdict.plain_from)
         choice = length.load_choice(room)
         if choice is not None:
             self._recent_choices.record(self._running, choice)

@@ -56,7 +56,8 @@ def event_of(msg: verifier_pb2.VerifierMessage) -> tuple[int, LinkEvent] | None:
                                       wire.finish_from_proto(v.finish_reason), v.batch_size, v.step_time_s,
                                       time.perf_counter(),
                                       v.next_draft_tokens if v.HasField("next_draft_tokens") else None,
-                                      v.step, v.step_verdicts)
+                                      v.step, v.step_verdicts,
+                                      v.plain_from if v.HasField("plain_from") else None)
     if kind == "error":
         e = msg.error
         return e.seq_id, ErrorEvent(wire.error_code_from_proto(e.code), e.message)

@@ -65,6 +65,7 @@ class VerdictEvent:
     next_draft_tokens: int | None = None  # the verifier's choice of the next block's length (goodput)
     step: int = 0  # the verifier's step that gave it; 0: not stated (Verdict.step)
     step_verdicts: int = 0  # that step's verdicts on this stream whose sequences go on (Verdict.step_verdicts)
+    plain_from: int | None = None  # the load from which the verifier would decode plainly (Verdict.plain_from)
 
 
 @dataclass(frozen=True)

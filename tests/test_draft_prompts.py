@@ -1176,10 +1176,12 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
     assert asyncio.run(cancelled()) == ([], set(), 0)
 
 
-def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_request():
-    """Under auto, with a choice on record, an opening alone on the process waits for another generation to
-    arrive (a burst's requests come a little apart), and is not alone once one does, without waiting out the
-    window. With no choice on record, under a fixed k, or beside another generation already, nothing is awaited."""
+def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
+    """Under auto, with a choice on record, an opening waits until no other generation has arrived for
+    --opening-wait-ms (a burst's requests come a little apart): an arrival starts the wait again, and makes it
+    one of a burst. Beside others it waits too (the burst's later requests must count). A steady stream of arrivals
+    holds it at most SETTLE_WAITS waits. With no choice on record, under a fixed k, for a request whose k does not
+    vary, or with no wait set, nothing is awaited."""
     def generator(speculation="auto", wait_ms=1000):
         gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation, opening_wait_ms=wait_ms),
                         BlockingTokenizer(), VOCAB, BacklogVerifier([0]), AheadDrafter())
@@ -1191,15 +1193,40 @@ def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_re
         gen._recent_choices.record(1, 3)
         alone = asyncio.ensure_future(gen._alone(True))
         await asyncio.sleep(0)
-        assert not alone.done()
+        first = set(gen._arrival_waiters)
+        assert len(first) == 1 and not alone.done()
         gen._arrived()
-        await _until(alone.done)  # woken by the arrival, not at the end of its 1 s window
-        return alone.result()
+        await _until(lambda: gen._arrival_waiters and gen._arrival_waiters != first)  # waits again, for the next
+        assert not alone.done()
+        alone.cancel()
+        await asyncio.gather(alone, return_exceptions=True)
+        assert not gen._arrival_waiters
+
+    async def joined(gen):
+        alone = asyncio.ensure_future(gen._alone(True))
+        await asyncio.sleep(0)
+        gen._arrived()
+        return await asyncio.wait_for(alone, 5)
+
+    async def steady_arrivals(gen):
+        alone = asyncio.ensure_future(gen._alone(True))
+        for _ in range(2000):  # one every 5 ms for 10 s, each within the 20 ms wait
+            if alone.done():
+                return alone.result()
+            gen._arrived()
+            await asyncio.sleep(0.005)
+        raise AssertionError("the opening waited for as long as arrivals came")
 
     async def at_once(gen, varies=True):
         return await asyncio.wait_for(gen._alone(varies), 5)
 
-    assert asyncio.run(arrival_during_the_wait()) is False
+    asyncio.run(arrival_during_the_wait())
+    burst = generator(wait_ms=20)
+    burst._recent_choices.record(1, 3)
+    assert asyncio.run(joined(burst)) is False and burst._running == 2
+    steady = generator(wait_ms=20)
+    steady._recent_choices.record(1, 3)
+    assert asyncio.run(steady_arrivals(steady)) is False
     assert asyncio.run(at_once(generator())) is True  # no choice on record: it drafts ahead at the full k anyway
     fixed = generator("fixed")
     fixed._recent_choices.record(1, 3)
@@ -1207,7 +1234,7 @@ def test_an_opening_that_finds_itself_alone_waits_a_moment_for_a_burst_s_next_re
     no_vary = generator()
     no_vary._recent_choices.record(1, 3)
     assert asyncio.run(at_once(no_vary, varies=False)) is True
-    beside = generator()
+    beside = generator(wait_ms=10)
     beside._recent_choices.record(1, 3)
     beside._running = 2
     assert asyncio.run(at_once(beside)) is False

@@ -313,6 +313,8 @@ class FixedAcceptance:
     def rates(self, key, k):
         return [self.rate] * k
 
+    group_rates = rates
+
     def evidence(self, key) -> float:
         return float("inf")
 

@@ -274,7 +274,7 @@ class AsyncEngine:
                  predicted_plain_goodput=(None if s.predicted_plain_goodput is None
                                           else round(s.predicted_plain_goodput, 1)),
                  plain_margin_declined=None if s.declined_gain is None else round(s.declined_gain, 3),
-                 speculation_arm=s.speculation_arm, folded=s.num_folded or None,
+                 speculation_arm=s.speculation_arm, folded=s.num_folded or None, plain_from=s.plain_from,
                  **({} if s.priced_wait is None else {
                      "wait_ms": round(s.priced_wait[0] * 1e3, 1),
                      "wait_ms_per_block_token": round(s.priced_wait[1] * 1e3, 1),

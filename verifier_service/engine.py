@@ -222,6 +222,8 @@ class VerifierEngine:
         control.observe_step(stats.num_tokens, stats.step_time_s, idle_s, held_s)
         self._observe_drafting(scheduled, control, prefill=stats.num_prefill_tokens > 0)
         caps: dict[SeqKey, int] = {}
+        # the cap the request sets, its room aside, or a fixed k's block: plain_from's (_with_plain_from)
+        asked: dict[SeqKey, int] = {}
         sizes: dict[SeqKey, tuple[int, int]] = {}  # context and tokens it may still emit: its catch-up's price
         other_tokens = sum(_recurring_tokens(item) for item in scheduled.scheduled if item.proposal is None)
         other_output = 0.0  # what the verifications that follow no choice yield: a longer draft slows them too
@@ -236,6 +238,7 @@ class VerifierEngine:
                                          backlog=item.proposal.draft_backlog_tokens)
             seq.follows_choice = item.proposal.max_draft_tokens is not None
             if item.proposal.max_draft_tokens is None:
+                asked[seq.key] = min(item.proposal.num_positions, self.limits.max_draft_tokens)
                 other_tokens += _recurring_tokens(item)
                 other_output += len(verdict.token_ids)
                 if item.proposal.draft_seconds is not None:
@@ -244,7 +247,8 @@ class VerifierEngine:
                 continue
             # drafts past what the sequence may still emit are never verified: a block of k yields k + 1 tokens
             room = min(seq.num_output_left, self.limits.max_model_len - seq.num_tokens) - 1
-            caps[seq.key] = max(0, min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens, room))
+            asked[seq.key] = min(item.proposal.max_draft_tokens, self.limits.max_draft_tokens)
+            caps[seq.key] = max(0, min(asked[seq.key], room))
             sizes[seq.key] = (seq.num_tokens, room + 1)
         away_caps: dict[SeqKey, int] = {}
         if caps and awaited is not None:
@@ -293,6 +297,7 @@ class VerifierEngine:
                 chosen = dataclasses.replace(chosen, draft_lengths=dict.fromkeys(chosen.draft_lengths, 0))
         if awaited is not None:  # the whole-batch choice (--whole-batch-goodput): the next steps will read them
             self._remember_next_blocks(scheduled, verdicts, chosen, caps, control)
+        verdicts = self._with_plain_from(verdicts, asked, control, stats)
         if chosen is None:
             return verdicts
         stats.chosen_draft_lengths = list(chosen.draft_lengths.values())
@@ -303,6 +308,18 @@ class VerifierEngine:
         stats.priced_wait = control.last_price
         return [dataclasses.replace(v, next_draft_tokens=chosen.draft_lengths[v.key])
                 if isinstance(v, VerdictOut) and v.key in chosen.draft_lengths else v for v in verdicts]
+
+    @staticmethod
+    def _with_plain_from(verdicts: list[VerdictOut | ErrorOut], asked: dict[SeqKey, int],
+                         control: DraftLengthController, stats: StepStats) -> list[VerdictOut | ErrorOut]:
+        """Every verdict of a sequence with a cap (`asked`: its request's, or a fixed k's block) carries its group's
+        plain_from, a fixed k's too: the draft opens its next sequences by it (Verdict.plain_from), and a load
+        that only fixed-k or other requests have run at is still one the step-time model has seen."""
+        out = [dataclasses.replace(v, plain_from=control.plain_from_cached(v.key, asked[v.key]))
+               if isinstance(v, VerdictOut) and asked.get(v.key, 0) > 0 else v for v in verdicts]
+        stats.plain_from = min((v.plain_from for v in out if isinstance(v, VerdictOut) and v.plain_from is not None),
+                               default=None)
+        return out
 
     def _away(self, in_step: set[SeqKey], awaited: Collection[SeqKey]) -> dict[SeqKey, _NextBlock]:
         """The next blocks of the `awaited` sequences not in this step: answered before, away at their drafts, and

@@ -287,6 +287,9 @@ STALE_RATIO_STEPS = 16
 STALE_PLAIN_STEPS = 16
 MAX_THIN_GROUPS = 1024  # groups whose probes while thin are counted (the most recent)
 MAX_CAUGHT_UP_BATCHES = 256  # catch-up batches remembered as learnt (the most recent)
+# plain_from: the largest batch it looks at, and how long a group's figure stands before it is worked out again
+PLAIN_FROM_MOST = 256
+PLAIN_FROM_EVERY_S = 0.5
 
 
 @dataclass
@@ -445,6 +448,8 @@ class DraftLengthController:
     # group -> whether the last choice with a cap above 0 for its sequences drafted for any (probes aside; the
     # trial's plain arm, whose zeros are not the choice's, leaves it as it was)
     _group_drafting: OrderedDict = field(default_factory=OrderedDict)
+    # group -> (time.monotonic() when worked out, plain_from's figure) for plain_from_cached (the recent)
+    _plain_from: OrderedDict = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         if self.probe_every < 0 or (self.probe_every and self.max_probe_every < self.probe_every):
@@ -707,6 +712,57 @@ class DraftLengthController:
             lengths = {key: min(caps[key], k + 1) if key in probed else k for key, k in lengths.items()}
             chosen = dataclasses.replace(chosen, draft_lengths=lengths)
         return chosen
+
+    def plain_from(self, key: object, cap: int, most: int = PLAIN_FROM_MOST) -> int | None:
+        """The fewest sequences like a new one of `key`'s group (the group's acceptance per position, a cap of
+        `cap`), batched alone and drafted by one draft process, for which choose_draft_lengths, priced as the last
+        choice was (the step-time model, the wait's split, plain_margin), drafts nothing: the load from which this
+        verifier would decode such a group's sequences plainly. None: drafting pays at every batch up to `most`, or
+        nothing is known yet (no step-time model, a cap of 0).
+
+        A draft process sends a new sequence's first block before any choice of the verifier's for it (Verdict's
+        plain_from): at a load it has not run at yet, the choices on its record are a lighter load's, and a
+        burst's openings drafted those where the verifier then ran plain (bench/capacity.py at 16 streams after
+        8, default pair, 2 cores, f307590: a step held 1.4 s for the openings' drafts, the batch whole and plain
+        3 s after k = 0's). The batch of such sequences alone leaves out other work and catch-ups (a new
+        sequence's prompt, which the opening feeds when it drafts): the figure is where even a warm batch's
+        drafting stops paying. Drafting's gain per sequence falls as the batch grows (each drafted token lengthens
+        every sequence's step, and the draft's step grows with its rows), so the search halves the range."""
+        if cap <= 0 or not self.step_time.ready:
+            return None
+        rates = tuple(self.acceptance.group_rates(key, cap))
+        fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
+
+        def plain(n: int) -> bool:
+            chosen = choose_draft_lengths([Candidate(i, cap, rates) for i in range(n)], self.step_time, 0, 0.0,
+                                          fixed_idle, self.tolerance, per_block_token, 0, plain_idle,
+                                          (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
+                                          plain_tolerance=self.plain_margin)
+            return not any(chosen.draft_lengths.values())
+
+        if not plain(most):
+            return None
+        drafts, plain_at = 0, most  # the search's bounds: drafting pays at `drafts` sequences (0: none tried)
+        while plain_at - drafts > 1:
+            middle = (drafts + plain_at) // 2
+            if plain(middle):
+                plain_at = middle
+            else:
+                drafts = middle
+        return plain_at
+
+    def plain_from_cached(self, key: object, cap: int, now: float | None = None) -> int | None:
+        """plain_from for `key`'s group, worked out at most once every PLAIN_FROM_EVERY_S seconds a group (the
+        engine thread asks after every step that chose)."""
+        now = time.monotonic() if now is None else now
+        group = self.acceptance.group_of(key)
+        cached = self._plain_from.get(group)
+        if cached is None or now - cached[0] >= PLAIN_FROM_EVERY_S:
+            cached = self._plain_from[group] = (now, self.plain_from(key, cap))
+        self._plain_from.move_to_end(group)
+        while len(self._plain_from) > MAX_THIN_GROUPS:
+            self._plain_from.popitem(last=False)
+        return cached[1]
 
     def _probed(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
         """A probe's keys: at most max_probe_sequences of those the choice left below their cap, the groups probed

@@ -43,7 +43,8 @@ def outcome_to_proto(outcome: Outcome) -> verifier_pb2.VerifierMessage:
             seq_id=outcome.key.seq_id, start_position=outcome.start_position, num_accepted=outcome.num_accepted,
             token_ids=outcome.token_ids, finish_reason=wire.finish_to_proto(outcome.finish_reason),
             batch_size=outcome.batch_size, step_time_s=outcome.step_time_s,
-            next_draft_tokens=outcome.next_draft_tokens, step=outcome.step, step_verdicts=outcome.step_verdicts))
+            next_draft_tokens=outcome.next_draft_tokens, step=outcome.step, step_verdicts=outcome.step_verdicts,
+            plain_from=outcome.plain_from))
     if isinstance(outcome, ErrorOut):
         return verifier_pb2.VerifierMessage(error=verifier_pb2.SequenceError(
             seq_id=outcome.key.seq_id, code=outcome.code.value, message=outcome.message))

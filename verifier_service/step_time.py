@@ -318,6 +318,10 @@ class AcceptanceTracker:
         return [(a + s * (all_accepted - a + self.default_rate) / (all_tried - t + 1.0)) / (t + s)
                 for t, a in zip(g_tried, g_accepted, strict=True)]
 
+    def group_rates(self, key: object, k: int) -> list[float]:
+        """alpha_1..alpha_k of a new sequence of `key`'s group (its prior)."""
+        return self._shared_rates(key)[:k]
+
     def rates(self, key: object, k: int) -> list[float]:
         """alpha_1..alpha_k for `key`."""
         tried = self._tried.get(key)

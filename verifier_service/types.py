@@ -141,6 +141,9 @@ class VerdictOut:
     # a verification that answers two proposals (ScheduledSeq.folded): its first `split` tokens are the earlier,
     # empty proposal's verdict, sent apart before the rest (split_folded); 0: it answers one
     split: int = 0
+    # the load from which the verifier would decode the sequence's group plainly (DraftLengthController.plain_from;
+    # Verdict.plain_from): with next_draft_tokens only; None: not worked out, or drafting pays at every load
+    plain_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,6 +220,8 @@ class StepStats:
     # how the choice priced the verifier's wait: seconds no length changes, per token of the longest block, per
     # drafted token, where nothing is drafted (None: as the first), and per row of a draft's catch-up
     priced_wait: tuple[float, float, float, float | None, float] | None = None
+    # the plain_from its verdicts carry, the lowest where their groups differ (None: none worked out, or none)
+    plain_from: int | None = None
     speculation_arm: str | None = None  # the arm of the speculation trial the next choices follow
 
     @property

@@ -164,7 +164,7 @@ class Welcome(_message.Message):
     def __init__(self, info: _Optional[_Union[VerifierInfo, _Mapping]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s", "next_draft_tokens", "step", "step_verdicts")
+    __slots__ = ("seq_id", "start_position", "num_accepted", "token_ids", "finish_reason", "batch_size", "step_time_s", "next_draft_tokens", "step", "step_verdicts", "plain_from")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_POSITION_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class Verdict(_message.Message):
     NEXT_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     STEP_VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    PLAIN_FROM_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start_position: int
     num_accepted: int
@@ -185,7 +186,8 @@ class Verdict(_message.Message):
     next_draft_tokens: int
     step: int
     step_verdicts: int
-    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ..., next_draft_tokens: _Optional[int] = ..., step: _Optional[int] = ..., step_verdicts: _Optional[int] = ...) -> None: ...
+    plain_from: int
+    def __init__(self, seq_id: _Optional[int] = ..., start_position: _Optional[int] = ..., num_accepted: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., batch_size: _Optional[int] = ..., step_time_s: _Optional[float] = ..., next_draft_tokens: _Optional[int] = ..., step: _Optional[int] = ..., step_verdicts: _Optional[int] = ..., plain_from: _Optional[int] = ...) -> None: ...
 
 class ProposalDropped(_message.Message):
     __slots__ = ("seq_id", "start_position", "num_verified")
