@@ -276,3 +276,23 @@ def test_an_opening_passes_over_choices_older_than_a_minute_while_younger_ones_a
     assert recent.opening(16) == 4 and recent.opening(50) == 4  # past its age: the heaviest younger one
     now[0] = 200.0
     assert recent.opening(16) == 0  # none younger: the old ones serve as they are
+
+
+def test_an_opening_at_a_load_the_verifier_would_run_plain_drafts_nothing():
+    """RecentChoices with the verifier's plain_from (Verdict.plain_from): an opening under a load at least that
+    heavy takes 0 whatever the record says, a lighter one the record's choice; a verdict without one forgets it,
+    and a word older than max_age_s is passed over."""
+    from draft_service.adaptive import RecentChoices
+
+    now = [0.0]
+    recent = RecentChoices(max_age_s=60.0, clock=lambda: now[0])
+    recent.note_plain_from(12)
+    assert recent.opening(16) == 0 and recent.opening(12) == 0  # before any choice too
+    assert recent.opening(11) is None  # no choice on record: the opening drafts ahead at the full k
+    recent.record(8, 4)
+    assert recent.opening(16) == 0 and recent.opening(12) == 0 and recent.opening(11) == 4
+    now[0] = 61.0
+    assert recent.opening(16) == 4  # the word is too old: the heaviest choice on record
+    recent.note_plain_from(12)
+    recent.note_plain_from(None)  # drafting pays at every load the verifier looked at, or it did not say
+    assert recent.opening(16) == 4

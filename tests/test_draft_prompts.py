@@ -896,15 +896,17 @@ def test_a_generation_s_rounds_leave_the_due_set_and_an_ended_one_is_forgotten(h
 class ChoosingVerifier(RoundsVerifier):
     """RoundsVerifier whose verdicts carry the verifier's choice of the next block's length, from a script."""
 
-    def __init__(self, choices: list[int]) -> None:
+    def __init__(self, choices: list[int], plain_from: int | None = None) -> None:
         super().__init__(len(choices))
         self.choices = choices
+        self.plain_from = plain_from  # what every verdict says of it
         self.on_verdict = lambda *_: None
         self.due = DueRounds()
 
     async def next_event(self, seq_id):
         verdict = await super().next_event(seq_id)
-        return dataclasses.replace(verdict, next_draft_tokens=self.choices[self._round - 1])
+        return dataclasses.replace(verdict, next_draft_tokens=self.choices[self._round - 1],
+                                   plain_from=self.plain_from)
 
 
 class UndraftingDrafter(NgramDrafter):
@@ -993,8 +995,8 @@ class AheadDrafter(RecordingDrafter):
 class BacklogVerifier(ChoosingVerifier):
     """ChoosingVerifier that records what each proposal carried: (drafts, cap asked, backlog said, assumed)."""
 
-    def __init__(self, choices: list[int]) -> None:
-        super().__init__(choices)
+    def __init__(self, choices: list[int], plain_from: int | None = None) -> None:
+        super().__init__(choices, plain_from)
         self.sent: list[tuple[int, int | None, int, tuple[int, ...]]] = []
 
     def propose(self, seq_id, start_position, block, *, max_draft_tokens=None, draft_backlog_tokens=0,
@@ -1273,6 +1275,26 @@ def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_fee
     assert waits == [1, 2]  # rounds 2 and 3, before their (empty) drafting
     assert link.sent == [(0, 4, 9, ()), (0, 4, 10, ()), (0, 4, 11, ()), (2, 4, 0, ())]
     assert drafter.warmed == []
+
+
+def test_an_opening_at_a_load_the_verifier_says_it_runs_plain_drafts_nothing():
+    """The verdicts' plain_from reaches the process's record: a later opening beside others, at a load at least that
+    heavy, drafts nothing first (its proposal says the prompt is left to feed, less its last token) though the
+    record's choice at that load drafted 4, where one under a lighter load drafts that choice before proposing."""
+    drafter = AheadDrafter()
+    gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB,
+                    BacklogVerifier([4, 4, 4], plain_from=3), drafter)
+    gen._recent_choices.record(8, 4)
+    gen._running = 2  # 2 other generations in progress: a load of 3 with the opening's own
+    _generate_once(gen, tuple(range(1, 11)))  # no word yet: the record's 4, drafted first
+    assert gen.link.sent[0][:3] == (4, 4, 0)
+    assert gen._recent_choices.opening(3) == 0 and gen._recent_choices.opening(2) == 4
+    for running, first in ((2, (0, 4, 9)), (1, (4, 4, 0))):
+        gen.link = BacklogVerifier([4, 4, 4], plain_from=3)
+        gen._running = running
+        _generate_once(gen, tuple(range(1, 11)))
+        assert gen.link.sent[0][:3] == first
+    gen.prompts.close()
 
 
 class HeldAheadDrafter(AheadDrafter):

@@ -1133,3 +1133,37 @@ def test_the_other_works_drafted_tokens_are_shared_alike_in_both_searches():
     k = chosen.draft_lengths[1]
     assert chosen.draft_lengths[0] == 0 and k > 0
     assert chosen.predicted_step_s == pytest.approx(step.predict(2 + k) + 0.01 * (k + 5))
+
+
+def test_plain_from_is_the_fewest_sequences_of_a_group_the_choice_decodes_plainly():
+    """DraftLengthController.plain_from: for sequences like a new one of the key's group (the group's acceptance,
+    the cap), the batch from which the choice drafts nothing: one sequence fewer still drafts. A group whose drafts
+    fare better drafts under a heavier load; a verifier whose steps hardly grow drafts at every load (None), as
+    does one with no step seen yet, and a cap of 0 says nothing. Worked out at most every PLAIN_FROM_EVERY_S a
+    group."""
+    from collections import namedtuple
+
+    from verifier_service.goodput import PLAIN_FROM_EVERY_S, DraftLengthController
+
+    key = namedtuple("Key", "stream_id seq_id")
+    c = DraftLengthController(4, step_time=model_of(lambda n: 0.1 + 0.004 * n), probe_every=0)  # a CPU's step
+    for _ in range(200):
+        c.acceptance.observe(key(1, 0), 4, 3)  # stream 1's drafts: 3 tokens of 4 accepted
+        c.acceptance.observe(key(2, 0), 4, 1)  # stream 2's, one
+
+    def drafted(stream: int, n: int) -> int:
+        caps = {key(stream, 100 + i): 4 for i in range(n)}  # new sequences: the group's rates
+        return sum(c.choose(caps, probe=False).draft_lengths.values())
+
+    good, poor = c.plain_from(key(1, 0), 4), c.plain_from(key(2, 0), 4)
+    assert good is not None and poor is not None and 1 < poor < good < 256
+    for stream, n in ((1, good), (2, poor)):
+        assert drafted(stream, n - 1) > 0 and drafted(stream, n) == 0
+    assert c.plain_from(key(1, 0), 0) is None
+    assert DraftLengthController(4).plain_from(key(1, 0), 4) is None  # no step time yet
+    flat = DraftLengthController(4, step_time=model_of(lambda n: 0.01), probe_every=0)
+    assert flat.plain_from(key(1, 0), 4) is None
+    assert c.plain_from_cached(key(1, 5), 4, now=100.0) == good  # the group's, whichever sequence asks
+    c.step_time = model_of(lambda n: 0.001 * n)  # every token costs: plain from one sequence
+    assert c.plain_from_cached(key(1, 5), 4, now=100.0 + PLAIN_FROM_EVERY_S / 2) == good
+    assert c.plain_from_cached(key(1, 5), 4, now=100.0 + PLAIN_FROM_EVERY_S) == 1

@@ -560,3 +560,25 @@ def test_the_draft_s_word_on_its_backlog_reaches_the_choice(pair):
     assert control.catch_up_rows(said, rates, 21, 15) == 0.0
     assert control.catch_up_rows(unsaid, rates, 21, 15) == pytest.approx(21 / (15 / 1.75))
     assert control.catch_up_rows(left, rates, 21, 15) == 0.0  # within what a round feeds anyway
+
+
+def test_verdicts_of_sequences_with_a_cap_carry_their_stream_s_plain_from(pair):
+    """Verdict.plain_from: the verdicts of a sequence that asks for a choice and of a fixed k's carry their
+    stream's plain_from (the draft opens its next sequences by it, and a load only fixed-k requests ran at is one
+    the model has seen); a k = 0 request's, which drafts nothing, carry none; the step logs the lowest."""
+    target, _ = pair
+    engine, _ = _engine(target, FixedStepTime(fixed=0.5, per_token=0.05))
+    engine.goodput.acceptance = FixedAcceptance(0.5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_seed()
+    auto, fixed, plain = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3)
+    for key, prompt in zip((auto, fixed, plain), PROMPTS, strict=False):
+        engine.submit(OpenCmd(key, tuple(prompt), greedy))
+    engine.submit(ProposeCmd(auto, len(PROMPTS[0]), (), None, max_draft_tokens=4))
+    engine.submit(ProposeCmd(fixed, len(PROMPTS[1]), (7, 8, 9), None))
+    engine.submit(ProposeCmd(plain, len(PROMPTS[2]), (), None))
+    result = engine.step(None, frozenset())
+    outcomes = {o.key: o for o in result.outcomes if isinstance(o, VerdictOut)}
+    expected = engine.goodput.plain_from(auto, 4)
+    assert expected is not None and 1 < expected < 256
+    assert outcomes[auto].plain_from == outcomes[fixed].plain_from == result.stats.plain_from == expected
+    assert outcomes[plain].plain_from is None and outcomes[auto].next_draft_tokens is not None

@@ -156,3 +156,20 @@ def test_older_drafts_read_a_verdict_s_step_and_older_verifiers_state_none():
     older = _older("Verdict", "step_verdicts")(seq_id=7, token_ids=[1])
     parsed = verifier_pb2.Verdict.FromString(older.SerializeToString())
     assert (parsed.step, parsed.step_verdicts) == (0, 0)
+
+
+def test_older_drafts_read_a_verdict_with_plain_from_and_older_verifiers_state_none():
+    """Verdict.plain_from: a draft built before it reads the rest of the verdict, and a verifier built before it
+    sends a verdict the draft reads as saying nothing (None), not as plain from 0."""
+    from draft_service.link_messages import event_of
+
+    verdict = verifier_pb2.Verdict(seq_id=7, start_position=12, num_accepted=2, token_ids=[1, 2, 3], batch_size=5,
+                                   next_draft_tokens=3, step=41, step_verdicts=9, plain_from=12)
+    old = _older("Verdict", "plain_from").FromString(verdict.SerializeToString())
+    assert (old.seq_id, list(old.token_ids), old.next_draft_tokens, old.step, old.step_verdicts) == (
+        7, [1, 2, 3], 3, 41, 9)
+    assert event_of(verifier_pb2.VerifierMessage(verdict=verdict))[1].plain_from == 12
+    older = _older("Verdict", "plain_from")(seq_id=7, token_ids=[1], next_draft_tokens=3)
+    parsed = verifier_pb2.Verdict.FromString(older.SerializeToString())
+    seq_id, event = event_of(verifier_pb2.VerifierMessage(verdict=parsed))
+    assert (seq_id, event.next_draft_tokens, event.plain_from) == (7, 3, None)
