@@ -80,10 +80,9 @@ class RecentChoices:
     and 376 prompt rows for 0.30 and 0.08 tokens drafted a verification). One choice a load is kept, however long
     the tail that follows it, and a choice older than `max_age_s` is passed over while a younger one is on record
     (a spike's heavy load an hour ago says little of the acceptance or the verifier now). The load counted is this
-    process's generations (any k, those still being prepared included), not the verifier's batch, and a burst's
-    openings count only those that arrived before the opening's prompt was checked (a long prompt's tokenizing,
-    on a thread, or a reconnect lets later ones in): the first of a burst that follows a tail mostly takes the
-    tail's choice.
+    process's generations (any k, those still being prepared included), not the verifier's batch, counted once
+    the opening's burst has arrived (Generator._alone: until then the first of a burst that follows a tail took
+    the tail's choice).
 
     The verifier's word on loads not on record (Verdict.plain_from, `note_plain_from`) comes first: an opening
     under a load at least that heavy drafts nothing. At a new, heavier level the record held only a lighter one's
@@ -98,10 +97,20 @@ class RecentChoices:
     _recorded: int = 0
     _plain_from: tuple[float, int] | None = None  # (when, the verifier's plain_from) of the latest verdict
 
-    def note_plain_from(self, plain_from: int | None) -> None:
-        """A verdict that carries a choice: its plain_from (None: drafting pays at every load it looked at, or it did
-        not say; the last word is forgotten)."""
-        self._plain_from = None if plain_from is None else (self.clock(), plain_from)
+    def note_plain_from(self, plain_from: int | None, chose: bool) -> None:
+        """A verdict's plain_from; `chose`: it carries a choice (next_draft_tokens), so that a None is the
+        verifier's word (drafting pays at every load it looked at, or it knows nothing yet: the last word is
+        forgotten). Without a choice a None says nothing (a sequence's last verdict, a k = 0 request's, an older
+        verifier's), and the last word stands."""
+        if plain_from is not None:
+            self._plain_from = (self.clock(), plain_from)
+        elif chose:
+            self._plain_from = None
+
+    def says_plain(self, running: int) -> bool:
+        """Whether the verifier's latest word, young enough, says it decodes `running` sequences plainly."""
+        word = self._plain_from
+        return word is not None and self.clock() - word[0] <= self.max_age_s and running >= word[1]
 
     def record(self, running: int, choice: int) -> None:
         self._recorded += 1
@@ -111,12 +120,11 @@ class RecentChoices:
             del self._latest[next(iter(self._latest))]
 
     def opening(self, running: int) -> int | None:
-        """The choice for an opening with `running` generations on the process (its own included); None before
-        any."""
+        """The choice for an opening with `running` generations on the process (its own included): 0 where the
+        verifier's word says it runs that load plain, else the record's; None with neither."""
+        if self.says_plain(running):
+            return 0
         now = self.clock()
-        if self._plain_from is not None and now - self._plain_from[0] <= self.max_age_s:
-            if running >= self._plain_from[1]:
-                return 0
         recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}
         recent = recent or self._latest
         if not recent:
@@ -131,12 +139,14 @@ class RoundLength:
     choice (`choice`, None before its first), or 0 where the own-cost rule says drafting does not pay this
     sequence at all; under adaptive, the own-cost rule's length.
 
-    Under auto, on a process with no other generation running (`opens_ahead`), the first round (`opening`)
+    Under auto, on a process with no other generation running once its burst has arrived (`opens_ahead`;
+    Generator._alone), the first round (`opening`)
     proposes no drafts: its empty block goes out with the prompt, so the verifier computes the prompt and samples
     the first token in one step, as for k = 0. Beside that step the draft
     feeds the prompt, guesses the first token and drafts the second round's block after it (`ahead`, a pipelined
     branch, whatever --pipeline says), of the length last chosen on this process at a load at least as heavy as the
-    opening's (for_mode's recent_choice: RecentChoices.opening), or none where that was 0 (under load: the prompt is
+    opening's (for_mode's recent_choice: RecentChoices.opening), or none where that was 0 or the verifier's
+    plain_from says it runs that load plain (under load: the prompt is
     not warmed either, as after any choice of 0, and the proposal says it is left to feed). When the guess holds,
     the second round's block is at the verifier when the first token is; when it misses, the second round drafts
     after the verdict. That block drafts in a task of its own (Generator._draft_ahead), and the first token goes to
@@ -157,8 +167,9 @@ class RoundLength:
     k = 4's openings ran whole from their second round). The opening's drafting delays its first token, which waits
     for the draft's prompt and block as a fixed k's does (at 4 streams, bf43dc8, time to first token p50 2,260 ms
     against fixed k = 4's 2,483 and k = 0's 1,576), so it is kept to openings beside others: alone, the first
-    token comes after the prompt's step. Where the process has no recent choice (a fresh
-    service) the opening drafts ahead at the full k whatever the load, as it did before any choice was known.
+    token comes after the prompt's step. Where the process has neither a recent choice nor the verifier's word (a
+    fresh service) the opening drafts ahead at the full k whatever the load, as it did before any choice was
+    known.
 
     The own-cost rule (`own`) is this sequence's tokens/s from its acceptance and this service's measured drafting
     and waiting times. Under auto the verifier prices the batch, the network and its wait for drafting, so only

@@ -18,7 +18,7 @@ from common.generation_stats import GenerationStats
 from common.sampling import FinishReason, SamplingParams, WireMode, validate_token_ids
 from common.tokenizer import INLINE_PROMPT_IDS, PromptEncoder
 from draft_service.adaptive import AdaptiveDraftLength, RecentChoices, RoundLength
-from draft_service.config import DraftConfig
+from draft_service.config import SETTLE_WAITS, DraftConfig
 from draft_service.draft_model import CATCH_UP_BUDGET_TOKENS
 from draft_service.drafters import Drafter
 from draft_service.due_rounds import DueRounds
@@ -50,9 +50,6 @@ class VerifierFailed(ServiceError):
 
 # The longest token-id prompt taken before any verifier stated its context length (see check_num_prompt_ids).
 MAX_PROMPT_TOKEN_IDS = 1 << 21
-# an opening's waits for its burst (Generator._alone), at most this many --opening-wait-ms in all: a steady
-# stream of arrivals must not hold a request's prompt back for long
-SETTLE_WAITS = 5
 
 
 def checked_prompt_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
@@ -147,7 +144,7 @@ class Generator:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
-        self._arrived()
+        self._running += 1
         outcome = "error"
         try:
             async for event in self._generate(req):
@@ -166,8 +163,7 @@ class Generator:
             self.metrics.requests.labels(outcome=outcome).inc()
 
     def _arrived(self) -> None:
-        """A generation starts: counted, and the openings waiting to see whether they are alone learn of it."""
-        self._running += 1
+        """A generation has passed its checks (_prepare): the openings waiting for their burst learn of it."""
         for waiter in self._arrival_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -341,6 +337,7 @@ class Generator:
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
                             num_prompt_tokens=len(prompt))
         varies = self.adapts_k(requested, k) and not req.fixed_k
+        self._arrived()  # (a request that fails its checks holds no other's opening)
         alone = await self._alone(varies)
         length = RoundLength.for_mode(k, self.speculation, varies=varies, weighs_own_cost=self.weighs_own_cost,
                                       recent_choice=self._recent_choices.opening(self._running),
@@ -349,22 +346,25 @@ class Generator:
 
     async def _alone(self, varies: bool) -> bool:
         """Whether no other generation ran on the process as this one opened (RoundLength.for_mode's `alone`), once
-        its burst has arrived. Under auto, with a choice on record (else the opening drafts ahead whatever the
-        load), an opening waits until no other request has arrived for --opening-wait-ms (at most
-        SETTLE_WAITS such waits in all), and then counts the process's generations (_prepare: the load its
-        first block's length is looked up at). A burst's requests arrive a little apart (1 to 3 ms on loopback,
+        its burst has arrived. Under auto, with a choice or the verifier's plain_from on record (else the opening
+        drafts ahead at the full k), an opening waits until no other request has passed its checks for
+        --opening-wait-ms (at most SETTLE_WAITS such waits in all), and then counts the process's generations
+        (_prepare: the load its first block's length is looked up at). Beside others where plain_from already
+        says the verifier runs the load plain, it does not wait: more arrivals would change nothing. A burst's requests arrive a little apart (1 to 3 ms on loopback,
         bench/capacity.py at 4 and 16 streams, 2 cores), and each opening counted only those before it: the first,
         finding itself alone, proposed its prompt alone and came apart from its wave, and the rest took the choices
         of loads from 1 to the burst's, some drafting, some not, at a load where the verifier then ran plain (16
         streams, f307590: 8 of 16 openings drafted, and those finished about 3 s apart from the rest). A request
         that stays alone (one stream) pays one wait before its prompt goes out, as does an opening beside others;
-        an arrival starts the wait again. It comes before the sequence is opened on the verifier: an idle
+        each arrival starts the wait again (a request that fails its checks is no arrival). It comes before the sequence is opened on the verifier: an idle
         verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
         not a step later."""
         wait_s = self.config.opening_wait_ms / 1e3
         alone = self._running <= 1
         if not (varies and self.speculation == "auto") or self._recent_choices.opening(1) is None or wait_s <= 0:
             return alone
+        if not alone and self._recent_choices.says_plain(self._running):
+            return False  # the verifier runs this load plain already: more arrivals change nothing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_WAITS * wait_s
         while (left := min(wait_s, deadline - loop.time())) > 0:
@@ -439,7 +439,9 @@ class Generator:
         # a round that drafted nothing says nothing of drafting
         if length.own and block.num_draft_tokens and timed:
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
-        self._recent_choices.note_plain_from(verdict.plain_from)
+        # (a round that asked for no draft, the own-cost rule's 0, gets a choice but no figure: no news)
+        self._recent_choices.note_plain_from(verdict.plain_from,
+                                             chose=verdict.next_draft_tokens is not None and bool(length.asked))
         choice = length.load_choice(room)
         if choice is not None:
             self._recent_choices.record(self._running, choice)

@@ -1181,9 +1181,10 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
 def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     """Under auto, with a choice on record, an opening waits until no other generation has arrived for
     --opening-wait-ms (a burst's requests come a little apart): an arrival starts the wait again, and makes it
-    one of a burst. Beside others it waits too (the burst's later requests must count). A steady stream of arrivals
-    holds it at most SETTLE_WAITS waits. With no choice on record, under a fixed k, for a request whose k does not
-    vary, or with no wait set, nothing is awaited."""
+    one of a burst. Beside others it waits too (the burst's later requests must count), unless the verifier's
+    plain_from says that load runs plain already. A steady stream of arrivals holds it at most SETTLE_WAITS waits.
+    With no choice on record, under a fixed k, for a request whose k does not vary, or with no wait set, nothing
+    is awaited."""
     def generator(speculation="auto", wait_ms=1000):
         gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation, opening_wait_ms=wait_ms),
                         BlockingTokenizer(), VOCAB, BacklogVerifier([0]), AheadDrafter())
@@ -1197,6 +1198,7 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
         await asyncio.sleep(0)
         first = set(gen._arrival_waiters)
         assert len(first) == 1 and not alone.done()
+        gen._running += 1
         gen._arrived()
         await _until(lambda: gen._arrival_waiters and gen._arrival_waiters != first)  # waits again, for the next
         assert not alone.done()
@@ -1207,14 +1209,17 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     async def joined(gen):
         alone = asyncio.ensure_future(gen._alone(True))
         await asyncio.sleep(0)
+        waited = bool(gen._arrival_waiters)
+        gen._running += 1
         gen._arrived()
-        return await asyncio.wait_for(alone, 5)
+        return waited, await asyncio.wait_for(alone, 5)
 
     async def steady_arrivals(gen):
         alone = asyncio.ensure_future(gen._alone(True))
-        for _ in range(2000):  # one every 5 ms for 10 s, each within the 20 ms wait
+        for _ in range(100):  # one every 5 ms for 0.5 s, each within the 20 ms wait (the bound: 100 ms)
             if alone.done():
                 return alone.result()
+            gen._running += 1
             gen._arrived()
             await asyncio.sleep(0.005)
         raise AssertionError("the opening waited for as long as arrivals came")
@@ -1225,7 +1230,16 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     asyncio.run(arrival_during_the_wait())
     burst = generator(wait_ms=20)
     burst._recent_choices.record(1, 3)
-    assert asyncio.run(joined(burst)) is False and burst._running == 2
+    assert asyncio.run(joined(burst)) == (True, False) and burst._running == 2
+    beside = generator(wait_ms=20)
+    beside._recent_choices.record(1, 3)
+    beside._running = 2
+    assert asyncio.run(joined(beside)) == (True, False)  # beside another it waits for the burst's next too
+    plain = generator(wait_ms=20)
+    plain._recent_choices.record(1, 3)
+    plain._recent_choices.note_plain_from(2, chose=True)
+    plain._running = 2
+    assert asyncio.run(joined(plain)) == (False, False)  # at a load the verifier runs plain: no wait
     steady = generator(wait_ms=20)
     steady._recent_choices.record(1, 3)
     assert asyncio.run(steady_arrivals(steady)) is False
@@ -1277,20 +1291,32 @@ def test_an_opening_under_load_drafts_nothing_ahead_and_says_what_is_left_to_fee
     assert drafter.warmed == []
 
 
+class LastSaysNothingVerifier(BacklogVerifier):
+    """BacklogVerifier whose last verdict carries neither a choice nor plain_from, as a sequence's last does (it is
+    released before the verifier chooses)."""
+
+    async def next_event(self, seq_id):
+        verdict = await super().next_event(seq_id)
+        if verdict.finish_reason is not None:
+            return dataclasses.replace(verdict, next_draft_tokens=None, plain_from=None)
+        return verdict
+
+
 def test_an_opening_at_a_load_the_verifier_says_it_runs_plain_drafts_nothing():
-    """The verdicts' plain_from reaches the process's record: a later opening beside others, at a load at least that
-    heavy, drafts nothing first (its proposal says the prompt is left to feed, less its last token) though the
-    record's choice at that load drafted 4, where one under a lighter load drafts that choice before proposing."""
+    """The verdicts' plain_from reaches the process's record, and a last verdict without it leaves it: a later
+    opening beside others, at a load at least that heavy, drafts nothing first (its proposal says the prompt is
+    left to feed, less its last token) though the record's choice at that load drafted 4, where one under a
+    lighter load drafts that choice before proposing."""
     drafter = AheadDrafter()
     gen = Generator(DraftConfig(model="m", proposer="ngram"), BlockingTokenizer(), VOCAB,
-                    BacklogVerifier([4, 4, 4], plain_from=3), drafter)
+                    LastSaysNothingVerifier([4, 4, 4], plain_from=3), drafter)
     gen._recent_choices.record(8, 4)
     gen._running = 2  # 2 other generations in progress: a load of 3 with the opening's own
     _generate_once(gen, tuple(range(1, 11)))  # no word yet: the record's 4, drafted first
     assert gen.link.sent[0][:3] == (4, 4, 0)
     assert gen._recent_choices.opening(3) == 0 and gen._recent_choices.opening(2) == 4
     for running, first in ((2, (0, 4, 9)), (1, (4, 4, 0))):
-        gen.link = BacklogVerifier([4, 4, 4], plain_from=3)
+        gen.link = LastSaysNothingVerifier([4, 4, 4], plain_from=3)
         gen._running = running
         _generate_once(gen, tuple(range(1, 11)))
         assert gen.link.sent[0][:3] == first

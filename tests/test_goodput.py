@@ -1138,9 +1138,10 @@ def test_the_other_works_drafted_tokens_are_shared_alike_in_both_searches():
 def test_plain_from_is_the_fewest_sequences_of_a_group_the_choice_decodes_plainly():
     """DraftLengthController.plain_from: for sequences like a new one of the key's group (the group's acceptance,
     the cap), the batch from which the choice drafts nothing: one sequence fewer still drafts. A group whose drafts
-    fare better drafts under a heavier load; a verifier whose steps hardly grow drafts at every load (None), as
-    does one with no step seen yet, and a cap of 0 says nothing. Worked out at most every PLAIN_FROM_EVERY_S a
-    group."""
+    fare better drafts under a heavier load, and a group held plain needs the hysteresis' gain; a verifier whose
+    steps hardly grow drafts at every load (None), as does one with no step seen yet, and a cap of 0 says nothing.
+    plain_from_of: one figure per group and cap, worked out at most every PLAIN_FROM_EVERY_S and at most `budget`
+    a call, for groups a choice was made for."""
     from collections import namedtuple
 
     from verifier_service.goodput import PLAIN_FROM_EVERY_S, DraftLengthController
@@ -1163,7 +1164,18 @@ def test_plain_from_is_the_fewest_sequences_of_a_group_the_choice_decodes_plainl
     assert DraftLengthController(4).plain_from(key(1, 0), 4) is None  # no step time yet
     flat = DraftLengthController(4, step_time=model_of(lambda n: 0.01), probe_every=0)
     assert flat.plain_from(key(1, 0), 4) is None
-    assert c.plain_from_cached(key(1, 5), 4, now=100.0) == good  # the group's, whichever sequence asks
+    three = c.plain_from(key(1, 0), 3)
+    assert three is not None and three != good
+    c._group_drafting[2] = False  # stream 2's last choice drafted nothing: drafting must gain the hysteresis
+    held = c.plain_from(key(2, 0), 4)
+    assert held is not None and held < poor
+    del c._group_drafting[2]
+    asked = {key(1, 5): 4, key(1, 6): 4, key(1, 7): 3, key(2, 5): 4}
+    assert c.plain_from_of(asked, now=100.0) == dict.fromkeys(asked)  # no choice made for either group yet
+    c._group_drafting[1] = c._group_drafting[2] = True
+    assert c.plain_from_of(asked, now=100.0, budget=2) == {key(1, 5): good, key(1, 6): good, key(1, 7): three,
+                                                            key(2, 5): None}  # the third figure waits its turn
+    assert c.plain_from_of(asked, now=100.0, budget=1)[key(2, 5)] == poor
     c.step_time = model_of(lambda n: 0.001 * n)  # every token costs: plain from one sequence
-    assert c.plain_from_cached(key(1, 5), 4, now=100.0 + PLAIN_FROM_EVERY_S / 2) == good
-    assert c.plain_from_cached(key(1, 5), 4, now=100.0 + PLAIN_FROM_EVERY_S) == 1
+    assert c.plain_from_of(asked, now=100.0 + PLAIN_FROM_EVERY_S / 2)[key(1, 5)] == good
+    assert c.plain_from_of(asked, now=100.0 + PLAIN_FROM_EVERY_S)[key(1, 5)] == 1

@@ -563,22 +563,26 @@ def test_the_draft_s_word_on_its_backlog_reaches_the_choice(pair):
 
 
 def test_verdicts_of_sequences_with_a_cap_carry_their_stream_s_plain_from(pair):
-    """Verdict.plain_from: the verdicts of a sequence that asks for a choice and of a fixed k's carry their
-    stream's plain_from (the draft opens its next sequences by it, and a load only fixed-k requests ran at is one
-    the model has seen); a k = 0 request's, which drafts nothing, carry none; the step logs the lowest."""
+    """Verdict.plain_from: the verdicts of a sequence that asks for a choice and of a fixed k's on its stream carry
+    the stream's plain_from for their cap (the draft opens its next sequences by it, and a load only fixed-k
+    requests ran at is one the model has seen); a k = 0 request's, which drafts nothing, carry none, nor does
+    anything on a stream that never asked for a choice; the step logs the lowest."""
     target, _ = pair
     engine, _ = _engine(target, FixedStepTime(fixed=0.5, per_token=0.05))
     engine.goodput.acceptance = FixedAcceptance(0.5)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_seed()
-    auto, fixed, plain = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3)
-    for key, prompt in zip((auto, fixed, plain), PROMPTS, strict=False):
+    auto, fixed, plain, elsewhere = SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3), SeqKey(2, 4)
+    for key, prompt in zip((auto, fixed, plain, elsewhere), PROMPTS, strict=False):
         engine.submit(OpenCmd(key, tuple(prompt), greedy))
     engine.submit(ProposeCmd(auto, len(PROMPTS[0]), (), None, max_draft_tokens=4))
     engine.submit(ProposeCmd(fixed, len(PROMPTS[1]), (7, 8, 9), None))
     engine.submit(ProposeCmd(plain, len(PROMPTS[2]), (), None))
+    engine.submit(ProposeCmd(elsewhere, len(PROMPTS[3]), (7, 8, 9), None))  # a fixed k's stream alone
     result = engine.step(None, frozenset())
     outcomes = {o.key: o for o in result.outcomes if isinstance(o, VerdictOut)}
-    expected = engine.goodput.plain_from(auto, 4)
-    assert expected is not None and 1 < expected < 256
-    assert outcomes[auto].plain_from == outcomes[fixed].plain_from == result.stats.plain_from == expected
+    four, three = engine.goodput.plain_from(auto, 4), engine.goodput.plain_from(fixed, 3)
+    assert four is not None and three is not None and 1 < min(three, four) < 256
+    assert (outcomes[auto].plain_from, outcomes[fixed].plain_from, result.stats.plain_from) == (
+        four, three, min(three, four))
     assert outcomes[plain].plain_from is None and outcomes[auto].next_draft_tokens is not None
+    assert outcomes[elsewhere].plain_from is None

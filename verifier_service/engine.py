@@ -312,11 +312,15 @@ class VerifierEngine:
     @staticmethod
     def _with_plain_from(verdicts: list[VerdictOut | ErrorOut], asked: dict[SeqKey, int],
                          control: DraftLengthController, stats: StepStats) -> list[VerdictOut | ErrorOut]:
-        """Every verdict of a sequence with a cap (`asked`: its request's, or a fixed k's block) carries its group's
-        plain_from, a fixed k's too: the draft opens its next sequences by it (Verdict.plain_from), and a load
-        that only fixed-k or other requests have run at is still one the step-time model has seen."""
-        out = [dataclasses.replace(v, plain_from=control.plain_from_cached(v.key, asked[v.key]))
-               if isinstance(v, VerdictOut) and asked.get(v.key, 0) > 0 else v for v in verdicts]
+        """The verdicts of sequences with a cap (`asked`: its request's, or a fixed k's block) on a stream that has
+        asked for choices carry its plain_from for that cap (DraftLengthController.plain_from_of), a fixed k's too:
+        the draft opens its next sequences by it (Verdict.plain_from), and a load that only fixed-k requests have
+        run at is still one the step-time model has seen. A sequence that ended in the step (released before the
+        choice) has no verdict here, and its last carries none."""
+        with_cap = {v.key: asked[v.key] for v in verdicts if isinstance(v, VerdictOut) and asked.get(v.key, 0) > 0}
+        figures = control.plain_from_of(with_cap)
+        out = [dataclasses.replace(v, plain_from=figures[v.key])
+               if isinstance(v, VerdictOut) and v.key in figures else v for v in verdicts]
         stats.plain_from = min((v.plain_from for v in out if isinstance(v, VerdictOut) and v.plain_from is not None),
                                default=None)
         return out

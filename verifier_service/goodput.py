@@ -287,9 +287,11 @@ STALE_RATIO_STEPS = 16
 STALE_PLAIN_STEPS = 16
 MAX_THIN_GROUPS = 1024  # groups whose probes while thin are counted (the most recent)
 MAX_CAUGHT_UP_BATCHES = 256  # catch-up batches remembered as learnt (the most recent)
-# plain_from: the largest batch it looks at, and how long a group's figure stands before it is worked out again
+# plain_from: the largest batch it looks at, how long a group's figure stands before it is worked out again, and
+# how many figures a step may work out (each is 9 choices over up to 256 candidates)
 PLAIN_FROM_MOST = 256
 PLAIN_FROM_EVERY_S = 0.5
+PLAIN_FROM_PER_STEP = 2
 
 
 @dataclass
@@ -448,7 +450,7 @@ class DraftLengthController:
     # group -> whether the last choice with a cap above 0 for its sequences drafted for any (probes aside; the
     # trial's plain arm, whose zeros are not the choice's, leaves it as it was)
     _group_drafting: OrderedDict = field(default_factory=OrderedDict)
-    # group -> (time.monotonic() when worked out, plain_from's figure) for plain_from_cached (the recent)
+    # (group, cap) -> (time.monotonic() when worked out, plain_from's figure) for plain_from_of (the recent)
     _plain_from: OrderedDict = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
@@ -714,11 +716,12 @@ class DraftLengthController:
         return chosen
 
     def plain_from(self, key: object, cap: int, most: int = PLAIN_FROM_MOST) -> int | None:
-        """The fewest sequences like a new one of `key`'s group (the group's acceptance per position, a cap of
-        `cap`), batched alone and drafted by one draft process, for which choose_draft_lengths, priced as the last
-        choice was (the step-time model, the wait's split, plain_margin), drafts nothing: the load from which this
-        verifier would decode such a group's sequences plainly. None: drafting pays at every batch up to `most`, or
-        nothing is known yet (no step-time model, a cap of 0).
+        """A batch of sequences like a new one of `key`'s group (the group's acceptance per position, a cap of
+        `cap`), verified alone and drafted by one draft process, from which choose_draft_lengths, priced as the
+        choices are (the step-time model, the wait's split, plain_margin, or the hysteresis where the group's last
+        choice drafted nothing), drafts nothing: the load from which this verifier would decode such a group's
+        sequences plainly. None: drafting pays at `most` sequences, or nothing is known yet (no step-time model, a
+        cap of 0).
 
         A draft process sends a new sequence's first block before any choice of the verifier's for it (Verdict's
         plain_from): at a load it has not run at yet, the choices on its record are a lighter load's, and a
@@ -726,18 +729,23 @@ class DraftLengthController:
         8, default pair, 2 cores, f307590: a step held 1.4 s for the openings' drafts, the batch whole and plain
         3 s after k = 0's). The batch of such sequences alone leaves out other work and catch-ups (a new
         sequence's prompt, which the opening feeds when it drafts): the figure is where even a warm batch's
-        drafting stops paying. Drafting's gain per sequence falls as the batch grows (each drafted token lengthens
-        every sequence's step, and the draft's step grows with its rows), so the search halves the range."""
+        drafting stops paying, as the model prices it (a load no step has run at is the model's extrapolation).
+        Drafting's gain per sequence mostly falls as the batch grows (each drafted token lengthens every
+        sequence's step, and the draft's step grows with its rows), so the search halves the range from 1 to
+        `most`, 9 choices for 256: where the model's kinks make the choice switch more than once, the figure is
+        one of the switches, not surely the first."""
         if cap <= 0 or not self.step_time.ready:
             return None
         rates = tuple(self.acceptance.group_rates(key, cap))
         fixed_idle, per_block_token, per_drafted_token, plain_idle = self.idle_split()
+        held = self._group_drafting.get(self.acceptance.group_of(key)) is False
+        margin = max(self.switch_tolerance, self.plain_margin) if held else self.plain_margin
 
         def plain(n: int) -> bool:
             chosen = choose_draft_lengths([Candidate(i, cap, rates) for i in range(n)], self.step_time, 0, 0.0,
                                           fixed_idle, self.tolerance, per_block_token, 0, plain_idle,
                                           (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
-                                          plain_tolerance=self.plain_margin)
+                                          plain_tolerance=margin)
             return not any(chosen.draft_lengths.values())
 
         if not plain(most):
@@ -751,18 +759,33 @@ class DraftLengthController:
                 drafts = middle
         return plain_at
 
-    def plain_from_cached(self, key: object, cap: int, now: float | None = None) -> int | None:
-        """plain_from for `key`'s group, worked out at most once every PLAIN_FROM_EVERY_S seconds a group (the
-        engine thread asks after every step that chose)."""
+    def plain_from_of(self, asked: dict[object, int], now: float | None = None,
+                      budget: int = PLAIN_FROM_PER_STEP) -> dict[object, int | None]:
+        """plain_from for each key of `asked` (key: its cap), one figure per group and cap: worked out again once
+        PLAIN_FROM_EVERY_S old, at most `budget` of them per call (the engine thread asks after every step; a
+        figure past its age waits for a later step's budget, and one never worked out is None till then). Only
+        groups with a choice made for them lately (a Verify stream with sequences under --speculation auto) get
+        one: a draft of fixed k alone never reads it."""
         now = time.monotonic() if now is None else now
-        group = self.acceptance.group_of(key)
-        cached = self._plain_from.get(group)
-        if cached is None or now - cached[0] >= PLAIN_FROM_EVERY_S:
-            cached = self._plain_from[group] = (now, self.plain_from(key, cap))
-        self._plain_from.move_to_end(group)
-        while len(self._plain_from) > MAX_THIN_GROUPS:
-            self._plain_from.popitem(last=False)
-        return cached[1]
+        group_of, cache = self.acceptance.group_of, self._plain_from
+        figures: dict[tuple, int | None] = {}
+        for key, cap in asked.items():
+            at = (group_of(key), cap)
+            if at in figures:
+                continue
+            if at[0] not in self._group_drafting:  # a stream that never asked for a choice reads none
+                figures[at] = None
+                continue
+            cached = cache.get(at)
+            if (cached is None or now - cached[0] >= PLAIN_FROM_EVERY_S) and budget > 0:
+                budget -= 1
+                cached = cache[at] = (now, self.plain_from(key, cap))
+            if cached is not None:
+                cache.move_to_end(at)
+            figures[at] = None if cached is None else cached[1]
+        while len(cache) > MAX_THIN_GROUPS:
+            cache.popitem(last=False)
+        return {key: figures[group_of(key), cap] for key, cap in asked.items()}
 
     def _probed(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
         """A probe's keys: at most max_probe_sequences of those the choice left below their cap, the groups probed

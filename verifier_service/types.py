@@ -141,8 +141,9 @@ class VerdictOut:
     # a verification that answers two proposals (ScheduledSeq.folded): its first `split` tokens are the earlier,
     # empty proposal's verdict, sent apart before the rest (split_folded); 0: it answers one
     split: int = 0
-    # the load from which the verifier would decode the sequence's group plainly (DraftLengthController.plain_from;
-    # Verdict.plain_from): with next_draft_tokens only; None: not worked out, or drafting pays at every load
+    # the load from which the verifier would decode the sequence's group plainly (DraftLengthController.plain_from_of;
+    # Verdict.plain_from); None: not worked out (no cap, a stream that asks for no choice, no model yet, the step's
+    # budget), or drafting pays at every load it looks at
     plain_from: int | None = None
 
 
@@ -183,7 +184,7 @@ def split_folded(outcome: Outcome) -> list[Outcome]:
         return [outcome]
     n = outcome.split
     first = VerdictOut(outcome.key, outcome.start_position, 0, outcome.token_ids[:n], None, outcome.batch_size,
-                       outcome.step_time_s, outcome.next_draft_tokens)
+                       outcome.step_time_s, outcome.next_draft_tokens, plain_from=outcome.plain_from)
     rest = dataclasses.replace(outcome, start_position=outcome.start_position + n,
                                num_accepted=outcome.num_accepted - n, token_ids=outcome.token_ids[n:], split=0)
     return [first, rest]
