@@ -95,22 +95,30 @@ class RecentChoices:
     # running -> (record number, when, choice), least recently recorded first
     _latest: dict = field(default_factory=dict)
     _recorded: int = 0
-    _plain_from: tuple[float, int] | None = None  # (when, the verifier's plain_from) of the latest verdict
+    most_caps: int = 64  # caps whose word is kept; past it the one heard of longest ago goes
+    # cap -> (when, the verifier's plain_from) of the latest verdict for a block of that cap, least recent first
+    _plain_from: dict = field(default_factory=dict)
 
-    def note_plain_from(self, plain_from: int | None, chose: bool) -> None:
-        """A verdict's plain_from; `chose`: it carries a choice (next_draft_tokens), so that a None is the
-        verifier's word (drafting pays at every load it looked at, or it knows nothing yet: the last word is
-        forgotten). Without a choice a None says nothing (a sequence's last verdict, a k = 0 request's, an older
-        verifier's), and the last word stands."""
-        if plain_from is not None:
-            self._plain_from = (self.clock(), plain_from)
-        elif chose:
-            self._plain_from = None
+    def note_plain_from(self, plain_from: int | None, cap: int) -> None:
+        """A verdict's plain_from, for sequences of `cap` (the cap its round asked the verifier about, or a fixed k's
+        block). None says nothing (not worked out: a sequence's last verdict, a k = 0 request's, an older
+        verifier's, a figure the verifier has not got to yet), and the last word stands."""
+        if plain_from is None:
+            return
+        self._plain_from.pop(cap, None)
+        self._plain_from[cap] = (self.clock(), plain_from)
+        if len(self._plain_from) > self.most_caps:
+            del self._plain_from[next(iter(self._plain_from))]
 
-    def says_plain(self, running: int) -> bool:
-        """Whether the verifier's latest word, young enough, says it decodes `running` sequences plainly."""
-        word = self._plain_from
+    def says_plain(self, running: int, cap: int) -> bool:
+        """Whether the verifier's latest word on sequences of `cap`, young enough, says it decodes `running` of them
+        plainly."""
+        word = self._plain_from.get(cap)
         return word is not None and self.clock() - word[0] <= self.max_age_s and running >= word[1]
+
+    def knows(self) -> bool:
+        """Whether a choice or a word of the verifier's is on record (a fresh process has neither)."""
+        return bool(self._latest or self._plain_from)
 
     def record(self, running: int, choice: int) -> None:
         self._recorded += 1
@@ -119,10 +127,11 @@ class RecentChoices:
         if len(self._latest) > self.most_loads:
             del self._latest[next(iter(self._latest))]
 
-    def opening(self, running: int) -> int | None:
-        """The choice for an opening with `running` generations on the process (its own included): 0 where the
-        verifier's word says it runs that load plain, else the record's; None with neither."""
-        if self.says_plain(running):
+    def opening(self, running: int, cap: int | None = None) -> int | None:
+        """The choice for an opening of `cap` (its k; None: any) with `running` generations on the process (its
+        own included): 0 where the verifier's word on that cap says it runs that load plain, else the record's;
+        None with neither."""
+        if cap is not None and self.says_plain(running, cap):
             return 0
         now = self.clock()
         recent = {seen: latest for seen, latest in self._latest.items() if now - latest[1] <= self.max_age_s}

@@ -144,7 +144,7 @@ class Generator:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[TextChunk | GenerationStats]:
         self.metrics.active.inc()
-        self._running += 1
+        self._arrived()
         outcome = "error"
         try:
             async for event in self._generate(req):
@@ -163,7 +163,9 @@ class Generator:
             self.metrics.requests.labels(outcome=outcome).inc()
 
     def _arrived(self) -> None:
-        """A generation has passed its checks (_prepare): the openings waiting for their burst learn of it."""
+        """A generation starts: counted, and the openings waiting for their burst learn of it (one that then fails
+        its checks has still held them up to a wait more: at most SETTLE_WAITS in all)."""
+        self._running += 1
         for waiter in self._arrival_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -337,33 +339,32 @@ class Generator:
         seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
                             num_prompt_tokens=len(prompt))
         varies = self.adapts_k(requested, k) and not req.fixed_k
-        self._arrived()  # (a request that fails its checks holds no other's opening)
-        alone = await self._alone(varies)
+        alone = await self._alone(varies, k)
         length = RoundLength.for_mode(k, self.speculation, varies=varies, weighs_own_cost=self.weighs_own_cost,
-                                      recent_choice=self._recent_choices.opening(self._running),
+                                      recent_choice=self._recent_choices.opening(self._running, k),
                                       pooled=self._pooled_own, alone=alone)
         return prompt, seq, length, identity.max_model_len
 
-    async def _alone(self, varies: bool) -> bool:
+    async def _alone(self, varies: bool, k: int) -> bool:
         """Whether no other generation ran on the process as this one opened (RoundLength.for_mode's `alone`), once
         its burst has arrived. Under auto, with a choice or the verifier's plain_from on record (else the opening
-        drafts ahead at the full k), an opening waits until no other request has passed its checks for
-        --opening-wait-ms (at most SETTLE_WAITS such waits in all), and then counts the process's generations
-        (_prepare: the load its first block's length is looked up at). Beside others where plain_from already
-        says the verifier runs the load plain, it does not wait: more arrivals would change nothing. A burst's requests arrive a little apart (1 to 3 ms on loopback,
+        drafts ahead at the full k), an opening waits until no other request has arrived for --opening-wait-ms
+        (at most SETTLE_WAITS such waits in all), and then counts the process's generations (_prepare: the load
+        its first block's length, k at most, is looked up at). Beside others where plain_from for k already says
+        the verifier runs the load plain, it does not wait: more arrivals would change nothing. A burst's requests arrive a little apart (1 to 3 ms on loopback,
         bench/capacity.py at 4 and 16 streams, 2 cores), and each opening counted only those before it: the first,
         finding itself alone, proposed its prompt alone and came apart from its wave, and the rest took the choices
         of loads from 1 to the burst's, some drafting, some not, at a load where the verifier then ran plain (16
         streams, f307590: 8 of 16 openings drafted, and those finished about 3 s apart from the rest). A request
         that stays alone (one stream) pays one wait before its prompt goes out, as does an opening beside others;
-        each arrival starts the wait again (a request that fails its checks is no arrival). It comes before the sequence is opened on the verifier: an idle
+        each arrival starts the wait again. It comes before the sequence is opened on the verifier: an idle
         verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
         not a step later."""
         wait_s = self.config.opening_wait_ms / 1e3
         alone = self._running <= 1
-        if not (varies and self.speculation == "auto") or self._recent_choices.opening(1) is None or wait_s <= 0:
+        if not (varies and self.speculation == "auto") or not self._recent_choices.knows() or wait_s <= 0:
             return alone
-        if not alone and self._recent_choices.says_plain(self._running):
+        if not alone and self._recent_choices.says_plain(self._running, k):
             return False  # the verifier runs this load plain already: more arrivals change nothing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_WAITS * wait_s
@@ -439,9 +440,9 @@ class Generator:
         # a round that drafted nothing says nothing of drafting
         if length.own and block.num_draft_tokens and timed:
             self._pooled_own.observe(block.num_positions, verdict.num_accepted, own_draft_s, wait_s)
-        # (a round that asked for no draft, the own-cost rule's 0, gets a choice but no figure: no news)
-        self._recent_choices.note_plain_from(verdict.plain_from,
-                                             chose=verdict.next_draft_tokens is not None and bool(length.asked))
+        # the figure is for the cap the round asked the verifier about, or a fixed k's block
+        self._recent_choices.note_plain_from(
+            verdict.plain_from, length.asked if length.asked is not None else block.num_positions)
         choice = length.load_choice(room)
         if choice is not None:
             self._recent_choices.record(self._running, choice)

@@ -279,23 +279,33 @@ def test_an_opening_passes_over_choices_older_than_a_minute_while_younger_ones_a
 
 
 def test_an_opening_at_a_load_the_verifier_would_run_plain_drafts_nothing():
-    """RecentChoices with the verifier's plain_from (Verdict.plain_from): an opening under a load at least that
-    heavy takes 0 whatever the record says, a lighter one the record's choice; a verdict with a choice and without
-    one forgets it, one without either (a sequence's last, a k = 0 request's) leaves it, and a word older than
-    max_age_s is passed over."""
+    """RecentChoices with the verifier's plain_from (Verdict.plain_from), one word a cap: an opening of that k
+    under a load at least that heavy takes 0 whatever the record says, a lighter one (or one of another k) the
+    record's choice; a verdict without one (not worked out) leaves it, and a word older than max_age_s is passed
+    over."""
     from draft_service.adaptive import RecentChoices
 
     now = [0.0]
     recent = RecentChoices(max_age_s=60.0, clock=lambda: now[0])
-    recent.note_plain_from(12, chose=False)  # a fixed k's verdict carries it too
-    assert recent.opening(16) == 0 and recent.opening(12) == 0  # before any choice too
-    assert recent.opening(11) is None  # no choice on record: the opening drafts ahead at the full k
+    assert not recent.knows()
+    recent.note_plain_from(None, 4)  # not worked out: nothing known yet
+    assert not recent.knows()
+    recent.note_plain_from(12, 4)
+    assert recent.knows()
+    assert recent.opening(16, 4) == 0 and recent.opening(12, 4) == 0  # before any choice too
+    assert recent.opening(11, 4) is None and recent.opening(16, 2) is None and recent.opening(16) is None
     recent.record(8, 4)
-    assert recent.opening(16) == 0 and recent.opening(12) == 0 and recent.opening(11) == 4
+    assert recent.opening(16, 4) == 0 and recent.opening(12, 4) == 0 and recent.opening(11, 4) == 4
+    recent.note_plain_from(6, 1)  # a round that asked for one token (the own-cost rule's probe): another cap
+    assert recent.opening(11, 4) == 4 and recent.opening(11, 1) == 0
     now[0] = 61.0
-    assert recent.opening(16) == 4  # the word is too old: the heaviest choice on record
-    recent.note_plain_from(12, chose=True)
-    recent.note_plain_from(None, chose=False)  # a last verdict, or a k = 0 request's: no news
-    assert recent.opening(16) == 0 and recent.says_plain(12) and not recent.says_plain(11)
-    recent.note_plain_from(None, chose=True)  # drafting pays at every load the verifier looked at
-    assert recent.opening(16) == 4 and not recent.says_plain(16)
+    assert recent.opening(16, 4) == 4  # the word is too old: the heaviest choice on record
+    recent.note_plain_from(12, 4)
+    recent.note_plain_from(None, 4)  # a last verdict, a k = 0 request's, a figure not yet got to: no news
+    assert recent.opening(16, 4) == 0 and recent.says_plain(12, 4) and not recent.says_plain(11, 4)
+    recent.note_plain_from(257, 4)  # drafting pays at every load the verifier looked at
+    assert recent.opening(16, 4) == 4 and not recent.says_plain(256, 4)
+    small = RecentChoices(most_caps=2)
+    for cap in (1, 2, 3):
+        small.note_plain_from(5, cap)
+    assert sorted(small._plain_from) == [2, 3]

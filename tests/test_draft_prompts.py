@@ -1194,11 +1194,10 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     async def arrival_during_the_wait():
         gen = generator()
         gen._recent_choices.record(1, 3)
-        alone = asyncio.ensure_future(gen._alone(True))
+        alone = asyncio.ensure_future(gen._alone(True, 4))
         await asyncio.sleep(0)
         first = set(gen._arrival_waiters)
         assert len(first) == 1 and not alone.done()
-        gen._running += 1
         gen._arrived()
         await _until(lambda: gen._arrival_waiters and gen._arrival_waiters != first)  # waits again, for the next
         assert not alone.done()
@@ -1207,25 +1206,23 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
         assert not gen._arrival_waiters
 
     async def joined(gen):
-        alone = asyncio.ensure_future(gen._alone(True))
+        alone = asyncio.ensure_future(gen._alone(True, 4))
         await asyncio.sleep(0)
         waited = bool(gen._arrival_waiters)
-        gen._running += 1
         gen._arrived()
         return waited, await asyncio.wait_for(alone, 5)
 
     async def steady_arrivals(gen):
-        alone = asyncio.ensure_future(gen._alone(True))
+        alone = asyncio.ensure_future(gen._alone(True, 4))
         for _ in range(100):  # one every 5 ms for 0.5 s, each within the 20 ms wait (the bound: 100 ms)
             if alone.done():
                 return alone.result()
-            gen._running += 1
             gen._arrived()
             await asyncio.sleep(0.005)
         raise AssertionError("the opening waited for as long as arrivals came")
 
     async def at_once(gen, varies=True):
-        return await asyncio.wait_for(gen._alone(varies), 5)
+        return await asyncio.wait_for(gen._alone(varies, 4), 5)
 
     asyncio.run(arrival_during_the_wait())
     burst = generator(wait_ms=20)
@@ -1237,9 +1234,12 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     assert asyncio.run(joined(beside)) == (True, False)  # beside another it waits for the burst's next too
     plain = generator(wait_ms=20)
     plain._recent_choices.record(1, 3)
-    plain._recent_choices.note_plain_from(2, chose=True)
+    plain._recent_choices.note_plain_from(2, 4)
     plain._running = 2
     assert asyncio.run(joined(plain)) == (False, False)  # at a load the verifier runs plain: no wait
+    word = generator(wait_ms=20)
+    word._recent_choices.note_plain_from(12, 4)  # the verifier's word alone, no choice yet: it waits too
+    assert asyncio.run(joined(word)) == (True, False)
     steady = generator(wait_ms=20)
     steady._recent_choices.record(1, 3)
     assert asyncio.run(steady_arrivals(steady)) is False
@@ -1314,13 +1314,25 @@ def test_an_opening_at_a_load_the_verifier_says_it_runs_plain_drafts_nothing():
     gen._running = 2  # 2 other generations in progress: a load of 3 with the opening's own
     _generate_once(gen, tuple(range(1, 11)))  # no word yet: the record's 4, drafted first
     assert gen.link.sent[0][:3] == (4, 4, 0)
-    assert gen._recent_choices.opening(3) == 0 and gen._recent_choices.opening(2) == 4
+    assert gen._recent_choices.opening(3, 4) == 0 and gen._recent_choices.opening(2, 4) == 4
     for running, first in ((2, (0, 4, 9)), (1, (4, 4, 0))):
         gen.link = LastSaysNothingVerifier([4, 4, 4], plain_from=3)
         gen._running = running
         _generate_once(gen, tuple(range(1, 11)))
         assert gen.link.sent[0][:3] == first
     gen.prompts.close()
+
+
+def test_a_fixed_k_s_verdicts_give_the_word_for_its_block_s_length():
+    """A fixed k's rounds ask the verifier nothing, and the plain_from their verdicts carry is for their blocks'
+    length: recorded under it, for the openings of that k."""
+    gen = Generator(DraftConfig(model="m", proposer="ngram", speculation="fixed", num_speculative_tokens=2),
+                    BlockingTokenizer(), VOCAB, BacklogVerifier([0, 0, 0], plain_from=5), AheadDrafter())
+    gen._running = 0
+    _generate_once(gen, tuple(range(1, 11)))
+    gen.prompts.close()
+    assert [sent[:2] for sent in gen.link.sent] == [(2, None)] * 3
+    assert gen._recent_choices.says_plain(5, 2) and not gen._recent_choices.says_plain(5, 4)
 
 
 class HeldAheadDrafter(AheadDrafter):

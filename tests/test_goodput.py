@@ -1163,19 +1163,25 @@ def test_plain_from_is_the_fewest_sequences_of_a_group_the_choice_decodes_plainl
     assert c.plain_from(key(1, 0), 0) is None
     assert DraftLengthController(4).plain_from(key(1, 0), 4) is None  # no step time yet
     flat = DraftLengthController(4, step_time=model_of(lambda n: 0.01), probe_every=0)
-    assert flat.plain_from(key(1, 0), 4) is None
+    assert flat.plain_from(key(1, 0), 4) == 257
     three = c.plain_from(key(1, 0), 3)
     assert three is not None and three != good
     c._group_drafting[2] = False  # stream 2's last choice drafted nothing: drafting must gain the hysteresis
     held = c.plain_from(key(2, 0), 4)
     assert held is not None and held < poor
+    assert drafted(2, held - 1) > 0 and drafted(2, held) == 0  # as the choice, held plain, prices it
     del c._group_drafting[2]
     asked = {key(1, 5): 4, key(1, 6): 4, key(1, 7): 3, key(2, 5): 4}
     assert c.plain_from_of(asked, now=100.0) == dict.fromkeys(asked)  # no choice made for either group yet
     c._group_drafting[1] = c._group_drafting[2] = True
     assert c.plain_from_of(asked, now=100.0, budget=2) == {key(1, 5): good, key(1, 6): good, key(1, 7): three,
                                                             key(2, 5): None}  # the third figure waits its turn
-    assert c.plain_from_of(asked, now=100.0, budget=1)[key(2, 5)] == poor
+    later = 100.0 + PLAIN_FROM_EVERY_S * 0.6
+    assert c.plain_from_of(asked, now=later, budget=1)[key(2, 5)] == poor
     c.step_time = model_of(lambda n: 0.001 * n)  # every token costs: plain from one sequence
-    assert c.plain_from_of(asked, now=100.0 + PLAIN_FROM_EVERY_S / 2)[key(1, 5)] == good
-    assert c.plain_from_of(asked, now=100.0 + PLAIN_FROM_EVERY_S)[key(1, 5)] == 1
+    assert c.plain_from_of(asked, now=100.0 + PLAIN_FROM_EVERY_S / 2)[key(1, 5)] == good  # not due yet
+    # all three due: the oldest first, one a call (the figure past its age stands till its turn)
+    now = later + PLAIN_FROM_EVERY_S
+    assert list(c.plain_from_of(asked, now=now, budget=1).values()) == [1, 1, three, poor]
+    assert list(c.plain_from_of(asked, now=now, budget=1).values()) == [1, 1, 1, poor]
+    assert list(c.plain_from_of(asked, now=now, budget=1).values()) == [1, 1, 1, 1]

@@ -586,3 +586,14 @@ def test_verdicts_of_sequences_with_a_cap_carry_their_stream_s_plain_from(pair):
         four, three, min(three, four))
     assert outcomes[plain].plain_from is None and outcomes[auto].next_draft_tokens is not None
     assert outcomes[elsewhere].plain_from is None
+
+
+def test_a_folded_opening_s_two_verdicts_both_carry_plain_from():
+    """split_folded: the first token's verdict and the folded block's both carry the figure (the draft notes each)."""
+    from verifier_service.types import split_folded
+
+    folded = VerdictOut(SeqKey(1, 1), 5, 3, (7, 8, 9, 10), None, 4, 0.2, next_draft_tokens=2, split=1,
+                        plain_from=12)
+    first, rest = split_folded(folded)
+    assert (first.token_ids, rest.token_ids) == ((7,), (8, 9, 10))
+    assert first.plain_from == rest.plain_from == 12

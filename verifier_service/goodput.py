@@ -720,8 +720,8 @@ class DraftLengthController:
         `cap`), verified alone and drafted by one draft process, from which choose_draft_lengths, priced as the
         choices are (the step-time model, the wait's split, plain_margin, or the hysteresis where the group's last
         choice drafted nothing), drafts nothing: the load from which this verifier would decode such a group's
-        sequences plainly. None: drafting pays at `most` sequences, or nothing is known yet (no step-time model, a
-        cap of 0).
+        sequences plainly; `most` + 1 where drafting pays at `most` sequences. None: nothing is known yet (no
+        step-time model, a cap of 0).
 
         A draft process sends a new sequence's first block before any choice of the verifier's for it (Verdict's
         plain_from): at a load it has not run at yet, the choices on its record are a lighter load's, and a
@@ -749,7 +749,7 @@ class DraftLengthController:
             return not any(chosen.draft_lengths.values())
 
         if not plain(most):
-            return None
+            return most + 1
         drafts, plain_at = 0, most  # the search's bounds: drafting pays at `drafts` sequences (0: none tried)
         while plain_at - drafts > 1:
             middle = (drafts + plain_at) // 2
@@ -761,31 +761,26 @@ class DraftLengthController:
 
     def plain_from_of(self, asked: dict[object, int], now: float | None = None,
                       budget: int = PLAIN_FROM_PER_STEP) -> dict[object, int | None]:
-        """plain_from for each key of `asked` (key: its cap), one figure per group and cap: worked out again once
-        PLAIN_FROM_EVERY_S old, at most `budget` of them per call (the engine thread asks after every step; a
-        figure past its age waits for a later step's budget, and one never worked out is None till then). Only
-        groups with a choice made for them lately (a Verify stream with sequences under --speculation auto) get
-        one: a draft of fixed k alone never reads it."""
+        """plain_from for each key of `asked` (key: its cap), one figure per group and cap, worked out again once
+        PLAIN_FROM_EVERY_S old: at most `budget` of them per call, those never worked out first, then the oldest
+        (the engine thread asks after every step; one never worked out is None till its turn). Only groups with
+        a choice made for them lately (a Verify stream with sequences under --speculation auto) get one: a draft
+        of fixed k alone never reads it."""
         now = time.monotonic() if now is None else now
         group_of, cache = self.acceptance.group_of, self._plain_from
-        figures: dict[tuple, int | None] = {}
-        for key, cap in asked.items():
-            at = (group_of(key), cap)
-            if at in figures:
-                continue
-            if at[0] not in self._group_drafting:  # a stream that never asked for a choice reads none
-                figures[at] = None
-                continue
-            cached = cache.get(at)
-            if (cached is None or now - cached[0] >= PLAIN_FROM_EVERY_S) and budget > 0:
-                budget -= 1
-                cached = cache[at] = (now, self.plain_from(key, cap))
-            if cached is not None:
+        pairs = {(group_of(key), cap): key for key, cap in asked.items()}
+        due = sorted((at for at in pairs if at[0] in self._group_drafting
+                      and (at not in cache or now - cache[at][0] >= PLAIN_FROM_EVERY_S)),
+                     key=lambda at: cache[at][0] if at in cache else -float("inf"))
+        for at in due[:max(0, budget)]:
+            cache[at] = (now, self.plain_from(pairs[at], at[1]))
+        for at in pairs:
+            if at in cache:
                 cache.move_to_end(at)
-            figures[at] = None if cached is None else cached[1]
         while len(cache) > MAX_THIN_GROUPS:
             cache.popitem(last=False)
-        return {key: figures[group_of(key), cap] for key, cap in asked.items()}
+        return {key: cache[at][1] if (at := (group_of(key), cap)) in cache and at[0] in self._group_drafting else None
+                for key, cap in asked.items()}
 
     def _probed(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
         """A probe's keys: at most max_probe_sequences of those the choice left below their cap, the groups probed

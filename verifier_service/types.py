@@ -142,8 +142,8 @@ class VerdictOut:
     # empty proposal's verdict, sent apart before the rest (split_folded); 0: it answers one
     split: int = 0
     # the load from which the verifier would decode the sequence's group plainly (DraftLengthController.plain_from_of;
-    # Verdict.plain_from); None: not worked out (no cap, a stream that asks for no choice, no model yet, the step's
-    # budget), or drafting pays at every load it looks at
+    # Verdict.plain_from; past goodput.PLAIN_FROM_MOST: drafting pays at every load it looks at); None: not worked
+    # out (no cap, a stream that asks for no choice, no model yet, the step's budget)
     plain_from: int | None = None
 
 
