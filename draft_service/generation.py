@@ -351,11 +351,13 @@ class Generator:
         drafts ahead at the full k), an opening waits until no other request has arrived for --opening-wait-ms
         (at most SETTLE_WAITS such waits in all), and then counts the process's generations (_prepare: the load
         its first block's length, k at most, is looked up at). Beside others where plain_from for k already says
-        the verifier runs the load plain, it does not wait: more arrivals would change nothing. A burst's requests arrive a little apart (1 to 3 ms on loopback,
-        bench/capacity.py at 4 and 16 streams, 2 cores), and each opening counted only those before it: the first,
-        finding itself alone, proposed its prompt alone and came apart from its wave, and the rest took the choices
-        of loads from 1 to the burst's, some drafting, some not, at a load where the verifier then ran plain (16
-        streams, f307590: 8 of 16 openings drafted, and those finished about 3 s apart from the rest). A request
+        the verifier runs the load plain, it does not wait: more arrivals would change nothing.
+
+        A burst's requests arrive a little apart (1 to 3 ms on loopback, bench/capacity.py at 4 and 16 streams, 2
+        cores), and each opening counted only those before it: the first, finding itself alone, proposed its
+        prompt alone and came apart from its wave, and the rest took the choices of loads from 1 to the burst's,
+        some drafting, some not, at a load where the verifier then ran plain (16 streams, f307590: 8 of 16
+        openings drafted, and those finished about 3 s apart from the rest). A request
         that stays alone (one stream) pays one wait before its prompt goes out, as does an opening beside others;
         each arrival starts the wait again. It comes before the sequence is opened on the verifier: an idle
         verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
