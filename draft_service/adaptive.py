@@ -105,10 +105,7 @@ class RecentChoices:
         verifier's, a figure the verifier has not got to yet), and the last word stands."""
         if plain_from is None:
             return
-        self._plain_from.pop(cap, None)
-        self._plain_from[cap] = (self.clock(), plain_from)
-        if len(self._plain_from) > self.most_caps:
-            del self._plain_from[next(iter(self._plain_from))]
+        _put_latest(self._plain_from, cap, (self.clock(), plain_from), self.most_caps)
 
     def says_plain(self, running: int, cap: int) -> bool:
         """Whether the verifier's latest word on sequences of `cap`, young enough, says it decodes `running` of them
@@ -122,10 +119,7 @@ class RecentChoices:
 
     def record(self, running: int, choice: int) -> None:
         self._recorded += 1
-        self._latest.pop(running, None)
-        self._latest[running] = (self._recorded, self.clock(), choice)
-        if len(self._latest) > self.most_loads:
-            del self._latest[next(iter(self._latest))]
+        _put_latest(self._latest, running, (self._recorded, self.clock(), choice), self.most_loads)
 
     def opening(self, running: int, cap: int | None = None) -> int | None:
         """The choice for an opening of `cap` (its k; None: any) with `running` generations on the process (its
@@ -140,6 +134,14 @@ class RecentChoices:
             return None
         heavier = [latest for seen, latest in recent.items() if seen >= running]
         return max(heavier)[2] if heavier else recent[max(recent)][2]
+
+
+def _put_latest(table: dict, key: object, value: object, most: int) -> None:
+    """`table[key] = value` as its most recent entry (insertion order), the least recent going past `most`."""
+    table.pop(key, None)
+    table[key] = value
+    if len(table) > most:
+        del table[next(iter(table))]
 
 
 @dataclass

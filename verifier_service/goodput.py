@@ -770,9 +770,9 @@ class DraftLengthController:
         of fixed k alone never reads it."""
         now = time.monotonic() if now is None else now
         group_of, cache = self.acceptance.group_of, self._plain_from
-        pairs = {(group_of(key), cap): key for key, cap in asked.items()}
-        due = sorted((at for at in pairs if at[0] in self._group_drafting
-                      and (at not in cache or now - cache[at][0] >= PLAIN_FROM_EVERY_S)),
+        at_of = {key: (group_of(key), cap) for key, cap in asked.items()}
+        pairs = {at: key for key, at in at_of.items() if at[0] in self._group_drafting}
+        due = sorted((at for at in pairs if at not in cache or now - cache[at][0] >= PLAIN_FROM_EVERY_S),
                      key=lambda at: cache[at][0] if at in cache else -float("inf"))
         for at in due[:max(0, budget)]:
             cache[at] = (now, self.plain_from(pairs[at], at[1]))
@@ -781,8 +781,7 @@ class DraftLengthController:
                 cache.move_to_end(at)
         while len(cache) > MAX_THIN_GROUPS:
             cache.popitem(last=False)
-        return {key: cache[at][1] if (at := (group_of(key), cap)) in cache and at[0] in self._group_drafting else None
-                for key, cap in asked.items()}
+        return {key: cache[at][1] if at in pairs and at in cache else None for key, at in at_of.items()}
 
     def _probed(self, caps: dict[object, int], chosen: dict[object, int]) -> set[object]:
         """A probe's keys: at most max_probe_sequences of those the choice left below their cap, the groups probed
