@@ -350,8 +350,14 @@ class Generator:
         its burst has arrived. Under auto, with a choice or the verifier's plain_from on record (else the opening
         drafts ahead at the full k), an opening waits until no other request has arrived for --opening-wait-ms
         (at most SETTLE_WAITS such waits in all), and then counts the process's generations (_prepare: the load
-        its first block's length, k at most, is looked up at). Beside others where plain_from for k already says
-        the verifier runs the load plain, it does not wait: more arrivals would change nothing.
+        its first block's length, k at most, is looked up at). It waits where the verifier's plain_from for k
+        already says the load runs plain as well: the wait also keeps the burst's prompts in one step. (Where those
+        beside others went at once, the first of a burst, alone when it opened, waited, and the verifier ran a
+        prompt step without it. At 4 streams, with the word at 1 from the wave before, aiperf's 4 prompts went in
+        steps of 3 and 1 where k = 0's went in one (external_clients.sh, 6400954: 0.96x k = 0), and in the tenth
+        sweep's run of the outside clients both clients' first prompts came a step apart from the rest (time to
+        first token p50 and p99 1,275 and 2,085 ms, 1,271 and 2,368, where k = 0's were within 10 ms; 0.945 and
+        0.948x k = 0).)
 
         A burst's requests arrive a little apart (1 to 3 ms on loopback, bench/capacity.py at 4 and 16 streams, 2
         cores), and each opening counted only those before it: the first, finding itself alone, proposed its
@@ -366,8 +372,6 @@ class Generator:
         alone = self._running <= 1
         if not (varies and self.speculation == "auto") or not self._recent_choices.knows() or wait_s <= 0:
             return alone
-        if not alone and self._recent_choices.says_plain(self._running, k):
-            return False  # the verifier runs this load plain already: more arrivals change nothing
         loop = asyncio.get_running_loop()
         deadline = loop.time() + SETTLE_WAITS * wait_s
         while (left := min(wait_s, deadline - loop.time())) > 0:

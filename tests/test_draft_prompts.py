@@ -1181,8 +1181,8 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
 def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     """Under auto, with a choice on record, an opening waits until no other generation has arrived for
     --opening-wait-ms (a burst's requests come a little apart): an arrival starts the wait again, and makes it
-    one of a burst. Beside others it waits too (the burst's later requests must count), unless the verifier's
-    plain_from says that load runs plain already. A steady stream of arrivals holds it at most SETTLE_WAITS waits.
+    one of a burst. Beside others it waits too (the burst's later requests must count), and so it does where the
+    verifier's plain_from says that load runs plain already: the burst's prompts go in one step. A steady stream of arrivals holds it at most SETTLE_WAITS waits.
     With no choice on record, under a fixed k, for a request whose k does not vary, or with no wait set, nothing
     is awaited."""
     def generator(speculation="auto", wait_ms=1000):
@@ -1236,7 +1236,7 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     plain._recent_choices.record(1, 3)
     plain._recent_choices.note_plain_from(2, 4)
     plain._running = 2
-    assert asyncio.run(joined(plain)) == (False, False)  # at a load the verifier runs plain: no wait
+    assert asyncio.run(joined(plain)) == (True, False)  # at a load the verifier runs plain: it waits all the same
     word = generator(wait_ms=20)
     word._recent_choices.note_plain_from(12, 4)  # the verifier's word alone, no choice yet: it waits too
     assert asyncio.run(joined(word)) == (True, False)
