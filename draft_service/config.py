@@ -26,8 +26,8 @@ from draft_service.placement import VerifierTargets
 WIRE_MODES = tuple(m.value for m in WireMode)
 PROPOSERS = ("model", "ngram")
 SPECULATION_MODES = ("auto", "adaptive", "fixed")
-# an opening's waits for its burst (Generator._alone), at most this many --opening-wait-ms in all: a steady
-# stream of arrivals must not hold a request's prompt back for long
+# an opening's waits for its burst (Generator._alone), at most this many --opening-wait-ms in all from the start
+# of the first of its burst to wait: a steady stream of arrivals must not hold a request's prompt back for long
 SETTLE_WAITS = 5
 
 
@@ -94,8 +94,8 @@ class DraftConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig):
                                     "arrive before it counts the requests on this service and opens: alone, its "
                                     "prompt is proposed at once and its next block drafted beside it; with others "
                                     "it drafts first the length the verifier chose at that load, and proposes with "
-                                    f"its burst. An arrival starts the wait again, up to {SETTLE_WAITS} waits in "
-                                    "all; 0: no wait")
+                                    f"its burst. An arrival starts the wait again, up to {SETTLE_WAITS} waits from "
+                                    "the start of the burst's first wait; 0: no wait")
     drain_grace_s: float = option(10.0, "on SIGTERM (or SIGINT): take no new request (clients are told to go to "
                                   "another draft service) and let the generations in progress finish for at most "
                                   "this many seconds, then cancel them", flag="--drain-grace")

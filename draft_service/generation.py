@@ -123,6 +123,8 @@ class Generator:
         self._awaiting: set[int] = set()  # sequence ids whose generation waits for its verdict now
         self._running = 0  # generations in progress
         self._arrival_waiters: set[asyncio.Future[None]] = set()  # openings waiting for another one (_alone)
+        self._preparing = 0  # generations counted (_arrived) whose opening has not reached its wait yet (_prepared)
+        self._burst_deadline = 0.0  # the loop time by which the openings waiting now all leave (_alone)
         self.prompts = PromptEncoder(tokenizer, config.max_prompt_bytes)  # text prompts, tokenized off the loop
         self.speculation = config.speculation_mode
         self._recent_choices = RecentChoices()  # the verifier's recent choices on this process, by load (auto)
@@ -166,6 +168,16 @@ class Generator:
         """A generation starts: counted, and the openings waiting for their burst learn of it (one that then fails
         its checks has still held them up to a wait more: at most SETTLE_WAITS in all)."""
         self._running += 1
+        self._preparing += 1
+        self._wake_waiters()
+
+    def _prepared(self) -> None:
+        """A generation's opening reaches its wait (_alone), or its checks failed before it: the openings waiting
+        wait for it no more, and those of its burst start their wait again with it."""
+        self._preparing -= 1
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
         for waiter in self._arrival_waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -327,18 +339,22 @@ class Generator:
     async def _prepare(self, req: GenerationRequest) -> tuple[list[int], DraftSequence, RoundLength, int]:
         """The request checked against this service and its verifier: (prompt ids, the sequence, its rounds'
         draft length, the verifier's context length)."""
-        check_stop_strings(req.stop)
-        self._check_fixed(req)  # before the prompt is tokenized or a verifier waited for
-        prompt = await self._prompt_ids(req)
-        identity = await self.link.ensure_connected(self._retry_s(req.deadline))
-        check_prompt_length(len(prompt), identity)  # before the draft prefills it
-        self._check_trees(identity)
-        k = self._num_speculative_tokens(req, identity)
-        requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
-        sampling = self._sampling(requested.with_seed(), identity)
-        seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
-                            num_prompt_tokens=len(prompt))
-        varies = self.adapts_k(requested, k) and not req.fixed_k
+        try:
+            check_stop_strings(req.stop)
+            self._check_fixed(req)  # before the prompt is tokenized or a verifier waited for
+            prompt = await self._prompt_ids(req)
+            identity = await self.link.ensure_connected(self._retry_s(req.deadline))
+            check_prompt_length(len(prompt), identity)  # before the draft prefills it
+            self._check_trees(identity)
+            k = self._num_speculative_tokens(req, identity)
+            requested = dataclasses.replace(req.sampling, wire_mode=req.sampling.wire_mode or self.wire_mode)
+            sampling = self._sampling(requested.with_seed(), identity)
+            seq = DraftSequence(sampling, list(prompt), q_max_support=q_support_limit(sampling, identity),
+                                num_prompt_tokens=len(prompt))
+            varies = self.adapts_k(requested, k) and not req.fixed_k
+        except BaseException:
+            self._prepared()  # failed or cancelled: the burst's waiting openings wait for it no more
+            raise
         alone = await self._alone(varies, k)
         length = RoundLength.for_mode(k, self.speculation, varies=varies, weighs_own_cost=self.weighs_own_cost,
                                       recent_choice=self._recent_choices.opening(self._running, k),
@@ -349,15 +365,18 @@ class Generator:
         """Whether no other generation ran on the process as this one opened (RoundLength.for_mode's `alone`), once
         its burst has arrived. Under auto, with a choice or the verifier's plain_from on record (else the opening
         drafts ahead at the full k), an opening waits until no other request has arrived for --opening-wait-ms
-        (at most SETTLE_WAITS such waits in all), and then counts the process's generations (_prepare: the load
-        its first block's length, k at most, is looked up at). It waits where the verifier's plain_from for k
+        and none that has arrived is still on its way to its own wait (its prompt tokenized, its checks), at most
+        SETTLE_WAITS such waits from the start of the first of its burst to wait (so the burst's openings leave
+        together, none at a bound of its own), and then counts the process's generations (_prepare: the load its
+        first block's length, k at most, is looked up at). It waits where the verifier's plain_from for k
         already says the load runs plain as well: the wait also keeps the burst's prompts in one step. (Where those
-        beside others went at once, the first of a burst, alone when it opened, waited, and the verifier ran a
-        prompt step without it. At 4 streams, with the word at 1 from the wave before, aiperf's 4 prompts went in
-        steps of 3 and 1 where k = 0's went in one (external_clients.sh, 6400954: 0.96x k = 0), and in the tenth
-        sweep's run of the outside clients both clients' first prompts came a step apart from the rest (time to
-        first token p50 and p99 1,275 and 2,085 ms, 1,271 and 2,368, where k = 0's were within 10 ms; 0.945 and
-        0.948x k = 0).)
+        beside others went at once, the first of a burst, alone when it opened, waited, and the verifier could run a
+        prompt step without it. With external_clients.sh at 4 streams and the word at 1 from the wave before,
+        aiperf's 4 prompts went in steps of 3 and 1 where k = 0's went in one (6400954: 0.96x k = 0); waiting
+        (744ae9a), they went in one (0.99x). In the tenth sweep's run of the outside clients, both clients' time to
+        first token p99 was about a prompt step above p50 (1,275 and 2,085 ms; 1,271 and 2,368) where k = 0's were
+        within 10 ms, as such a split would make it (those logs were not kept). The steps:
+        docs/bench/external-clients-c4-burst-6400954-744ae9a.md.)
 
         A burst's requests arrive a little apart (1 to 3 ms on loopback, bench/capacity.py at 4 and 16 streams, 2
         cores), and each opening counted only those before it: the first, finding itself alone, proposed its
@@ -368,13 +387,15 @@ class Generator:
         each arrival starts the wait again. It comes before the sequence is opened on the verifier: an idle
         verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
         not a step later."""
+        self._prepared()
         wait_s = self.config.opening_wait_ms / 1e3
         alone = self._running <= 1
         if not (varies and self.speculation == "auto") or not self._recent_choices.knows() or wait_s <= 0:
             return alone
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + SETTLE_WAITS * wait_s
-        while (left := min(wait_s, deadline - loop.time())) > 0:
+        if not self._arrival_waiters:  # the first of a burst to wait: its bound is the whole burst's
+            self._burst_deadline = loop.time() + SETTLE_WAITS * wait_s
+        while (left := min(wait_s, self._burst_deadline - loop.time())) > 0:
             arrival = loop.create_future()
             self._arrival_waiters.add(arrival)
             try:
@@ -382,6 +403,9 @@ class Generator:
             finally:
                 self._arrival_waiters.discard(arrival)
                 arrival.cancel()
+            if self._preparing > 0:  # one arrived and is still on its way here (its prompt, its checks)
+                alone = False
+                continue
             if arrival.cancelled():  # none arrived
                 break
             alone = False  # one that arrived is of its burst, even where it has ended since

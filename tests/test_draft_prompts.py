@@ -1145,12 +1145,12 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
         gen._recent_choices.record(2, 3)
         return gen
 
-    def request():
+    def request(prompt=(1, 2, 3, 4)):
         return GenerationRequest(sampling=SamplingParams(temperature=0.0), prompt_text=None,
-                                 prompt_token_ids=(1, 2, 3, 4))
+                                 prompt_token_ids=prompt)
 
-    async def drain(gen):
-        return [event async for event in gen.generate(request())]
+    async def drain(gen, prompt=(1, 2, 3, 4)):
+        return [event async for event in gen.generate(request(prompt))]
 
     async def burst():
         link, drafter = FirstProposals(), AheadDrafter()
@@ -1164,6 +1164,31 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
 
     assert asyncio.run(burst()) == ([3, 3], [3, 3], [], set(), 0)
 
+    class TimedOpens(FirstProposals):
+        def __init__(self) -> None:
+            super().__init__()
+            self.times: list[float] = []
+
+        async def open(self, prompt_token_ids, sampling, **kwargs) -> int:
+            self.times.append(asyncio.get_running_loop().time())
+            return await super().open(prompt_token_ids, sampling, **kwargs)
+
+    async def plain_burst():
+        # the verifier's word: plain from one sequence on. The second, told plain as it arrives, waits with the
+        # first all the same (a second wait of 0.4 s), so the first's prompt does not go a step after it
+        link = TimedOpens()
+        gen = generator(link, AheadDrafter(), 400)
+        gen._recent_choices.note_plain_from(1, gen.config.num_speculative_tokens)
+        first = asyncio.ensure_future(drain(gen, (1, 2, 3, 4)))
+        await _until(lambda: gen._arrival_waiters)
+        second = asyncio.ensure_future(drain(gen, (5, 6, 7, 8)))
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        gen.prompts.close()
+        apart = abs(link.times[1] - link.times[0])
+        return sorted(link.opened), link.drafts, apart < 0.2, gen._arrival_waiters, gen._running, gen._preparing
+
+    assert asyncio.run(plain_burst()) == ([[1, 2, 3, 4], [5, 6, 7, 8]], [0, 0], True, set(), 0, 0)
+
     async def cancelled():
         link = FirstProposals()
         gen = generator(link, AheadDrafter(), 1000)
@@ -1173,22 +1198,42 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
         with pytest.raises(asyncio.CancelledError):
             await task
         gen.prompts.close()
-        return link.opened, gen._arrival_waiters, gen._running
+        return link.opened, gen._arrival_waiters, gen._running, gen._preparing
 
-    assert asyncio.run(cancelled()) == ([], set(), 0)
+    assert asyncio.run(cancelled()) == ([], set(), 0, 0)
+
+    async def refused_beside_a_waiting_one():
+        # an empty stop string fails the checks while the first waits: counted as on its way, then no more
+        link = FirstProposals()
+        gen = generator(link, AheadDrafter(), 200)
+        first = asyncio.ensure_future(drain(gen))
+        await _until(lambda: gen._arrival_waiters)
+        bad = GenerationRequest(sampling=SamplingParams(temperature=0.0), prompt_text=None,
+                                prompt_token_ids=(5, 6), stop=("",))
+        with pytest.raises(ServiceError):
+            [event async for event in gen.generate(bad)]
+        await asyncio.wait_for(first, 5)
+        gen.prompts.close()
+        return link.opened, gen._arrival_waiters, gen._running, gen._preparing
+
+    assert asyncio.run(refused_beside_a_waiting_one()) == ([[1, 2, 3, 4]], set(), 0, 0)
 
 
 def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     """Under auto, with a choice on record, an opening waits until no other generation has arrived for
     --opening-wait-ms (a burst's requests come a little apart): an arrival starts the wait again, and makes it
     one of a burst. Beside others it waits too (the burst's later requests must count), and so it does where the
-    verifier's plain_from says that load runs plain already: the burst's prompts go in one step. A steady stream of arrivals holds it at most SETTLE_WAITS waits.
+    verifier's plain_from says that load runs plain already: the burst's prompts go in one step. A steady stream
+    of arrivals holds it at most SETTLE_WAITS waits, counted from the first of its burst to wait, so that the
+    burst's openings leave together; and an opening waits for one that has arrived but not yet reached its wait
+    (its prompt tokenized, its checks), within that bound.
     With no choice on record, under a fixed k, for a request whose k does not vary, or with no wait set, nothing
     is awaited."""
     def generator(speculation="auto", wait_ms=1000):
         gen = Generator(DraftConfig(model="m", proposer="ngram", speculation=speculation, opening_wait_ms=wait_ms),
                         BlockingTokenizer(), VOCAB, BacklogVerifier([0]), AheadDrafter())
         gen._running = 1  # the opening's own
+        gen._preparing = 1  # on its way to its wait
         return gen
 
     async def arrival_during_the_wait():
@@ -1224,6 +1269,31 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     async def at_once(gen, varies=True):
         return await asyncio.wait_for(gen._alone(varies, 4), 5)
 
+    async def one_bound_a_burst(gen):
+        # the second of the burst starts waiting 3 waits after the first, arrivals keep coming: both leave at the
+        # first's bound (5 waits from its start), together, not the second at its own
+        first = asyncio.ensure_future(gen._alone(True, 4))
+        second = None
+        for turn in range(200):
+            if first.done():
+                break
+            if turn == 6:  # about 30 ms in
+                second = asyncio.ensure_future(gen._alone(True, 4))
+            gen._arrived()
+            await asyncio.sleep(0.005)
+        assert second is not None
+        await _until(second.done, turns=5)
+        return first.result(), second.result()
+
+    async def one_on_its_way(gen):
+        alone = asyncio.ensure_future(gen._alone(True, 4))
+        await asyncio.sleep(0)
+        gen._arrived()  # counted, its prompt still being tokenized: not at its wait yet
+        await asyncio.sleep(0.15)  # past the quiet wait of 0.05 s, before the burst's bound of 0.25 s
+        waited = not alone.done()
+        gen._prepared()  # it reaches its wait (or fails its checks)
+        return waited, await asyncio.wait_for(alone, 5), gen._preparing
+
     asyncio.run(arrival_during_the_wait())
     burst = generator(wait_ms=20)
     burst._recent_choices.record(1, 3)
@@ -1243,6 +1313,13 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
     steady = generator(wait_ms=20)
     steady._recent_choices.record(1, 3)
     assert asyncio.run(steady_arrivals(steady)) is False
+    together = generator(wait_ms=20)
+    together._recent_choices.record(1, 3)
+    together._preparing = 2  # the second opening's too
+    assert asyncio.run(one_bound_a_burst(together)) == (False, False)
+    on_its_way = generator(wait_ms=50)
+    on_its_way._recent_choices.record(1, 3)
+    assert asyncio.run(one_on_its_way(on_its_way)) == (True, False, 0)
     assert asyncio.run(at_once(generator())) is True  # no choice on record: it drafts ahead at the full k anyway
     fixed = generator("fixed")
     fixed._recent_choices.record(1, 3)
