@@ -980,6 +980,17 @@ def test_drafting_must_gain_the_plain_margin_even_where_the_last_choice_drafted(
     assert not any(plain.choose(caps).draft_lengths.values())  # held: 10 % is within the switch tolerance
     plain.step_time = large
     assert any(plain.choose(caps).draft_lengths.values())
+    # most of the step's sequences decode plainly now (their drafts have context left to feed), whatever their
+    # group's last choice: drafting for them is a switch, held to the switch tolerance; fed ones are not
+    for backlog, unfed, drafts in ((8, 17, False), (8, 16, True), (0, 32, True), (None, 32, False)):
+        switch = controller(large)
+        assert any(switch.choose(caps).draft_lengths.values())  # the group's last choice drafted
+        switch.step_time = gain_10
+        for key in range(unfed):  # a round that drafted nothing: the draft says what it left to feed, or nothing
+            switch.observe_verification(key, 0, 0, backlog=backlog)
+        for key in range(unfed, 32):  # nor did these, but their drafts are fed (a block drafted ahead, say)
+            switch.observe_verification(key, 0, 0, backlog=0)
+        assert any(switch.choose(caps).draft_lengths.values()) is drafts, (backlog, unfed)
 
 
 def test_the_plain_margin_counts_the_sequences_the_choice_drafts_for_and_bounds_the_hysteresis():

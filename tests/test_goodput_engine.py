@@ -345,7 +345,8 @@ def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_draf
         done = dict.fromkeys(keys[:n], 0)
         for _ in range(2):  # every sequence in each step (the first computes the prompts too)
             for key, prompt in zip(keys[:n], prompts[:n], strict=True):
-                engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4))
+                engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4,
+                                         draft_backlog_tokens=0))  # its draft fed: no switch to price
             outcomes = [o for o in engine.step(None, frozenset()).outcomes if isinstance(o, VerdictOut)]
             assert len(outcomes) == n
             for o in outcomes:
@@ -354,7 +355,8 @@ def test_a_fragment_of_the_batch_is_priced_with_the_sequences_away_at_their_draf
             return [o.next_draft_tokens for o in outcomes]
         assert {o.next_draft_tokens for o in outcomes} == {0}  # all 16 in one step: plain decoding
         for key, prompt in zip(keys[:2], prompts[:2], strict=True):
-            engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4))
+            engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4,
+                                     draft_backlog_tokens=0))  # its draft fed: no switch to price
         result = engine.step(max_verifications, awaited)
         outcomes = [o for o in result.outcomes if isinstance(o, VerdictOut)]
         assert len(outcomes) == 2 and len(result.stats.chosen_draft_lengths) == 2  # the others' apply later
@@ -522,7 +524,8 @@ def test_a_choice_the_plain_margin_turns_is_logged_and_counted(pair):
         done = dict.fromkeys(keys, 0)
         for _ in range(2):
             for key, prompt in zip(keys, prompts, strict=True):
-                engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4))
+                engine.submit(ProposeCmd(key, len(prompt) + done[key], (), None, max_draft_tokens=4,
+                                         draft_backlog_tokens=0))  # its draft fed: no switch to price
             result = engine.step(None, frozenset())
             for o in result.outcomes:
                 if isinstance(o, VerdictOut):
