@@ -1273,12 +1273,16 @@ def test_an_opening_waits_for_its_burst_to_arrive_before_it_counts_the_load():
         # the second of the burst starts waiting 3 waits after the first, arrivals keep coming: both leave at the
         # first's bound (5 waits from its start), together, not the second at its own
         first = asyncio.ensure_future(gen._alone(True, 4))
+        await asyncio.sleep(0)
+        bound = gen._burst_deadline
         second = None
         for turn in range(200):
             if first.done():
                 break
             if turn == 6:  # about 30 ms in
                 second = asyncio.ensure_future(gen._alone(True, 4))
+                await asyncio.sleep(0)
+                assert gen._burst_deadline == bound  # the second waits to the first's bound, not one of its own
             gen._arrived()
             await asyncio.sleep(0.005)
         assert second is not None
