@@ -165,8 +165,9 @@ class Generator:
             self.metrics.requests.labels(outcome=outcome).inc()
 
     def _arrived(self) -> None:
-        """A generation starts: counted, and the openings waiting for their burst learn of it (one that then fails
-        its checks has still held them up to a wait more: at most SETTLE_WAITS in all)."""
+        """A generation starts: counted, and the openings waiting for their burst learn of it and wait for it to
+        reach its own wait (_prepared; one that fails its checks releases them then, one slow to prepare holds them
+        to their bound: at most SETTLE_WAITS waits in all)."""
         self._running += 1
         self._preparing += 1
         self._wake_waiters()
@@ -383,8 +384,9 @@ class Generator:
         prompt alone and came apart from its wave, and the rest took the choices of loads from 1 to the burst's,
         some drafting, some not, at a load where the verifier then ran plain (16 streams, f307590: 8 of 16
         openings drafted, and those finished about 3 s apart from the rest). A request
-        that stays alone (one stream) pays one wait before its prompt goes out, as does an opening beside others;
-        each arrival starts the wait again. It comes before the sequence is opened on the verifier: an idle
+        that stays alone (one stream) pays one wait before its prompt goes out, an opening beside others one to
+        five: each arrival starts the wait again, and a request still being prepared (a long text prompt in the
+        tokenizer's pool, a verifier being reconnected) holds the burst to its bound. It comes before the sequence is opened on the verifier: an idle
         verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
         not a step later."""
         self._prepared()

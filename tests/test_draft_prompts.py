@@ -1202,6 +1202,42 @@ def test_a_burst_s_first_request_waits_for_the_next_and_both_draft_first():
 
     assert asyncio.run(cancelled()) == ([], set(), 0, 0)
 
+    async def cancelled_while_tokenized():
+        # cancelled before its wait (its text prompt in the tokenizer): counted as on its way, then no more
+        link, tokenizer = FirstProposals(), BlockingTokenizer()
+        gen = Generator(DraftConfig(model="m", proposer="ngram", opening_wait_ms=1000), tokenizer, VOCAB, link,
+                        AheadDrafter())
+        gen._recent_choices.record(2, 3)
+        text = GenerationRequest(sampling=SamplingParams(temperature=0.0), prompt_text="x" * 5000,
+                                 prompt_token_ids=None)
+
+        async def drain_text():
+            return [event async for event in gen.generate(text)]
+
+        task = asyncio.ensure_future(drain_text())
+        await asyncio.get_running_loop().run_in_executor(None, tokenizer.started.wait, 5)  # in the pool
+        assert gen._preparing == 1 and not gen._arrival_waiters
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        tokenizer.release.set()
+        gen.prompts.close()
+        return link.opened, gen._running, gen._preparing
+
+    assert asyncio.run(cancelled_while_tokenized()) == ([], 0, 0)
+
+    async def two_bursts():
+        # a burst's bound is its own: the next burst's first to wait sets a new one
+        gen = generator(FirstProposals(), AheadDrafter(), 20)
+        await asyncio.wait_for(drain(gen), 5)
+        first = gen._burst_deadline
+        await asyncio.sleep(0.01)
+        await asyncio.wait_for(drain(gen), 5)
+        gen.prompts.close()
+        return gen._burst_deadline > first
+
+    assert asyncio.run(two_bursts())
+
     async def refused_beside_a_waiting_one():
         # an empty stop string fails the checks while the first waits: counted as on its way, then no more
         link = FirstProposals()

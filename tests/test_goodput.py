@@ -990,6 +990,9 @@ def test_drafting_must_gain_the_plain_margin_even_where_the_last_choice_drafted(
             switch.observe_verification(key, 0, 0, backlog=backlog)
         for key in range(unfed, 32):  # nor did these, but their drafts are fed (a block drafted ahead, say)
             switch.observe_verification(key, 0, 0, backlog=0)
+        # the trial's plain arm (probe False) leaves drafts unfed by its own zeros: no switch there (asked first: a
+        # choice made with probes records its group's plain choice, which holds by itself)
+        assert any(switch.choose(caps, probe=False).draft_lengths.values())
         assert any(switch.choose(caps).draft_lengths.values()) is drafts, (backlog, unfed)
 
 

@@ -95,7 +95,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                          "drafts for (its unpriced costs; at most 0.03, the choice's own "
                                          "tolerance, it changes nothing; see docs/load.md)")
     goodput_switch_tolerance: float = option(0.12, "with --goodput, where every draft process's last choice drafted "
-                                             "nothing, the share by which drafting's predicted goodput must beat "
+                                             "nothing, or most of the step's sequences decode plainly now, the share by which drafting's predicted goodput must beat "
                                              "plain decoding's before it is chosen again (hysteresis; elsewhere "
                                              "--goodput-plain-margin holds, and below it, it holds here too; "
                                              "see docs/load.md)")

@@ -359,8 +359,8 @@ class DraftLengthController:
     # it is taken, else a longer draft within 3 % of the best (measured on 2 cores, the noise alone otherwise cut
     # k = 4 to 2 or 3 on an idle verifier; see choose_draft_lengths)
     tolerance: float = 0.03
-    # and where the last choice for every group (draft process) of the step drafted nothing, plain decoding is
-    # kept while drafting gains at most this much more (hysteresis): a switch to drafting costs what the price
+    # and where the last choice for every group (draft process) of the step drafted nothing, or most of the step's
+    # sequences decode plainly now (choose, _unfed), plain decoding is kept while drafting gains at most this much more (hysteresis): a switch to drafting costs what the price
     # holds only in part (a catch-up is priced past catch_up_free_rounds plain rounds only; the switch's first
     # round comes back later than plain rounds do, and the estimates are least sure where the two are even).
     # Where they were about even (8 streams, default pair, 2 cores, 5a8f981: k = 0 15.9 tok/s, k = 4 14.8), the
@@ -705,9 +705,13 @@ class DraftLengthController:
         # (default pair, 2 cores, 744ae9a, and the same in 89b44c4's sweep): a wave's 62 prompts opened plain,
         # its first 3 sequences' choice had drafted, and the choice after the prompts' step drafted a token for
         # 61 on a predicted gain of 10 % (11 % in 89b44c4's); the draft fed their prompts first, the next step
-        # waited 0.5 s for 12 drafted tokens, and the batch ran in groups for 30 s before it went plain again
-        eligible = [key for key, cap in caps.items() if cap > 0]
-        held = held or 2 * sum(map(self._unfed, eligible)) > len(eligible)
+        # waited 0.5 s for 12 drafted tokens, and the batch ran in groups for 30 s before it went plain again.
+        # Not under the trial's plain arm (`probe` False), whose zeros leave its drafts unfed but are no choice of
+        # plain decoding: judged against the hysteresis, its choices (which the trial reads) would lean plain. A
+        # backlog of a token counts (a sequence the last choice held at 0), though a catch-up is priced only past
+        # catch_up_free_rounds; and over all draft processes, as the tolerance is one for the whole choice
+        eligible = [key for key, cap in pool.items() if cap > 0]
+        held = held or (probe and 2 * sum(map(self._unfed, eligible)) > len(eligible))
         chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
                                       self.tolerance, per_block_token, other_longest_block, plain_idle,
                                       (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
