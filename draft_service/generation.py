@@ -380,15 +380,15 @@ class Generator:
         docs/bench/external-clients-c4-burst-6400954-744ae9a.md.)
 
         A burst's requests arrive a little apart (1 to 3 ms on loopback, bench/capacity.py at 4 and 16 streams, 2
-        cores), and each opening counted only those before it: the first, finding itself alone, proposed its
-        prompt alone and came apart from its wave, and the rest took the choices of loads from 1 to the burst's,
-        some drafting, some not, at a load where the verifier then ran plain (16 streams, f307590: 8 of 16
-        openings drafted, and those finished about 3 s apart from the rest). A request
-        that stays alone (one stream) pays one wait before its prompt goes out, an opening beside others one to
-        five: each arrival starts the wait again, and a request still being prepared (a long text prompt in the
-        tokenizer's pool, a verifier being reconnected) holds the burst to its bound. It comes before the sequence is opened on the verifier: an idle
-        verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt,
-        not a step later."""
+        cores), and each opening counted only those before it: the first, finding itself alone, proposed its prompt
+        alone and came apart from its wave, and the rest took the choices of loads from 1 to the burst's, some
+        drafting, some not, at a load where the verifier then ran plain (16 streams, f307590: 8 of 16 openings
+        drafted, and those finished about 3 s apart from the rest). A request that stays alone (one stream) pays one
+        wait before its prompt goes out, an opening beside others one to five: each arrival starts the wait again,
+        and a request still being prepared (a long text prompt in the tokenizer's pool, a verifier being
+        reconnected) holds the burst to its bound. It comes before the sequence is opened on the verifier: an idle
+        verifier computes an opened prompt at once, and a lone opening's proposal must reach it with the prompt, not
+        a step later."""
         self._prepared()
         wait_s = self.config.opening_wait_ms / 1e3
         alone = self._running <= 1

@@ -360,13 +360,13 @@ class DraftLengthController:
     # k = 4 to 2 or 3 on an idle verifier; see choose_draft_lengths)
     tolerance: float = 0.03
     # and where the last choice for every group (draft process) of the step drafted nothing, or most of the step's
-    # sequences decode plainly now (choose, _unfed), plain decoding is kept while drafting gains at most this much more (hysteresis): a switch to drafting costs what the price
-    # holds only in part (a catch-up is priced past catch_up_free_rounds plain rounds only; the switch's first
-    # round comes back later than plain rounds do, and the estimates are least sure where the two are even).
-    # Where they were about even (8 streams, default pair, 2 cores, 5a8f981: k = 0 15.9 tok/s, k = 4 14.8), the
-    # choice went from plain, before the trial's plain window, to 3 tokens a sequence after it, on a predicted
-    # goodput of 19.4 tokens/s where plain steps had predicted 19.0 to 19.2, and that round took 1.98 s for 23
-    # tokens where plain steps gave 8 every 0.42 s
+    # sequences decode plainly now (choose, _unfed), plain decoding is kept while drafting gains at most this much
+    # more (hysteresis): a switch to drafting costs what the price holds only in part (a catch-up is priced past
+    # catch_up_free_rounds plain rounds only; the switch's first round comes back later than plain rounds do, and
+    # the estimates are least sure where the two are even). Where they were about even (8 streams, default pair, 2
+    # cores, 5a8f981: k = 0 15.9 tok/s, k = 4 14.8), the choice went from plain, before the trial's plain window, to
+    # 3 tokens a sequence after it, on a predicted goodput of 19.4 tokens/s where plain steps had predicted 19.0 to
+    # 19.2, and that round took 1.98 s for 23 tokens where plain steps gave 8 every 0.42 s
     switch_tolerance: float = 0.12
     # and elsewhere drafting must gain more than this over plain decoding (in expected tokens a plain step per sequence
     # the choice drafts for; choose_draft_lengths): drafting costs what the price does not hold. Sequences that draft
