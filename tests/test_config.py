@@ -110,6 +110,10 @@ def test_speculation_modes_parse_and_adaptive_k_is_their_older_name(monkeypatch)
                   monkeypatch).goodput_switch_tolerance == 0.2
     with pytest.raises(ValueError, match="goodput_switch_tolerance"):
         VerifierConfig(model="m", goodput_switch_tolerance=-0.1)
+    assert _parse(VerifierConfig, ["--model", "m", "--goodput-defer-tolerance", "0.3"],
+                  monkeypatch).goodput_defer_tolerance == 0.3
+    with pytest.raises(ValueError, match="goodput_defer_tolerance"):
+        VerifierConfig(model="m", goodput_defer_tolerance=1.5)
     assert _parse(VerifierConfig, ["--model", "m", "--goodput-plain-margin", "0.05"],
                   monkeypatch).goodput_plain_margin == 0.05
     with pytest.raises(ValueError, match="goodput_plain_margin"):

@@ -99,6 +99,11 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                              "plain decoding's before it is chosen again (hysteresis; elsewhere "
                                              "--goodput-plain-margin holds, and below it, it holds here too; "
                                              "see docs/load.md)")
+    goodput_defer_tolerance: float = option(0.25, "with --goodput, where the switch tolerance holds and the choice "
+                                            "would have a draft process defer some of its sequences (their "
+                                            "untaken context more than its batch feeds in one round), the share "
+                                            "by which drafting's predicted goodput must beat plain decoding's "
+                                            "(below --goodput-switch-tolerance, that holds; see docs/load.md)")
     whole_batch_goodput: bool = option(False, "with --goodput and --phases hold, choose draft lengths for the "
                                        "whole batch the phase plan waits for, not only the sequences a step "
                                        "answered (see docs/load.md: it helped no measured load on the default "
@@ -140,7 +145,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
             raise ValueError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        for name in ("goodput_plain_margin", "goodput_switch_tolerance"):
+        for name in ("goodput_plain_margin", "goodput_switch_tolerance", "goodput_defer_tolerance"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
         if self.drain_grace_s < 0:

@@ -86,7 +86,8 @@ class VerifierEngine:
                  static: StaticForward | None = None, goodput: bool = True,
                  speculation_trial: bool = True,
                  goodput_switch_tolerance: float = DraftLengthController.switch_tolerance,
-                 goodput_plain_margin: float = DraftLengthController.plain_margin) -> None:
+                 goodput_plain_margin: float = DraftLengthController.plain_margin,
+                 goodput_defer_tolerance: float = DraftLengthController.defer_tolerance) -> None:
         self.loaded = loaded
         self.dtype = dtype
         self.device = model.device
@@ -96,7 +97,8 @@ class VerifierEngine:
                              max_tree_depth=_tree_depth_limit(loaded))
         # --speculation auto's other half: None with --no-goodput (no choice is sent; drafts decide alone)
         self.goodput = (DraftLengthController(max_draft_tokens, switch_tolerance=goodput_switch_tolerance,
-                                              plain_margin=goodput_plain_margin)
+                                              plain_margin=goodput_plain_margin,
+                                              defer_tolerance=goodput_defer_tolerance)
                         if goodput else None)
         # the goodput choice on trial against plain decoding, on the output measured (speculation_trial.py)
         self.trial = SpeculationTrial() if goodput and speculation_trial else None

@@ -368,6 +368,18 @@ class DraftLengthController:
     # 3 tokens a sequence after it, on a predicted goodput of 19.4 tokens/s where plain steps had predicted 19.0 to
     # 19.2, and that round took 1.98 s for 23 tokens where plain steps gave 8 every 0.42 s
     switch_tolerance: float = 0.12
+    # and where that switch would have a draft process defer some of the sequences it drafts for (_defers: their
+    # prompts or missed tokens are more than its batch feeds in one round), drafting must gain more than this: the
+    # switch then takes several rounds, in which the sequences fed draft and the deferred ones come back with empty
+    # blocks, are fed on the draft's thread meanwhile, and draft later, so that the batch's proposals come back at
+    # different times and the batch runs in groups that each pay a step's fixed cost. None of that is priced (a
+    # catch-up is priced as spread over the rounds it buys). Measured at 64 streams (default pair, 2 cores, 28dbc76,
+    # and the same at 744ae9a and 89b44c4): after a wave's 64 prompts opened plain, the choice drafted a token for
+    # each on a predicted gain of 12.7 % (10 and 11 % in the others); 4 were fed and drafted, the choice swung
+    # between 0, 4, 60 and 64 tokens for 8 steps, then the batch ran in groups of 20 and 44, 27 and 37, 55 and 9
+    # sequences, with holds of up to 1.8 s, and the half gave 0.81x k = 0. Twice the switch tolerance; not measured
+    # against other values (where a draft agrees well, drafting gains 100 % and more)
+    defer_tolerance: float = 0.25
     # and elsewhere drafting must gain more than this over plain decoding (in expected tokens a plain step per sequence
     # the choice drafts for; choose_draft_lengths): drafting costs what the price does not hold. Sequences that draft
     # finish apart, as their acceptance differs, where plain decoding keeps a batch of equal requests in step:
@@ -392,6 +404,9 @@ class DraftLengthController:
     # and 64 rows of the default draft, 2 cores: 70, 215, 284, 440 ms), and would outweigh the usual rounds in the
     # fit; and the figure is the draft's own claim, which must not set every stream's price
     max_catch_up_rows: int = 64
+    # and a drafting batch feeds the catch-ups of this many of its sequences whatever their length (the draft's
+    # draft_model.CATCH_UP_MIN_JOBS), the others only while all fit in max_catch_up_rows (see _defers)
+    catch_up_min_jobs: int = 4
     idle_s: float = 0.0  # moving average of the time between steps
     # the same, kept apart for steps whose blocks drafted something and steps whose blocks drafted nothing (None:
     # none seen yet); see idle_split
@@ -649,15 +664,32 @@ class DraftLengthController:
         batch broke into steps of 1 to 27 sequences to its end."""
         if not rates or not self._needs_catch_up(key):
             return 0.0
-        reported = self._backlog.get(key)
-        rounds = self._plain_rounds.get(key)
-        if reported is not None:
-            debt = min(context, reported + 1)
-        else:
-            debt = context if rounds is None else min(context, rounds + 1)
+        debt = self._debt(key, context)
         per_round = 1.0 + float(np.sum(np.cumprod(rates)))
         horizon = max(self.catch_up_horizon / per_round, self.catch_up_horizon_rounds)
         return debt / max(1.0, min(left / per_round, horizon))
+
+    def _debt(self, key: object, context: int) -> int:
+        """The tokens of `key`'s context (`context` tokens in all) the draft has not fed: what it said it would
+        still have to feed, and the verdict's token since, or, where it did not say, the tokens verified since its
+        last drafted round, or its whole context where it never drafted."""
+        reported = self._backlog.get(key)
+        if reported is not None:
+            return min(context, reported + 1)
+        rounds = self._plain_rounds.get(key)
+        return context if rounds is None else min(context, rounds + 1)
+
+    def _defers(self, lengths: dict[object, int], sizes: dict[object, tuple[int, int]]) -> bool:
+        """Whether a draft process would defer some of the sequences `lengths` drafts for, as the draft's
+        drafting batch does (draft_model._deferred): more than catch_up_min_jobs of its sequences with a catch-up
+        (_needs_catch_up), whose debts (_debt) sum past max_catch_up_rows. Only the sequences with `sizes` (their
+        contexts) count."""
+        group_of = self.acceptance.group_of
+        debts: dict[object, list[int]] = {}
+        for key, k in lengths.items():
+            if k and key in sizes and self._needs_catch_up(key):
+                debts.setdefault(group_of(key), []).append(self._debt(key, sizes[key][0]))
+        return any(len(d) > self.catch_up_min_jobs and sum(d) > self.max_catch_up_rows for d in debts.values())
 
     def _costs_catch_up(self, key: object) -> bool:
         """Whether a probe of `key` counts against max_catch_up_probes: it needs a catch-up, and its group's
@@ -712,13 +744,19 @@ class DraftLengthController:
         # catch_up_free_rounds; and over all draft processes, as the tolerance is one for the whole choice
         eligible = [key for key, cap in pool.items() if cap > 0]
         held = held or (probe and 2 * sum(map(self._unfed, eligible)) > len(eligible))
-        chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
-                                      self.tolerance, per_block_token, other_longest_block, plain_idle,
-                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
-                                      other_drafted,
-                                      plain_tolerance=max(self.switch_tolerance, self.plain_margin) if held
-                                      else self.plain_margin,
-                                      idle_per_catch_up_row=per_catch_up_row)
+        margin = max(self.switch_tolerance, self.plain_margin) if held else self.plain_margin
+
+        def search(plain_tolerance: float) -> Allocation:
+            return choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
+                                        self.tolerance, per_block_token, other_longest_block, plain_idle,
+                                        (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
+                                        other_drafted, plain_tolerance=plain_tolerance,
+                                        idle_per_catch_up_row=per_catch_up_row)
+
+        chosen = search(margin)
+        # a switch that a draft process cannot feed in one round (defer_tolerance)
+        if held and self.defer_tolerance > margin and self._defers(chosen.draft_lengths, sizes):
+            chosen = search(self.defer_tolerance)
         if probe:
             for key, k in chosen.draft_lengths.items():
                 if k:

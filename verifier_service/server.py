@@ -64,6 +64,7 @@ def build_engine(config: VerifierConfig) -> VerifierEngine:
                           max_q_support=config.max_q_support, max_tree_nodes=config.max_tree_nodes,
                           goodput=config.goodput, goodput_switch_tolerance=config.goodput_switch_tolerance,
                           goodput_plain_margin=config.goodput_plain_margin,
+                          goodput_defer_tolerance=config.goodput_defer_tolerance,
                           speculation_trial=config.speculation_trial)
 
 
