@@ -229,7 +229,7 @@ def test_the_switch_tolerance_and_plain_margin_flags_reach_the_controller(pair):
     assert _engine(target)[0].goodput.plain_margin == default.goodput_plain_margin == 0.08
     assert _engine(target, goodput_switch_tolerance=0.25)[0].goodput.switch_tolerance == 0.25
     assert _engine(target, goodput_plain_margin=0.02)[0].goodput.plain_margin == 0.02
-    assert _engine(target)[0].goodput.defer_tolerance == default.goodput_defer_tolerance == 0.25
+    assert _engine(target)[0].goodput.defer_tolerance == default.goodput_defer_tolerance == 0.2
     assert _engine(target, goodput_defer_tolerance=0.4)[0].goodput.defer_tolerance == 0.4
 
 
@@ -611,18 +611,18 @@ def test_a_folded_opening_s_two_verdicts_both_carry_plain_from():
 
 
 def test_a_batch_of_unfed_prompts_is_held_by_the_switch_and_defer_tolerances(pair):
-    """16 sequences after their prompts' step, acceptance 0.8, a step of 0.9 s + 0.05 s per token: a token drafted
-    each gains about 22 % over plain decoding (the stats' declined gain), between the switch tolerance (12 %) and
-    the defer tolerance (25 %). Openings whose drafts fed the prompts (Proposal.draft_backlog_tokens 0) draft.
+    """16 sequences after their prompts' step, acceptance 0.8, a step of 0.7 s + 0.05 s per token: a token drafted
+    each gains about 15 % over plain decoding (the stats' declined gain), between the switch tolerance (12 %) and
+    the defer tolerance (20 %). Openings whose drafts fed the prompts (Proposal.draft_backlog_tokens 0) draft.
     Openings that left their drafts the prompts to feed (most of the step's sequences unfed: a switch, held to
-    12 %; 16 catch-ups of 11 rows, which one draft batch would not feed at once: held to 25 %) stay plain; with a
+    12 %; 16 catch-ups of 11 rows, which one draft batch would not feed at once: held to 20 %) stay plain; with a
     defer tolerance at the switch tolerance's, they draft, as they do from 16 draft processes of one each."""
     target, _ = pair
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True).with_seed()
     prompts = [[5 + i, 9, 11 + i % 7, 4, 8, 3, 6 + i % 5, 12, 7, 10] for i in range(16)]
 
     def second_choice(backlog: int, processes: int = 1, **kw):
-        engine, _ = _engine(target, FixedStepTime(fixed=0.9, per_token=0.05), **kw)
+        engine, _ = _engine(target, FixedStepTime(fixed=0.7, per_token=0.05), **kw)
         engine.goodput.acceptance = FixedAcceptance(0.8)
         keys = [SeqKey(1 + i % processes, i + 1) for i in range(16)]
         for key, prompt in zip(keys, prompts, strict=True):
@@ -634,6 +634,6 @@ def test_a_batch_of_unfed_prompts_is_held_by_the_switch_and_defer_tolerances(pai
     fed = second_choice(0)
     assert all(fed.chosen_draft_lengths) and fed.declined_gain is None
     held = second_choice(len(prompts[0]))
-    assert not any(held.chosen_draft_lengths) and 0.2 < held.declined_gain < 0.25
+    assert not any(held.chosen_draft_lengths) and 0.13 < held.declined_gain < 0.18
     assert all(second_choice(len(prompts[0]), goodput_defer_tolerance=0.12).chosen_draft_lengths)
     assert all(second_choice(len(prompts[0]), processes=16).chosen_draft_lengths)

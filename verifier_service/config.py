@@ -99,7 +99,7 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                              "plain decoding's before it is chosen again (hysteresis; elsewhere "
                                              "--goodput-plain-margin holds, and below it, it holds here too; "
                                              "see docs/load.md)")
-    goodput_defer_tolerance: float = option(0.25, "with --goodput, where the switch tolerance holds and the choice "
+    goodput_defer_tolerance: float = option(0.2, "with --goodput, where the switch tolerance holds and the choice "
                                             "would have a draft process defer some of its sequences (their "
                                             "untaken context more than its batch feeds in one round), the share "
                                             "by which drafting's predicted goodput must beat plain decoding's "

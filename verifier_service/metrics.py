@@ -93,8 +93,9 @@ class VerifierMetrics:
                                        "the last choice of draft lengths expects of its step", registry=r)
         self.plain_margin_declined = Counter("specwire_goodput_plain_margin_declined",
                                              "Choices of draft lengths that drafted, turned to plain decoding by "
-                                             "the plain margin or the hysteresis (--goodput-plain-margin, "
-                                             "--goodput-switch-tolerance)", registry=r)
+                                             "the plain margin, the hysteresis or the defer tolerance "
+                                             "(--goodput-plain-margin, --goodput-switch-tolerance, "
+                                             "--goodput-defer-tolerance)", registry=r)
         self.goodput = Gauge("specwire_goodput_tokens_per_second", "Verified tokens per second of step time "
                              "(the ratio of moving sums over about 16 steps)", registry=r)
         self.speculation_arm = Gauge("specwire_speculation_trial_plain", "1 while the verifier's choice follows "
