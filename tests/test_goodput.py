@@ -1249,3 +1249,22 @@ def test_a_switch_a_draft_process_would_defer_must_gain_the_defer_tolerance():
         c.observe_verification(k, 0, 0, backlog=40)
     assert not c._defers(dict.fromkeys(long[:4], 1), dict.fromkeys(long, (100, 48)))  # 4, 164 rows: fed at once
     assert c._defers(dict.fromkeys(long, 1), dict.fromkeys(long, (100, 48)))
+    # from a draft that does not say (an older one): a sequence that never drafted owes its whole context
+    silent = [key(2, i) for i in range(5)]
+    for k in silent:
+        c.observe_verification(k, 0, 0)
+    assert c._defers(dict.fromkeys(silent, 1), dict.fromkeys(silent, (13, 48)))  # 65 rows
+    assert not c._defers(dict.fromkeys(silent, 1), dict.fromkeys(silent, (12, 48)))
+
+
+def test_the_verifier_s_catch_up_figures_are_the_draft_s():
+    """The controller judges what the draft will feed and defer by the draft's own constants: a round feeds up
+    to CATCH_UP_FREE_TOKENS without a catch-up (a debt past catch_up_free_rounds + 1 is one), a batch feeds
+    CATCH_UP_MIN_JOBS catch-ups whatever their length and the rest within CATCH_UP_BUDGET_TOKENS."""
+    from draft_service.draft_model import CATCH_UP_BUDGET_TOKENS, CATCH_UP_FREE_TOKENS, CATCH_UP_MIN_JOBS
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(4)
+    assert c.catch_up_free_rounds + 1 == CATCH_UP_FREE_TOKENS
+    assert c.catch_up_min_jobs == CATCH_UP_MIN_JOBS
+    assert c.max_catch_up_rows == CATCH_UP_BUDGET_TOKENS

@@ -163,16 +163,26 @@ def choose_draft_lengths(candidates: Iterable[Candidate], step_time: StepTimeMod
         every = _search(cands, *args)
         fresh = _search([dataclasses.replace(c, max_k=0) if c.catch_up_rows > 0 else c for c in cands], *args)
         chosen = every if every.goodput > fresh.goodput * (1 + tolerance) else fresh
-    if plain_tolerance is None or plain_tolerance <= tolerance or not any(chosen.draft_lengths.values()):
+    if plain_tolerance is None or plain_tolerance <= tolerance:
         return chosen
-    # the choice against plain decoding (every search's first option) once more, by the expected tokens of the
-    # sequences it drafts for: the others (a request's last rounds, a client's k = 0, a draft the choice gives
-    # nothing for its acceptance, those the catch-up's search held at 0) neither gain nor cost what the margin
-    # stands for, and must not raise the bar for the rest
+    return decline_below(chosen, plain_tolerance, other_tokens, other_output)
+
+
+def decline_below(chosen: Allocation, plain_tolerance: float, other_tokens: int = 0,
+                  other_output: float = 0.0) -> Allocation:
+    """`chosen` (choose_draft_lengths', whose step carries `other_tokens` of other work yielding `other_output`),
+    or plain decoding where it drafts and gains at most `plain_tolerance` over it: the choice against plain
+    decoding (every search's first option) once more, by the expected tokens of the sequences it drafts for. The
+    others (a request's last rounds, a client's k = 0, a draft the choice gives nothing for its acceptance, those
+    the catch-up's search held at 0) neither gain nor cost what the margin stands for, and must not raise the bar
+    for the rest."""
     drafting = sum(1 for k in chosen.draft_lengths.values() if k > 0)
+    if not drafting:
+        return chosen
     gain = (chosen.goodput - chosen.plain_goodput) * chosen.plain_step_s / drafting
     if gain > plain_tolerance:
         return chosen
+    base = len(chosen.draft_lengths)
     return Allocation(dict.fromkeys(chosen.draft_lengths, 0), base + other_output, base + other_tokens,
                       chosen.plain_step_s, chosen.plain_goodput, chosen.plain_step_s, declined_gain=gain)
 
@@ -407,7 +417,8 @@ class DraftLengthController:
     # fit; and the figure is the draft's own claim, which must not set every stream's price
     max_catch_up_rows: int = 64
     # and a drafting batch feeds the catch-ups of this many of its sequences whatever their length (the draft's
-    # draft_model.CATCH_UP_MIN_JOBS), the others only while all fit in max_catch_up_rows (see _defers)
+    # draft_model.CATCH_UP_MIN_JOBS), the others only while all fit in max_catch_up_rows (the same budget; see
+    # _defers)
     catch_up_min_jobs: int = 4
     idle_s: float = 0.0  # moving average of the time between steps
     # the same, kept apart for steps whose blocks drafted something and steps whose blocks drafted nothing (None:
@@ -685,7 +696,9 @@ class DraftLengthController:
         """Whether a draft process would defer some of the sequences `lengths` drafts for, as the draft's
         drafting batch does (draft_model._deferred): more than catch_up_min_jobs of its sequences with a catch-up
         (_needs_catch_up), whose debts (_debt) sum past max_catch_up_rows. Only the sequences with `sizes` (their
-        contexts) count."""
+        contexts) count: not those away at their drafts, nor the other work (an opening that drafts, a fixed k's
+        round), whose catch-ups the draft feeds first and never defers; so a batch beside those may defer where
+        this says not."""
         group_of = self.acceptance.group_of
         debts: dict[object, list[int]] = {}
         for key, k in lengths.items():
@@ -747,18 +760,15 @@ class DraftLengthController:
         eligible = [key for key, cap in pool.items() if cap > 0]
         held = held or (probe and 2 * sum(map(self._unfed, eligible)) > len(eligible))
         margin = max(self.switch_tolerance, self.plain_margin) if held else self.plain_margin
-
-        def search(plain_tolerance: float) -> Allocation:
-            return choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
-                                        self.tolerance, per_block_token, other_longest_block, plain_idle,
-                                        (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
-                                        other_drafted, plain_tolerance=plain_tolerance,
-                                        idle_per_catch_up_row=per_catch_up_row)
-
-        chosen = search(margin)
-        # a switch that a draft process cannot feed in one round (defer_tolerance)
-        if held and self.defer_tolerance > margin and self._defers(chosen.draft_lengths, sizes):
-            chosen = search(self.defer_tolerance)
+        chosen = choose_draft_lengths(candidates, self.step_time, other_tokens, other_output, fixed_idle,
+                                      self.tolerance, per_block_token, other_longest_block, plain_idle,
+                                      (self.plain_step_ratio, self.draft_step_ratio), per_drafted_token,
+                                      other_drafted, plain_tolerance=margin,
+                                      idle_per_catch_up_row=per_catch_up_row)
+        # a switch that a draft process cannot feed in one round (defer_tolerance): the same choice, judged again
+        if (held and self.defer_tolerance > max(margin, self.tolerance)
+                and self._defers(chosen.draft_lengths, sizes)):
+            chosen = decline_below(chosen, self.defer_tolerance, other_tokens, other_output)
         if probe:
             for key, k in chosen.draft_lengths.items():
                 if k:
