@@ -131,6 +131,23 @@ def test_step_time_model_interpolates_and_guesses_proportionally_outside():
     assert list(m.predict_many(np.array(ns))) == pytest.approx([m.predict(n) for n in ns])
 
 
+def test_a_step_size_s_first_step_is_replaced_by_its_second():
+    """A size's first step may run cold (the service's first forwards): the second replaces it, and only the steps
+    after are averaged. Through guidellm at 4 streams (default pair, 2 cores) a first 4-token step of 783 ms,
+    averaged with the next two, priced 4-token steps at 680 ms where they took 484 to 514."""
+    m = StepTimeModel()
+    m.observe(4, 0.783)
+    assert m.predict(4) == pytest.approx(0.783)  # all it has seen
+    m.observe(4, 0.514)
+    assert m.predict(4) == pytest.approx(0.514)
+    m.observe(4, 0.484)
+    assert m.predict(4) == pytest.approx(0.8 * 0.514 + 0.2 * 0.484)  # from here on, averaged (decay 0.8)
+    m.observe(8, 0.9)  # another bucket's first step does not touch this one's
+    m.observe(4, 0.5)
+    assert m.predict(4) == pytest.approx(0.8 * (0.8 * 0.514 + 0.2 * 0.484) + 0.2 * 0.5)
+    assert m.predict(8) == pytest.approx(0.9)
+
+
 def test_a_rarely_seen_slow_step_size_does_not_price_the_sizes_seen_often():
     """On shared cores a few small steps run slow (a prefill beside them); the many steps of the usual size say
     what that size costs. The curve stays non-decreasing by pooling the two, weighted by how often each was seen,
