@@ -131,21 +131,28 @@ def test_step_time_model_interpolates_and_guesses_proportionally_outside():
     assert list(m.predict_many(np.array(ns))) == pytest.approx([m.predict(n) for n in ns])
 
 
-def test_a_step_size_s_first_step_is_replaced_by_its_second():
-    """A size's first step may run cold (the service's first forwards): the second replaces it, and only the steps
-    after are averaged. Through guidellm at 4 streams (default pair, 2 cores) a first 4-token step of 783 ms,
-    averaged with the next two, priced 4-token steps at 680 ms where they took 484 to 514."""
+def test_a_step_size_starts_from_the_faster_of_its_first_two_steps():
+    """A size's first step may run cold (the service's first forwards), and a step beside other work runs slower:
+    a bucket starts from the faster of its first two steps, and averages from the third; until its second it is
+    not a size seen (has_seen: the calibration does not judge against a lone step). Through guidellm at 4 streams
+    (default pair, 2 cores) a first 4-token step of 783 ms, averaged with the next two, priced 4-token steps at
+    about 730 ms where they took 484 to 514."""
     m = StepTimeModel()
     m.observe(4, 0.783)
-    assert m.predict(4) == pytest.approx(0.783)  # all it has seen
+    assert m.predict(4) == pytest.approx(0.783) and not m.has_seen(4)  # all it has, not yet a size seen
     m.observe(4, 0.514)
-    assert m.predict(4) == pytest.approx(0.514)
+    assert m.predict(4) == pytest.approx(0.514) and m.has_seen(4)
     m.observe(4, 0.484)
     assert m.predict(4) == pytest.approx(0.8 * 0.514 + 0.2 * 0.484)  # from here on, averaged (decay 0.8)
-    m.observe(8, 0.9)  # another bucket's first step does not touch this one's
+    m.observe(8, 0.6)  # another bucket's first steps are its own: the faster kept whichever came first
+    m.observe(8, 0.9)
+    assert m.predict(8) == pytest.approx(0.6) and m.has_seen(8)
     m.observe(4, 0.5)
     assert m.predict(4) == pytest.approx(0.8 * (0.8 * 0.514 + 0.2 * 0.484) + 0.2 * 0.5)
-    assert m.predict(8) == pytest.approx(0.9)
+    # a bucket of several sizes (5 and 6 tokens) keeps the faster step's own size with its time
+    m.observe(6, 0.7)
+    m.observe(5, 0.55)
+    assert m.predict(5) == pytest.approx(0.55) and m.predict(6) > 0.55
 
 
 def test_a_rarely_seen_slow_step_size_does_not_price_the_sizes_seen_often():

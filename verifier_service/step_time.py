@@ -43,20 +43,23 @@ class StepTimeModel:
     maximum did: on 2 shared cores a few 2-token steps at 0.9 s priced the 6-token steps, measured at 0.4 s, at
     0.6 s, so that longer drafts looked nearly free.)
 
-    A bucket's first step is replaced by its second, not averaged with it: the first step of a size may run cold
-    (a fresh service's first forwards; measured on 2 cores, a first 5-token verification took 450 to 550 ms
-    against 350 to 400 after). Averaged in, such a step held its bucket up for many steps: through guidellm at 4
-    streams (default pair, 2 cores, ca8fe23) the gateway's warm-up request, the service's first step, computed a
-    4-token prompt in 783 ms; two 4-token verifications of 514 and 484 ms left the bucket at 680 ms, the pooled
-    curve priced a plain step of the 4 sequences at 0.66 s where it took 0.49, and the verifier drafted a token
-    each (6.9 tokens/s predicted and measured) where plain decoding gave 7.5 (predicted 6.0): 0.84x k = 0."""
+    A bucket starts from the faster of its first two steps, and averages from the third: the first step of a size
+    may run cold (a fresh service's first forwards; measured on 2 cores, a first 5-token verification took 450 to
+    550 ms against 350 to 400 after), and a step beside other work only runs slower, so the faster of two survives
+    one of either. Averaged in, a cold step held its bucket up for many steps: through guidellm at 4 streams
+    (default pair, 2 cores, ca8fe23) the gateway's warm-up request, the service's first step, computed a 4-token
+    prompt in 783 ms; two 4-token verifications of 514 and 484 ms left the bucket at about 730 ms (the controller's
+    decay, 0.9), the pooled curve priced a plain step of the 4 sequences at 0.66 s where it took 0.49, and the
+    verifier drafted a token each (6.9 tokens/s predicted and measured) where plain steps gave 7.5 (predicted 6.0):
+    guidellm's figure for that level was 0.84x k = 0's. A bucket spans several sizes past 4 tokens: a new size's
+    first step in a bucket seen already is averaged in."""
 
     decay: float = 0.8  # weight of a bucket's past in its average
     weight_decay: float = 0.99  # per step, of every bucket's count of the steps it saw
     _tokens: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
     _seconds: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
     _weights: list[float] = field(default_factory=lambda: [0.0] * len(_BUCKETS))
-    _counts: list[int] = field(default_factory=lambda: [0] * len(_BUCKETS))  # steps each bucket saw, up to 2
+    _counts: list[int] = field(default_factory=lambda: [0] * len(_BUCKETS))  # steps each bucket saw: 0, 1, or 2 for two or more
     # points() until the next observation: predict() runs once per drafted token a choice considers
     _points: list[tuple[float, float]] | None = None
     _xs: list[float] = field(default_factory=list)
@@ -69,9 +72,9 @@ class StepTimeModel:
         self._weights = [w * self.weight_decay for w in self._weights]
         self._weights[b] += 1.0
         seen, self._counts[b] = self._counts[b], min(2, self._counts[b] + 1)
-        if seen < 2:  # its first step, or its second, which replaces the first (that may have run cold: see above)
+        if seen == 0 or (seen == 1 and seconds < self._seconds[b]):  # the faster of its first two (see above)
             self._tokens[b], self._seconds[b] = float(num_tokens), seconds
-        else:
+        elif seen == 2:
             self._tokens[b] = ema(self._tokens[b], num_tokens, self.decay)
             self._seconds[b] = ema(self._seconds[b], seconds, self.decay)
 
@@ -80,8 +83,10 @@ class StepTimeModel:
         return any(t is not None for t in self._tokens)
 
     def has_seen(self, num_tokens: int) -> bool:
-        """Whether a step of about this size was seen: predict() is then from its own bucket, not a guess."""
-        return self._tokens[_bucket(num_tokens)] is not None
+        """Whether two steps of about this size were seen: predict() is then from its own bucket, not a guess (nor
+        a lone first step, which may have run cold: the controller's calibration, which compares a step with this
+        prediction, would correct the bucket a second time)."""
+        return self._counts[_bucket(num_tokens)] == 2
 
     def points(self) -> list[tuple[float, float]]:
         """The observed (tokens, seconds) points, by tokens, made non-decreasing in seconds (pool adjacent
