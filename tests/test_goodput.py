@@ -555,6 +555,33 @@ def test_a_step_of_a_size_never_seen_does_not_calibrate_its_kind():
     assert c.draft_step_ratio == pytest.approx(1.0, abs=0.1)  # the model now knows 5-token steps itself
 
 
+def test_a_size_s_lone_first_step_does_not_calibrate_its_kind():
+    """A cold first 5-token verification (0.8 s), then a warm one (0.4 s): the bucket starts from the faster, and
+    the second is not judged against the lone first (the model corrects that itself; judged, the ratio would
+    correct it again, and price drafting steps at half their time); from the third on, steps are judged."""
+    from verifier_service.goodput import DraftLengthController
+
+    c = DraftLengthController(4, probe_every=0)
+    c.observe_step(64, 0.5)
+    c.observe_drafting(0.0, 0, None)
+    for seconds in (0.8, 0.4):
+        c.observe_step(5, seconds)
+        c.observe_drafting(0.1, 4, True)
+    assert c.draft_step_ratio == 1.0 and c.plain_step_ratio == 1.0
+    c.observe_step(5, 0.6)  # judged against the bucket's 0.4
+    c.observe_drafting(0.1, 4, True)
+    assert c.draft_step_ratio > 1.0
+
+
+def test_a_choice_without_a_step_time_model_is_not_judged_against_plain_decoding():
+    """With no step seen, every candidate gets its cap and there is no plain price to judge it by: decline_below
+    leaves it (a gain of 0 would turn it plain)."""
+    from verifier_service.goodput import decline_below
+
+    chosen = choose_draft_lengths([Candidate(i, 4, (0.9,) * 4) for i in range(4)], StepTimeModel())
+    assert decline_below(chosen, 0.5) is chosen and sum(chosen.draft_lengths.values()) == 16
+
+
 def test_the_draft_time_model_prices_rounds_as_they_took_and_learns_the_per_sequence_part():
     """Rounds all for 16 sequences (M = 16 L) cannot tell a step's fixed part from its per-row part: the fit
     prices them as they took, and a round for 32 sequences at more (the prior: a row 0.1 of the fixed part);

@@ -103,7 +103,8 @@ class VerifierConfig(ServerSecurityConfig, StaticForwardConfig, CpuThreadsConfig
                                             "would have a draft process defer some of its sequences (their "
                                             "untaken context more than its batch feeds in one round), the share "
                                             "by which drafting's predicted goodput must beat plain decoding's "
-                                            "(below --goodput-switch-tolerance, that holds; see docs/load.md)")
+                                            "(at or below --goodput-switch-tolerance or --goodput-plain-margin, "
+                                            "those hold; see docs/load.md)")
     whole_batch_goodput: bool = option(False, "with --goodput and --phases hold, choose draft lengths for the "
                                        "whole batch the phase plan waits for, not only the sequences a step "
                                        "answered (see docs/load.md: it helped no measured load on the default "

@@ -177,7 +177,7 @@ def decline_below(chosen: Allocation, plain_tolerance: float, other_tokens: int 
     the catch-up's search held at 0) neither gain nor cost what the margin stands for, and must not raise the bar
     for the rest."""
     drafting = sum(1 for k in chosen.draft_lengths.values() if k > 0)
-    if not drafting:
+    if not drafting or chosen.plain_step_s <= 0:  # nothing drafted, or no step-time model: nothing to judge
         return chosen
     gain = (chosen.goodput - chosen.plain_goodput) * chosen.plain_step_s / drafting
     if gain > plain_tolerance:
@@ -383,14 +383,17 @@ class DraftLengthController:
     # switch then takes several rounds, in which the sequences fed draft and the deferred ones come back with empty
     # blocks, are fed on the draft's thread meanwhile, and draft later, so that the batch's proposals come back at
     # different times and the batch runs in groups that each pay a step's fixed cost. None of that is priced (a
-    # catch-up is priced as spread over the rounds it buys). Measured at 64 streams (default pair, 2 cores, 28dbc76,
-    # and the same at 744ae9a and 89b44c4): after a wave's 64 prompts opened plain, the choice drafted a token for
-    # each on a predicted gain of 12.7 % (10 and 11 % in the others); 4 were fed and drafted, the choice swung
-    # between 0, 4, 60 and 64 tokens for 8 steps, then the batch ran in groups of 20 and 44, 27 and 37, 55 and 9
-    # sequences, with holds of up to 1.8 s, and the half gave 0.81x k = 0. Where the same switch
-    # paid, at 8 streams (the same sweep: 8 prompts opened plain, the choice drafted 4 tokens each on +28.6 %, 4 fed
-    # first, the batch stayed whole; k = 4 gave 1.21x k = 0 there), it gained more than this. Not measured against
-    # other values (where a draft agrees well, drafting gains 100 % and more)
+    # catch-up is priced as spread over the rounds it buys). Measured at 64 streams (default pair, 2 cores, 28dbc76):
+    # after a wave's 64 prompts opened plain, the choice drafted a token for each on a predicted gain of 12.7 %; the
+    # next step verified 4 drafted tokens (4 fed), the choice swung between 0, 4, 60 and 64 tokens for the next 6
+    # steps, then the batch ran in steps of 45, 64, 20, then 27 and 37, then 55 and 9 sequences, with holds of up to
+    # 1.8 s, and the half gave 0.81x k = 0 (at 744ae9a and 89b44c4 the same followed choices on +10 and 11 %, where
+    # the process's last choice had drafted and no hysteresis held). Where the same switch paid, at 8 streams (the
+    # same sweep: 8 prompts opened plain, the choice drafted 4 tokens each on +28.6 %, 4 fed first, the batch stayed
+    # whole; k = 4 gave 1.21x k = 0 there), it gained more than this. Not measured against other values (where a
+    # draft agrees well, drafting gains 100 % and more). Once the verifier runs plain, the drafts' backlogs grow a
+    # token a round (a draft warms no sequence while its rounds hardly draft), so after about 8 plain rounds a process
+    # of more than 4 sequences would defer some, and this is the bar for a switch there, not switch_tolerance
     defer_tolerance: float = 0.2
     # and elsewhere drafting must gain more than this over plain decoding (in expected tokens a plain step per sequence
     # the choice drafts for; choose_draft_lengths): drafting costs what the price does not hold. Sequences that draft

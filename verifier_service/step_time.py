@@ -51,15 +51,17 @@ class StepTimeModel:
     prompt in 783 ms; two 4-token verifications of 514 and 484 ms left the bucket at about 730 ms (the controller's
     decay, 0.9), the pooled curve priced a plain step of the 4 sequences at 0.66 s where it took 0.49, and the
     verifier drafted a token each (6.9 tokens/s predicted and measured) where plain steps gave 7.5 (predicted 6.0):
-    guidellm's figure for that level was 0.84x k = 0's. A bucket spans several sizes past 4 tokens: a new size's
-    first step in a bucket seen already is averaged in."""
+    guidellm's figure for that level was 0.84x k = 0's. The faster of two is biased low; the average climbs back
+    from the third step. A bucket spans several sizes past 4 tokens: a new size's first step in a bucket seen twice
+    already is averaged in (at its second, the faster of the two sizes' steps is kept)."""
 
     decay: float = 0.8  # weight of a bucket's past in its average
     weight_decay: float = 0.99  # per step, of every bucket's count of the steps it saw
     _tokens: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
     _seconds: list[float | None] = field(default_factory=lambda: [None] * len(_BUCKETS))
     _weights: list[float] = field(default_factory=lambda: [0.0] * len(_BUCKETS))
-    _counts: list[int] = field(default_factory=lambda: [0] * len(_BUCKETS))  # steps each bucket saw: 0, 1, or 2 for two or more
+    # steps each bucket saw: 0, 1, or 2 for two or more
+    _counts: list[int] = field(default_factory=lambda: [0] * len(_BUCKETS))
     # points() until the next observation: predict() runs once per drafted token a choice considers
     _points: list[tuple[float, float]] | None = None
     _xs: list[float] = field(default_factory=list)
