@@ -28,6 +28,7 @@ verifier is idle t hardly grows and the choice rises to each sequence's cap. Low
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable
@@ -648,26 +649,27 @@ class DraftLengthController:
         self._plain_rounds.pop(key, None)
         self._backlog.pop(key, None)
 
+    def _owed(self, key: object) -> float:
+        """The tokens of `key`'s context the draft has not fed, the verdict's token included: what the draft said
+        it would still have to feed (Proposal.draft_backlog_tokens) and that token, or, where it did not say, the
+        tokens verified since its last drafted round, or all of them (inf) where it never drafted (an older draft
+        warms no sequence while its rounds draft nothing). _debt, _needs_catch_up and _unfed read it."""
+        reported = self._backlog.get(key)
+        if reported is not None:
+            return reported + 1
+        rounds = self._plain_rounds.get(key)
+        return math.inf if rounds is None else rounds + 1
+
     def _needs_catch_up(self, key: object) -> bool:
         """Whether a draft for `key` now would first feed the draft more than catch_up_free_rounds + 1 tokens of
-        context (what a round may feed without calling it a catch-up, draft_service.draft_model.CATCH_UP_FREE_TOKENS):
-        as the draft said (Proposal.draft_backlog_tokens, and the verdict's token since, at least one), or, where it
-        did not, inferred: the key has not drafted for more than catch_up_free_rounds verifications, or ever (an
-        older draft warms no sequence while its rounds draft nothing)."""
-        reported = self._backlog.get(key)
-        if reported is not None:
-            return reported + 1 > self.catch_up_free_rounds + 1
-        rounds = self._plain_rounds.get(key)
-        return rounds is None or rounds > self.catch_up_free_rounds
+        context (what a round may feed without calling it a catch-up, draft_service.draft_model.CATCH_UP_FREE_TOKENS;
+        _owed)."""
+        return self._owed(key) > self.catch_up_free_rounds + 1
 
     def _unfed(self, key: object) -> bool:
-        """Whether `key`'s last round drafted nothing and left its draft context to feed: as the draft said
-        (Proposal.draft_backlog_tokens: 0 after a round that drafted, or whose block drafted ahead fed the prompt),
-        or, where it did not, its last verification drafted nothing (a key not verified yet: no)."""
-        reported = self._backlog.get(key)
-        if reported is not None:
-            return reported > 0
-        return self._plain_rounds.get(key, 0) != 0
+        """Whether `key`'s last round drafted nothing and left its draft context to feed (_owed past the verdict's
+        token: the draft said so, or its last verification drafted nothing; a key not verified yet: no)."""
+        return key in self._plain_rounds and self._owed(key) > 1
 
     def catch_up_rows(self, key: object, rates: tuple[float, ...], context: int, left: int) -> float:
         """The rows the draft would feed before drafting for `key` (0 unless _needs_catch_up: what the draft said
@@ -686,14 +688,8 @@ class DraftLengthController:
         return debt / max(1.0, min(left / per_round, horizon))
 
     def _debt(self, key: object, context: int) -> int:
-        """The tokens of `key`'s context (`context` tokens in all) the draft has not fed: what it said it would
-        still have to feed, and the verdict's token since, or, where it did not say, the tokens verified since its
-        last drafted round, or its whole context where it never drafted."""
-        reported = self._backlog.get(key)
-        if reported is not None:
-            return min(context, reported + 1)
-        rounds = self._plain_rounds.get(key)
-        return context if rounds is None else min(context, rounds + 1)
+        """The tokens of `key`'s context (`context` tokens in all) the draft has not fed (_owed)."""
+        return int(min(context, self._owed(key)))
 
     def _defers(self, lengths: dict[object, int], sizes: dict[object, tuple[int, int]]) -> bool:
         """Whether a draft process would defer some of the sequences `lengths` drafts for, as the draft's
