@@ -221,6 +221,67 @@ def test_a_step_starts_once_the_awaited_are_in():
     assert planner.hold(sent + 0.09, sent + 0.05) is None  # all in
 
 
+def test_no_hold_for_a_probe_whose_draft_feeds_a_catch_up_first():
+    """Under plain decoding (every sequence asked for k = 0, its draft's context left unfed) the verifier asks one
+    sequence to draft (a probe): its draft must feed the plain rounds' context first (Proposal.draft_backlog_tokens
+    past catch_up_backlog), and the drafting rounds' turnaround says nothing of when it is back. The others' step
+    starts at once, and the probe is not counted late; with a backlog a round feeds anyway (or an older draft that
+    does not say), the step waits for it as for any drafting round. Once its proposal is in, the next round is
+    usual again."""
+    from verifier_service.goodput import DraftLengthController
+
+    assert PhasePlanner().catch_up_backlog == DraftLengthController(4).catch_up_free_rounds + 1
+    keys = KEYS[:4]
+
+    def probed(backlog: int | None) -> tuple[PhasePlanner, float]:
+        planner = PhasePlanner()
+        for n in (1, 2, 4, 8, 16):  # steps of a few tokens seen: a step's fixed part is the saving
+            planner.stepped(n, 0.5 + 0.02 * n)
+        now = _rounds(planner, keys, turnaround=0.1, draft_seconds=0.09)  # drafting rounds: 0.1 s away
+        for key in keys:  # plain rounds, the draft's backlog growing
+            planner.replied(_verdict(key, next_k=0), now + 0.5)
+        now += 0.51
+        for key in keys:
+            planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=backlog), now)
+        for key in keys:  # the probe: keys[0] asked to draft one token
+            planner.replied(_verdict(key, next_k=1 if key == keys[0] else 0), now + 0.5)
+        now += 0.51
+        for key in keys[1:]:
+            planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=backlog), now)
+        assert planner.plan_phases(now).num_phases == 1
+        return planner, now
+
+    for backlog in (20, 8):  # 8: the verdict's token makes 9, past what a round feeds
+        planner, now = probed(backlog)
+        assert planner.hold(now, now) is None
+        assert planner.awaited_keys() == frozenset()
+        assert planner.hold(now + 0.3, now) is None
+        assert planner._streams[1].late_in_a_row == 0
+    for key in keys:  # a plain round is waited for, whatever its draft has left to feed
+        planner.replied(_verdict(key, next_k=0), now + 0.5)
+    for key in (keys[0], *keys[2:]):
+        planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=20), now + 0.501)
+    assert planner.hold(now + 0.501, now + 0.501).num_awaited == 1
+    planner.submitted(dataclasses.replace(_propose(keys[1], k=0), draft_backlog_tokens=20), now + 0.51)
+    for key in keys:  # the probe again
+        planner.replied(_verdict(key, next_k=1 if key == keys[0] else 0), now + 0.6)
+    for key in keys[1:]:
+        planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=21), now + 0.61)
+    assert planner.hold(now + 0.61, now + 0.61) is None
+    planner.submitted(dataclasses.replace(_propose(keys[0], k=1), catch_up_tokens=20, draft_backlog_tokens=0),
+                      now + 0.9)
+    for key in keys:  # all drafting again, the catch-up fed: waited for as usual
+        planner.replied(_verdict(key, next_k=1), now + 1.5)
+    for key in keys[1:]:
+        planner.submitted(dataclasses.replace(_propose(key, k=1), draft_backlog_tokens=0), now + 1.55)
+    assert planner.hold(now + 1.55, now + 1.55).num_awaited == 1
+    for backlog in (7, None):  # fed by any round: a usual wait (at most a step's saving)
+        planner, now = probed(backlog)
+        decision = planner.hold(now, now)
+        assert decision is not None and decision.num_awaited == 1
+        assert planner.awaited_keys() == {keys[0]}
+
+
 def test_no_hold_for_a_merge_past_the_step_token_budget():
     planner, sent = _one_phase_with_late_half(turnaround=0.1)
     planner.max_step_tokens = 24  # 4 present blocks of 5 tokens: no awaited block of 5 fits beside them

@@ -41,7 +41,13 @@ proposals came late (none on time between) is not waited for until one comes on 
 the saving it buys (a merging hold, below: `merge_rounds` savings, once per as many steps); and a sequence silent
 for four of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always
 late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next
-proposal is already in (pipelined drafting), nor on a verifier with no work.
+proposal is already in (pipelined drafting), nor on a verifier with no work, nor for one asked to draft whose draft
+said (Proposal.draft_backlog_tokens) it must first feed its model a catch-up (the context of its plain rounds, past
+what a round feeds anyway: the goodput choice's own test, `catch_up_backlog`): the drafting rounds' turnaround
+says nothing of that one's, which the draft's batch spends mostly feeding. Under plain decoding such a sequence is
+a probe, and the others are back at once: at 4 streams through guidellm (default pair, 2 cores, 5617208) each probe
+held a step of the 3 others 440 ms, past twice a drafting round's turnaround, and the step then ran without it
+(the probe came back during that step and joined the next one, as it does unheld).
 
 A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
 of their own, and once two phases form under one phase's plan, the plain rule keeps them apart for good: each
@@ -163,6 +169,10 @@ class PhasePlanner:
     min_slack_s: float = 0.001
     margin: float = 0.05  # two phases only when this much shorter a round than one
     max_late: int = 2  # a stream late this many times in a row is not waited for
+    # a sequence asked to draft whose draft said it still had more than this many tokens of context to feed, the
+    # verdict's token included, is not waited for (see the module's docstring): the goodput choice's test of a
+    # catch-up (DraftLengthController._needs_catch_up: catch_up_free_rounds + 1)
+    catch_up_backlog: int = 8
     split: bool = True  # False: one phase always (--phases hold)
     max_step_tokens: int | None = None  # the step's token budget: no merge past it is ever waited for
     merge_rounds: int = 4  # a hold that merges two phases waits up to this many savings, once per as many steps
@@ -176,6 +186,11 @@ class PhasePlanner:
     _awaited: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)
     _outstanding: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # in, not answered
     _block_tokens: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # its next block's
+    # the draft's word with its last proposal: context it must still feed before it drafts (Proposal.
+    # draft_backlog_tokens; absent: unknown, an older draft)
+    _backlog: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
+    # answered, asked to draft, and owing a catch-up (`catch_up_backlog`): no due until its next proposal is in
+    _catching_up: set[SeqKey] = field(default_factory=set, init=False, repr=False)
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
@@ -213,6 +228,11 @@ class PhasePlanner:
                 else:
                     times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
             self._block_tokens[key] = command.num_draft_tokens + 1
+            self._catching_up.discard(key)
+            if command.draft_backlog_tokens is None:
+                self._backlog.pop(key, None)
+            else:
+                self._backlog[key] = command.draft_backlog_tokens
             if command.draft_seconds is not None and command.num_draft_tokens and usual:
                 times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
@@ -225,10 +245,12 @@ class PhasePlanner:
         self.num_present += 1
 
     def stream_closed(self, stream_id: int) -> None:
-        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered, self._opening):
+        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered, self._opening,
+                      self._backlog):
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
         self._expired = {k for k in self._expired if k.stream_id != stream_id}
+        self._catching_up = {k for k in self._catching_up if k.stream_id != stream_id}
         self._streams.pop(stream_id, None)
 
     def step_started(self) -> None:
@@ -282,6 +304,11 @@ class PhasePlanner:
             return
         if outcome.next_draft_tokens is not None:
             self._block_tokens[key] = outcome.next_draft_tokens + 1
+        backlog = self._backlog.get(key)
+        if not self._asked_plain(key) and backlog is not None and backlog + 1 > self.catch_up_backlog:
+            self._catching_up.add(key)
+        else:
+            self._catching_up.discard(key)
         self._awaited[key] = now
 
     # -- the decisions -----------------------------------------------------------------------------------------
@@ -407,16 +434,17 @@ class PhasePlanner:
                 silent.append(key)
         for key in silent:
             times = self._streams.get(key.stream_id)
-            if times is not None and key not in self._expired:
-                times.count_late(self._asked_plain(key), True)  # silence is lateness
+            if times is not None and key not in self._expired and key not in self._catching_up:
+                times.count_late(self._asked_plain(key), True)  # silence is lateness (a catch-up has no due)
             self._forget(key)
 
     def _due(self, key: SeqKey, sent: float) -> float | None:
         """When `key`, answered at `sent`, is expected back; None when it is not waited for: its stream has no
-        estimate yet or came late twice in a row, or it passed twice its turnaround."""
+        estimate yet or came late twice in a row, it passed twice its turnaround, or its draft feeds a catch-up
+        first (`catch_up_backlog`)."""
         times = self._streams.get(key.stream_id)
         plain = self._asked_plain(key)
-        if times is None or times.late(plain) >= self.max_late or key in self._expired:
+        if times is None or times.late(plain) >= self.max_late or key in self._expired or key in self._catching_up:
             return None
         return times.due(sent, self.min_slack_s, plain=plain)
 
@@ -426,6 +454,8 @@ class PhasePlanner:
 
     def _forget(self, key: SeqKey) -> None:
         self._expired.discard(key)
+        self._catching_up.discard(key)
+        self._backlog.pop(key, None)
         self._awaited.pop(key, None)
         self._outstanding.pop(key, None)
         self._block_tokens.pop(key, None)
