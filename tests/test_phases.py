@@ -221,61 +221,96 @@ def test_a_step_starts_once_the_awaited_are_in():
     assert planner.hold(sent + 0.09, sent + 0.05) is None  # all in
 
 
-def test_no_hold_for_a_probe_whose_draft_feeds_a_catch_up_first():
-    """Under plain decoding (every sequence asked for k = 0, its draft's context left unfed) the verifier asks one
+def test_no_hold_for_a_drafting_batch_that_feeds_a_catch_up_first():
+    """Under plain decoding (every sequence asked for k = 0, which the draft does not warm) the verifier asks one
     sequence to draft (a probe): its draft must feed the plain rounds' context first (Proposal.draft_backlog_tokens
-    past catch_up_backlog), and the drafting rounds' turnaround says nothing of when it is back. The others' step
-    starts at once, and the probe is not counted late; with a backlog a round feeds anyway (or an older draft that
-    does not say), the step waits for it as for any drafting round. Once its proposal is in, the next round is
-    usual again."""
+    past catch_up_backlog), and so must the stream's drafting batch that carries it, whose turnaround the drafting
+    rounds' says nothing of. The others' step starts at once, and the batch's arrivals are neither counted late nor
+    learnt. A sequence of another stream asked to draft, a plain round, a backlog any round feeds, a draft that does
+    not say, and a word from a proposal the draft may have warmed since (asked to draft, it drafted nothing) are
+    waited for as before."""
+    from draft_service.draft_model import CATCH_UP_FREE_TOKENS
     from verifier_service.goodput import DraftLengthController
 
-    assert PhasePlanner().catch_up_backlog == DraftLengthController(4).catch_up_free_rounds + 1
-    keys = KEYS[:4]
+    assert PhasePlanner().catch_up_backlog == DraftLengthController(4).catch_up_free_rounds + 1 == CATCH_UP_FREE_TOKENS
+    keys = [SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3), SeqKey(2, 1), SeqKey(2, 2)]
 
-    def probed(backlog: int | None) -> tuple[PhasePlanner, float]:
+    def propose(planner: PhasePlanner, key: SeqKey, at: float, backlog: int | None, k: int = 0) -> None:
+        planner.submitted(dataclasses.replace(_propose(key, k=k), draft_backlog_tokens=backlog), at)
+
+    def answer(planner: PhasePlanner, at: float, asked: tuple[SeqKey, ...]) -> None:
+        planner.stepped(5, 0.6)
+        for key in keys:
+            planner.replied(_verdict(key, next_k=1 if key in asked else 0), at)
+
+    def probed(backlog: int | None, asked: tuple[SeqKey, ...] = (keys[0],), mates: int | None = 2,
+               away: tuple[SeqKey, ...] = ()) -> tuple[PhasePlanner, float]:
+        """Drafting rounds 0.1 s away, a plain round whose proposals say `backlog` (the other sequences `asked`
+        say `mates`), then a step that asks `asked` to draft; the rest are back at once, but those `away`."""
         planner = PhasePlanner()
         for n in (1, 2, 4, 8, 16):  # steps of a few tokens seen: a step's fixed part is the saving
             planner.stepped(n, 0.5 + 0.02 * n)
-        now = _rounds(planner, keys, turnaround=0.1, draft_seconds=0.09)  # drafting rounds: 0.1 s away
-        for key in keys:  # plain rounds, the draft's backlog growing
-            planner.replied(_verdict(key, next_k=0), now + 0.5)
+        now = _rounds(planner, keys, turnaround=0.1, draft_seconds=0.09)
+        answer(planner, now + 0.5, ())
         now += 0.51
         for key in keys:
-            planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=backlog), now)
-        for key in keys:  # the probe: keys[0] asked to draft one token
-            planner.replied(_verdict(key, next_k=1 if key == keys[0] else 0), now + 0.5)
+            propose(planner, key, now, mates if key in asked[1:] else backlog)
+        answer(planner, now + 0.5, asked)
         now += 0.51
-        for key in keys[1:]:
-            planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=backlog), now)
+        for key in keys:
+            if key not in asked and key not in away:
+                propose(planner, key, now, backlog)
         assert planner.plan_phases(now).num_phases == 1
         return planner, now
 
-    for backlog in (20, 8):  # 8: the verdict's token makes 9, past what a round feeds
+    def learnt(planner: PhasePlanner) -> list:
+        return [(t.turnaround.mean, t.plain_turnaround.mean, t.late_in_a_row, t.plain_late_in_a_row)
+                for t in planner._streams.values()]
+
+    for backlog in (20, 8):  # 8: the verdict's token makes 9, a catch-up by the draft's own rule
         planner, now = probed(backlog)
+        before = learnt(planner)
         assert planner.hold(now, now) is None
         assert planner.awaited_keys() == frozenset()
+        assert not planner.awaits_drafting()
         assert planner.hold(now + 0.3, now) is None
-        assert planner._streams[1].late_in_a_row == 0
-    for key in keys:  # a plain round is waited for, whatever its draft has left to feed
-        planner.replied(_verdict(key, next_k=0), now + 0.5)
-    for key in (keys[0], *keys[2:]):
-        planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=20), now + 0.501)
-    assert planner.hold(now + 0.501, now + 0.501).num_awaited == 1
-    planner.submitted(dataclasses.replace(_propose(keys[1], k=0), draft_backlog_tokens=20), now + 0.51)
-    for key in keys:  # the probe again
-        planner.replied(_verdict(key, next_k=1 if key == keys[0] else 0), now + 0.6)
+        propose(planner, keys[0], now + 0.9, backlog)  # back with nothing drafted, no catch-up reported
+        assert learnt(planner) == before
+        planner.step_started()
+        assert not planner._catch_up_rounds  # none of its batch away
+        # the next plain round is waited for, whatever its draft has left to feed
+        answer(planner, now + 1.5, ())
+        for key in keys[1:]:
+            propose(planner, key, now + 1.501, backlog)
+        assert planner.hold(now + 1.501, now + 1.501).num_awaited == 1
+
+    # a batch-mate asked beside the probe, with no catch-up of its own, comes back with it: not waited for either;
+    # one of another stream (another draft's batch, beside a plain sequence of its own owing a catch-up) is, and so
+    # is a plain sequence of the probe's step
+    planner, now = probed(20, asked=(keys[0], keys[1], keys[3]))
+    assert planner.awaited_keys() == {keys[3]}
+    assert planner.hold(now, now).num_awaited == 1
+    planner, now = probed(20, away=(keys[2],))
+    assert planner.awaited_keys() == {keys[2]}
+    assert planner.hold(now, now).num_awaited == 1
+
+    # silent past four turnarounds and a second: it leaves the plan without counting late
+    planner, now = probed(20)
+    planner.plan_phases(now + 1.5)
+    assert keys[0] not in planner._awaited and learnt(planner)[0][2:] == (0, 0)
+    planner.stream_closed(1)
+    assert not planner._catch_up_rounds and all(k.stream_id == 2 for k in planner._backlog)
+
+    # asked to draft, it drafted nothing (its batch deferred its catch-up) and was warmed meanwhile: its word on
+    # what it had left to feed is stale, and its next drafting round is waited for
+    planner, now = probed(20)
+    propose(planner, keys[0], now + 0.9, 20)
+    answer(planner, now + 1.5, (keys[0],))
     for key in keys[1:]:
-        planner.submitted(dataclasses.replace(_propose(key, k=0), draft_backlog_tokens=21), now + 0.61)
-    assert planner.hold(now + 0.61, now + 0.61) is None
-    planner.submitted(dataclasses.replace(_propose(keys[0], k=1), catch_up_tokens=20, draft_backlog_tokens=0),
-                      now + 0.9)
-    for key in keys:  # all drafting again, the catch-up fed: waited for as usual
-        planner.replied(_verdict(key, next_k=1), now + 1.5)
-    for key in keys[1:]:
-        planner.submitted(dataclasses.replace(_propose(key, k=1), draft_backlog_tokens=0), now + 1.55)
-    assert planner.hold(now + 1.55, now + 1.55).num_awaited == 1
-    for backlog in (7, None):  # fed by any round: a usual wait (at most a step's saving)
+        propose(planner, key, now + 1.501, 20)
+    assert planner.hold(now + 1.501, now + 1.501).num_awaited == 1
+
+    for backlog in (7, None):  # fed by any round, or not said (an older draft): a usual wait
         planner, now = probed(backlog)
         decision = planner.hold(now, now)
         assert decision is not None and decision.num_awaited == 1

@@ -41,13 +41,16 @@ proposals came late (none on time between) is not waited for until one comes on 
 the saving it buys (a merging hold, below: `merge_rounds` savings, once per as many steps); and a sequence silent
 for four of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always
 late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next
-proposal is already in (pipelined drafting), nor on a verifier with no work, nor for one asked to draft whose draft
-said (Proposal.draft_backlog_tokens) it must first feed its model a catch-up (the context of its plain rounds, past
-what a round feeds anyway: the goodput choice's own test, `catch_up_backlog`): the drafting rounds' turnaround
-says nothing of that one's, which the draft's batch spends mostly feeding. Under plain decoding such a sequence is
-a probe, and the others are back at once: at 4 streams through guidellm (default pair, 2 cores, 5617208) each probe
-held a step of the 3 others 440 ms, past twice a drafting round's turnaround, and the step then ran without it
-(the probe came back during that step and joined the next one, as it does unheld).
+proposal is already in (pipelined drafting), nor on a verifier with no work, nor for the sequences of a draft
+batch that feeds a catch-up first. A step that asks a sequence to draft whose draft said, with a proposal made
+after a choice of k = 0 (which the draft does not warm: draft_service.generation), that it had the context of its
+plain rounds still to feed (Proposal.draft_backlog_tokens, past what a round feeds anyway: the goodput choice's
+own test, `catch_up_backlog`) makes its stream's drafting batch feed that first; every sequence of that stream the
+step asked to draft is in that batch (draft_service.due_rounds), and the drafting rounds' turnaround says nothing
+of when they are back. Their arrival is not counted late, nor learnt as a round's turnaround. Under plain
+decoding such a sequence is a probe, and the others are back at once: at 4 streams through guidellm (default
+pair, 2 cores, 5617208) each probe held the step of the 3 others 440 ms, past twice a drafting round's turnaround,
+and the step then ran without it; the probe came back during that step and joined the next one.
 
 A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
 of their own, and once two phases form under one phase's plan, the plain rule keeps them apart for good: each
@@ -186,11 +189,13 @@ class PhasePlanner:
     _awaited: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)
     _outstanding: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # in, not answered
     _block_tokens: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # its next block's
-    # the draft's word with its last proposal: context it must still feed before it drafts (Proposal.
-    # draft_backlog_tokens; absent: unknown, an older draft)
+    # the draft's word with its last proposal, where that followed a choice of k = 0: the context it must still
+    # feed before it drafts (Proposal.draft_backlog_tokens; absent: unknown, an older draft, or a proposal the draft
+    # may have warmed since)
     _backlog: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
-    # answered, asked to draft, and owing a catch-up (`catch_up_backlog`): no due until its next proposal is in
-    _catching_up: set[SeqKey] = field(default_factory=set, init=False, repr=False)
+    # (stream id, step number) of the steps that asked a sequence of that stream owing a catch-up to draft
+    # (`catch_up_backlog`): the stream's drafting batch for that step feeds it first (_catches_up)
+    _catch_up_rounds: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
@@ -213,11 +218,14 @@ class PhasePlanner:
                 return
             self._outstanding[key] = self._outstanding.get(key, 0) + 1
             times = self._streams.setdefault(key.stream_id, _StreamTimes())
+            caught_up = self._catches_up(key)  # before it changes with the proposal
+            asked_plain = self._asked_plain(key)
             sent = self._awaited.pop(key, None)
             expired = key in self._expired
             self._expired.discard(key)
-            # a block drafted after a catch-up (Proposal.catch_up_tokens) came late for that: not a usual round
-            usual = not command.catch_up_tokens
+            # a block drafted after a catch-up (Proposal.catch_up_tokens, or its batch's: _catches_up) came late for
+            # that: not a usual round
+            usual = not command.catch_up_tokens and not caught_up
             if sent is not None and usual:
                 plain = self._asked_plain(key)
                 due = times.due(sent, self.min_slack_s, plain=plain)
@@ -228,11 +236,10 @@ class PhasePlanner:
                 else:
                     times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
             self._block_tokens[key] = command.num_draft_tokens + 1
-            self._catching_up.discard(key)
-            if command.draft_backlog_tokens is None:
-                self._backlog.pop(key, None)
-            else:
+            if command.draft_backlog_tokens is not None and asked_plain:
                 self._backlog[key] = command.draft_backlog_tokens
+            else:  # a round asked to draft that drafted nothing (deferred) is warmed meanwhile: its word is stale
+                self._backlog.pop(key, None)
             if command.draft_seconds is not None and command.num_draft_tokens and usual:
                 times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
@@ -250,13 +257,15 @@ class PhasePlanner:
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
         self._expired = {k for k in self._expired if k.stream_id != stream_id}
-        self._catching_up = {k for k in self._catching_up if k.stream_id != stream_id}
+        self._catch_up_rounds = {r for r in self._catch_up_rounds if r[0] != stream_id}
         self._streams.pop(stream_id, None)
 
     def step_started(self) -> None:
         self.num_present = 0
         self._opening.clear()
         self._turns += 1
+        if self._catch_up_rounds:  # kept while a sequence they asked to draft is away
+            self._catch_up_rounds &= {(k.stream_id, self._answered.get(k)) for k in self._awaited}
 
     def stepped(self, num_tokens: int, seconds: float) -> None:
         """A step that verified or computed something (an empty turn of the loop is none): call it before
@@ -266,17 +275,18 @@ class PhasePlanner:
 
     def awaited_keys(self) -> frozenset[SeqKey]:
         """The sequences answered and not back that the plan has not given up on: under one phase, those whose
-        stream has a turnaround estimate and is not late twice in a row, and not past twice their turnaround
-        (empty under two phases: a capped step's other half is the other phase). The goodput choice prices the
+        stream has a turnaround estimate and is not late twice in a row, not past twice their turnaround, and
+        not in a drafting batch that feeds a catch-up first (_catches_up) (empty under two phases: a capped step's other half is the other phase). The goodput choice prices the
         batch with them. A hold may still start the step without some (due past what it may wait)."""
         if self.plan is not None and self.plan.num_phases != 1:
             return frozenset()
         return frozenset(key for key, sent in self._awaited.items() if self._due(key, sent) is not None)
 
     def awaits_drafting(self) -> bool:
-        """Whether a sequence the plan waits for was asked to draft: a hold then waits for drafting, which is no
-        part of plain decoding's own wait (a hold for plain proposals alone is)."""
-        return any(not self._asked_plain(key) for key in self._awaited)
+        """Whether a sequence the plan waits for was asked to draft (not one whose batch feeds a catch-up first,
+        _catches_up: no hold waits for it): a hold then waits for drafting, which is no part of plain decoding's own
+        wait (a hold for plain proposals alone is)."""
+        return any(not self._asked_plain(key) and not self._catches_up(key) for key in self._awaited)
 
     def replied(self, outcome: Outcome, now: float) -> None:
         """An outcome sent to an open stream: a verdict the sequence goes on from is awaited back, unless its
@@ -306,9 +316,7 @@ class PhasePlanner:
             self._block_tokens[key] = outcome.next_draft_tokens + 1
         backlog = self._backlog.get(key)
         if not self._asked_plain(key) and backlog is not None and backlog + 1 > self.catch_up_backlog:
-            self._catching_up.add(key)
-        else:
-            self._catching_up.discard(key)
+            self._catch_up_rounds.add((key.stream_id, self._answered[key]))
         self._awaited[key] = now
 
     # -- the decisions -----------------------------------------------------------------------------------------
@@ -322,7 +330,7 @@ class PhasePlanner:
         turnarounds = []
         for k in keys:
             times = self._streams.get(k.stream_id)
-            t = None if times is None else times.turnaround_for(self._asked_plain(k))
+            t = None if times is None or self._catches_up(k) else times.turnaround_for(self._asked_plain(k))
             if t is not None:
                 turnarounds.append(t.mean)
         if not self.split or len(keys) < 2 or not turnarounds or not self.step_time.ready:
@@ -434,7 +442,7 @@ class PhasePlanner:
                 silent.append(key)
         for key in silent:
             times = self._streams.get(key.stream_id)
-            if times is not None and key not in self._expired and key not in self._catching_up:
+            if times is not None and key not in self._expired and not self._catches_up(key):
                 times.count_late(self._asked_plain(key), True)  # silence is lateness (a catch-up has no due)
             self._forget(key)
 
@@ -444,9 +452,15 @@ class PhasePlanner:
         first (`catch_up_backlog`)."""
         times = self._streams.get(key.stream_id)
         plain = self._asked_plain(key)
-        if times is None or times.late(plain) >= self.max_late or key in self._expired or key in self._catching_up:
+        if times is None or times.late(plain) >= self.max_late or key in self._expired or self._catches_up(key):
             return None
         return times.due(sent, self.min_slack_s, plain=plain)
+
+    def _catches_up(self, key: SeqKey) -> bool:
+        """Whether `key`, asked to draft, is in a drafting batch that feeds a catch-up first: the step that last
+        answered it asked a sequence of its stream owing one to draft (see the module's docstring)."""
+        return (bool(self._catch_up_rounds) and not self._asked_plain(key)
+                and (key.stream_id, self._answered.get(key)) in self._catch_up_rounds)
 
     def _asked_plain(self, key: SeqKey) -> bool:
         """Whether `key`'s next block is to draft nothing (its verdict chose k = 0, or it drafted none last)."""
@@ -454,7 +468,6 @@ class PhasePlanner:
 
     def _forget(self, key: SeqKey) -> None:
         self._expired.discard(key)
-        self._catching_up.discard(key)
         self._backlog.pop(key, None)
         self._awaited.pop(key, None)
         self._outstanding.pop(key, None)
