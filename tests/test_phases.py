@@ -223,22 +223,22 @@ def test_a_step_starts_once_the_awaited_are_in():
 
 def test_no_hold_for_a_drafting_batch_that_feeds_a_catch_up_first():
     """Under plain decoding (every sequence asked for k = 0, which the draft does not warm) the verifier asks one
-    sequence to draft (a probe): its draft must feed the plain rounds' context first (Proposal.draft_backlog_tokens
-    past catch_up_backlog), and so must the stream's drafting batch that carries it, whose turnaround the drafting
-    rounds' says nothing of. The others' step starts at once, and the batch's arrivals are neither counted late nor
-    learnt. A sequence of another stream asked to draft, a plain round, a backlog any round feeds, a draft that does
-    not say, and a word from a proposal the draft may have warmed since (asked to draft, it drafted nothing) are
-    waited for as before."""
+    sequence to draft (a probe): its draft must feed the plain rounds' context first (Proposal.draft_backlog_tokens,
+    summed over the stream's sequences the step asked to draft, past catch_up_backlog), and so must the stream's
+    drafting batch that carries it, whose turnaround the drafting rounds' says nothing of. The others' step starts
+    at once, and the batch's arrivals are neither counted late nor learnt. A sequence of another stream asked to
+    draft, a plain round, words any round feeds, a draft that does not say, and a word from a proposal the draft
+    may have warmed since (asked to draft, it drafted nothing) are waited for as before."""
     from draft_service.draft_model import CATCH_UP_FREE_TOKENS
-    from verifier_service.goodput import DraftLengthController
 
-    assert PhasePlanner().catch_up_backlog == DraftLengthController(4).catch_up_free_rounds + 1 == CATCH_UP_FREE_TOKENS
+    assert PhasePlanner().catch_up_backlog == CATCH_UP_FREE_TOKENS
     keys = [SeqKey(1, 1), SeqKey(1, 2), SeqKey(1, 3), SeqKey(2, 1), SeqKey(2, 2)]
 
     def propose(planner: PhasePlanner, key: SeqKey, at: float, backlog: int | None, k: int = 0) -> None:
         planner.submitted(dataclasses.replace(_propose(key, k=k), draft_backlog_tokens=backlog), at)
 
-    def answer(planner: PhasePlanner, at: float, asked: tuple[SeqKey, ...]) -> None:
+    def answer(planner: PhasePlanner, at: float, asked: tuple[SeqKey, ...], keys=keys) -> None:
+        planner.step_started()
         planner.stepped(5, 0.6)
         for key in keys:
             planner.replied(_verdict(key, next_k=1 if key in asked else 0), at)
@@ -267,23 +267,26 @@ def test_no_hold_for_a_drafting_batch_that_feeds_a_catch_up_first():
         return [(t.turnaround.mean, t.plain_turnaround.mean, t.late_in_a_row, t.plain_late_in_a_row)
                 for t in planner._streams.values()]
 
-    for backlog in (20, 8):  # 8: the verdict's token makes 9, a catch-up by the draft's own rule
+    for backlog in (20, 9):  # 9: past what rounds feed anyway (8)
         planner, now = probed(backlog)
-        before = learnt(planner)
         assert planner.hold(now, now) is None
         assert planner.awaited_keys() == frozenset()
         assert not planner.awaits_drafting()
-        assert planner.hold(now + 0.3, now) is None
+        # still away over the next plain step: the others' steps are not held for it
+        answer(planner, now + 0.6, (), keys=keys[1:])
+        for key in keys[1:]:
+            propose(planner, key, now + 0.61, backlog)
+        assert planner.hold(now + 0.61, now + 0.61) is None
+        before = learnt(planner)
         propose(planner, keys[0], now + 0.9, backlog)  # back with nothing drafted, no catch-up reported
         assert learnt(planner) == before
         planner.step_started()
         assert not planner._catch_up_rounds  # none of its batch away
-        # the next plain round is waited for, whatever its draft has left to feed
-        answer(planner, now + 1.5, ())
-        for key in keys[1:]:
-            propose(planner, key, now + 1.501, backlog)
-        assert planner.hold(now + 1.501, now + 1.501).num_awaited == 1
 
+    # the words of one stream's batch are summed: two of 5 feed a catch-up, two of 4 do not
+    for mates, held in ((5, False), (4, True)):
+        planner, now = probed(mates, asked=(keys[0], keys[1]), mates=mates, away=(keys[2],))
+        assert (planner.awaited_keys() == {keys[2], keys[0], keys[1]}) is held
     # a batch-mate asked beside the probe, with no catch-up of its own, comes back with it: not waited for either;
     # one of another stream (another draft's batch, beside a plain sequence of its own owing a catch-up) is, and so
     # is a plain sequence of the probe's step
@@ -293,11 +296,33 @@ def test_no_hold_for_a_drafting_batch_that_feeds_a_catch_up_first():
     planner, now = probed(20, away=(keys[2],))
     assert planner.awaited_keys() == {keys[2]}
     assert planner.hold(now, now).num_awaited == 1
+    # the batch's first arrival: the rest of it left the draft with it, and is due at once
+    planner, now = probed(20, asked=(keys[0], keys[1]), mates=20)
+    propose(planner, keys[0], now + 0.9, 0, k=1)
+    assert planner.awaited_keys() == {keys[1]}
+    assert planner._due(keys[1], planner._awaited[keys[1]]) < now + 0.91
+    decision = planner.hold(now + 0.9, now + 0.9)
+    assert decision.num_awaited == 1 and decision.deadline < now + 1.01  # twice its turnaround: 0.1 s at most
+    # a drafting round of the stream answered while the batch is away waits behind it: no due until it is back,
+    # then a turnaround from then
+    planner, now = probed(20, away=(keys[1],))
+    propose(planner, keys[1], now + 0.01, 2)  # a word no round needs a catch-up for
+    answer(planner, now + 0.6, (keys[1],), keys=keys[1:])
+    for key in keys[2:]:
+        propose(planner, key, now + 0.61, 20)
+    assert planner.awaited_keys() == frozenset()
+    propose(planner, keys[0], now + 0.9, 0, k=1)
+    assert planner.awaited_keys() == {keys[1]}
+    assert now + 1.0 < planner._due(keys[1], planner._awaited[keys[1]]) < now + 1.05
 
-    # silent past four turnarounds and a second: it leaves the plan without counting late
+    # silent past four turnarounds and a second: it leaves the plan without counting late, and its batch with it
+    # (else the stream's later drafting rounds would wait behind it for good)
     planner, now = probed(20)
     planner.plan_phases(now + 1.5)
     assert keys[0] not in planner._awaited and learnt(planner)[0][2:] == (0, 0)
+    planner.step_started()
+    assert not planner._catch_up_rounds
+    planner, now = probed(20)
     planner.stream_closed(1)
     assert not planner._catch_up_rounds and all(k.stream_id == 2 for k in planner._backlog)
 
@@ -310,7 +335,7 @@ def test_no_hold_for_a_drafting_batch_that_feeds_a_catch_up_first():
         propose(planner, key, now + 1.501, 20)
     assert planner.hold(now + 1.501, now + 1.501).num_awaited == 1
 
-    for backlog in (7, None):  # fed by any round, or not said (an older draft): a usual wait
+    for backlog in (8, None):  # fed by any round, or not said (an older draft): a usual wait
         planner, now = probed(backlog)
         decision = planner.hold(now, now)
         assert decision is not None and decision.num_awaited == 1

@@ -42,15 +42,18 @@ the saving it buys (a merging hold, below: `merge_rounds` savings, once per as m
 for four of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always
 late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next
 proposal is already in (pipelined drafting), nor on a verifier with no work, nor for the sequences of a draft
-batch that feeds a catch-up first. A step that asks a sequence to draft whose draft said, with a proposal made
-after a choice of k = 0 (which the draft does not warm: draft_service.generation), that it had the context of its
-plain rounds still to feed (Proposal.draft_backlog_tokens, past what a round feeds anyway: the goodput choice's
-own test, `catch_up_backlog`) makes its stream's drafting batch feed that first; every sequence of that stream the
-step asked to draft is in that batch (draft_service.due_rounds), and the drafting rounds' turnaround says nothing
-of when they are back. Their arrival is not counted late, nor learnt as a round's turnaround. Under plain
-decoding such a sequence is a probe, and the others are back at once: at 4 streams through guidellm (default
-pair, 2 cores, 5617208) each probe held the step of the 3 others 440 ms, past twice a drafting round's turnaround,
-and the step then ran without it; the probe came back during that step and joined the next one.
+batch that feeds a catch-up first. The sequences of one stream that a step asks to draft make one drafting batch
+(draft_service.due_rounds), and each feeds first what its draft said, with its last proposal, it had still to feed
+(Proposal.draft_backlog_tokens; a word taken only from a proposal made after a choice of k = 0, or a sequence's
+first, which the draft does not warm: draft_service.generation). Where those words sum past what rounds feed
+anyway (`catch_up_backlog`: the draft's own test, draft_model.feeds_catch_up), the batch feeds a catch-up, its
+plain batch-mates propose without waiting for it, and the drafting rounds' turnaround says nothing of when it is
+back: its sequences, and the stream's drafting rounds answered after it while it is away (queued behind it on the
+draft's one model thread), have no due, and their arrival is neither counted late nor learnt as a turnaround. Its
+first arrival says the batch is done: the rest of it is due at once, and the rounds queued behind it a turnaround
+later. Under plain decoding such a batch is a probe, and the others are back at once: at 4 streams through
+guidellm (default pair, 2 cores, 5617208) each probe held the step of the 3 others 440 ms, past twice a drafting
+round's turnaround, and the step then ran without it; the probe came back during that step and joined the next.
 
 A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
 of their own, and once two phases form under one phase's plan, the plain rule keeps them apart for good: each
@@ -172,9 +175,9 @@ class PhasePlanner:
     min_slack_s: float = 0.001
     margin: float = 0.05  # two phases only when this much shorter a round than one
     max_late: int = 2  # a stream late this many times in a row is not waited for
-    # a sequence asked to draft whose draft said it still had more than this many tokens of context to feed, the
-    # verdict's token included, is not waited for (see the module's docstring): the goodput choice's test of a
-    # catch-up (DraftLengthController._needs_catch_up: catch_up_free_rounds + 1)
+    # a stream's drafting batch whose sequences' drafts said they had more than this many tokens of context to feed
+    # in all is not waited for (see the module's docstring): draft_model.CATCH_UP_FREE_TOKENS, the draft's test of
+    # a batch that feeds a catch-up (feeds_catch_up)
     catch_up_backlog: int = 8
     split: bool = True  # False: one phase always (--phases hold)
     max_step_tokens: int | None = None  # the step's token budget: no merge past it is ever waited for
@@ -193,9 +196,12 @@ class PhasePlanner:
     # feed before it drafts (Proposal.draft_backlog_tokens; absent: unknown, an older draft, or a proposal the draft
     # may have warmed since)
     _backlog: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
-    # (stream id, step number) of the steps that asked a sequence of that stream owing a catch-up to draft
-    # (`catch_up_backlog`): the stream's drafting batch for that step feeds it first (_catches_up)
+    # (stream id, step number) of the steps whose drafting batch on that stream feeds a catch-up first
+    # (`catch_up_backlog`; _catches_up), while it is away
     _catch_up_rounds: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)
+    # the step being answered (replied) and, per stream, the words of the sequences it asked to draft, summed
+    _answering: int | None = field(default=None, init=False, repr=False)
+    _batch_backlog: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
@@ -218,8 +224,10 @@ class PhasePlanner:
                 return
             self._outstanding[key] = self._outstanding.get(key, 0) + 1
             times = self._streams.setdefault(key.stream_id, _StreamTimes())
-            caught_up = self._catches_up(key)  # before it changes with the proposal
+            caught_up = key in self._awaited and self._catches_up(key)  # before it changes with the proposal
             asked_plain = self._asked_plain(key)
+            if caught_up:
+                self._batch_back(key, now)
             sent = self._awaited.pop(key, None)
             expired = key in self._expired
             self._expired.discard(key)
@@ -236,7 +244,7 @@ class PhasePlanner:
                 else:
                     times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
             self._block_tokens[key] = command.num_draft_tokens + 1
-            if command.draft_backlog_tokens is not None and asked_plain:
+            if command.draft_backlog_tokens is not None and asked_plain:  # a first proposal counts as asked plain
                 self._backlog[key] = command.draft_backlog_tokens
             else:  # a round asked to draft that drafted nothing (deferred) is warmed meanwhile: its word is stale
                 self._backlog.pop(key, None)
@@ -276,8 +284,9 @@ class PhasePlanner:
     def awaited_keys(self) -> frozenset[SeqKey]:
         """The sequences answered and not back that the plan has not given up on: under one phase, those whose
         stream has a turnaround estimate and is not late twice in a row, not past twice their turnaround, and
-        not in a drafting batch that feeds a catch-up first (_catches_up) (empty under two phases: a capped step's other half is the other phase). The goodput choice prices the
-        batch with them. A hold may still start the step without some (due past what it may wait)."""
+        not waiting for a drafting batch that feeds a catch-up first (_catches_up); empty under two phases (a
+        capped step's other half is the other phase). The goodput choice prices the batch with them. A hold may
+        still start the step without some (due past what it may wait)."""
         if self.plan is not None and self.plan.num_phases != 1:
             return frozenset()
         return frozenset(key for key, sent in self._awaited.items() if self._due(key, sent) is not None)
@@ -314,9 +323,14 @@ class PhasePlanner:
             return
         if outcome.next_draft_tokens is not None:
             self._block_tokens[key] = outcome.next_draft_tokens + 1
-        backlog = self._backlog.get(key)
-        if not self._asked_plain(key) and backlog is not None and backlog + 1 > self.catch_up_backlog:
-            self._catch_up_rounds.add((key.stream_id, self._answered[key]))
+        if not self._asked_plain(key) and key in self._backlog:
+            if self._answering != self._num_steps:
+                self._answering = self._num_steps
+                self._batch_backlog.clear()
+            total = self._batch_backlog.get(key.stream_id, 0) + self._backlog[key]
+            self._batch_backlog[key.stream_id] = total
+            if total > self.catch_up_backlog:
+                self._catch_up_rounds.add((key.stream_id, self._num_steps))
         self._awaited[key] = now
 
     # -- the decisions -----------------------------------------------------------------------------------------
@@ -457,10 +471,27 @@ class PhasePlanner:
         return times.due(sent, self.min_slack_s, plain=plain)
 
     def _catches_up(self, key: SeqKey) -> bool:
-        """Whether `key`, asked to draft, is in a drafting batch that feeds a catch-up first: the step that last
-        answered it asked a sequence of its stream owing one to draft (see the module's docstring)."""
-        return (bool(self._catch_up_rounds) and not self._asked_plain(key)
-                and (key.stream_id, self._answered.get(key)) in self._catch_up_rounds)
+        """Whether `key`, asked to draft, waits for a drafting batch of its stream that feeds a catch-up first:
+        the one the step that last answered it made, or an earlier one still away (see the module's docstring)."""
+        if not self._catch_up_rounds or self._asked_plain(key):
+            return False
+        answered = self._answered.get(key)
+        return answered is not None and any(stream == key.stream_id and step <= answered
+                                            for stream, step in self._catch_up_rounds)
+
+    def _batch_back(self, key: SeqKey, now: float) -> None:
+        """`key`'s proposal is in, from a drafting batch that fed a catch-up (_catches_up): the batches of its
+        stream up to the one that answered it are done. The rest of its own batch left the draft with it, and is
+        due at once; the stream's later drafting rounds, which waited behind it, are due a turnaround from now."""
+        answered = self._answered[key]
+        times = self._streams.get(key.stream_id)
+        turnaround = times.turnaround.mean if times is not None and times.turnaround is not None else 0.0
+        waiting = [k for k in self._awaited if k.stream_id == key.stream_id and k != key and self._catches_up(k)]
+        self._catch_up_rounds = {(stream, step) for stream, step in self._catch_up_rounds
+                                 if stream != key.stream_id or step > answered}
+        for k in waiting:
+            if not self._catches_up(k):
+                self._awaited[k] = now if self._answered[k] > answered else now - turnaround
 
     def _asked_plain(self, key: SeqKey) -> bool:
         """Whether `key`'s next block is to draft nothing (its verdict chose k = 0, or it drafted none last)."""
