@@ -41,19 +41,7 @@ proposals came late (none on time between) is not waited for until one comes on 
 the saving it buys (a merging hold, below: `merge_rounds` savings, once per as many steps); and a sequence silent
 for four of its turnarounds (plus a second) leaves the plan. So a client that never proposes again, or always
 late, costs the others at most what a slow honest draft would. A step is never held for a sequence whose next
-proposal is already in (pipelined drafting), nor on a verifier with no work, nor for the sequences of a draft
-batch that feeds a catch-up first. The sequences of one stream that a step asks to draft make one drafting batch
-(draft_service.due_rounds), and each feeds first what its draft said, with its last proposal, it had still to feed
-(Proposal.draft_backlog_tokens; a word taken only from a proposal made after a choice of k = 0, or a sequence's
-first, which the draft does not warm: draft_service.generation). Where those words sum past what rounds feed
-anyway (`catch_up_backlog`: the draft's own test, draft_model.feeds_catch_up), the batch feeds a catch-up, its
-plain batch-mates propose without waiting for it, and the drafting rounds' turnaround says nothing of when it is
-back: its sequences, and the stream's drafting rounds answered after it while it is away (queued behind it on the
-draft's one model thread), have no due, and their arrival is neither counted late nor learnt as a turnaround. Its
-first arrival says the batch is done: the rest of it is due at once, and the rounds queued behind it a turnaround
-later. Under plain decoding such a batch is a probe, and the others are back at once: at 4 streams through
-guidellm (default pair, 2 cores, 5617208) each probe held the step of the 3 others 440 ms, past twice a drafting
-round's turnaround, and the step then ran without it; the probe came back during that step and joined the next.
+proposal is already in (pipelined drafting), nor on a verifier with no work.
 
 A hold that merges two phases lasts longer. Sequences answered by another step than every one present are a phase
 of their own, and once two phases form under one phase's plan, the plain rule keeps them apart for good: each
@@ -175,10 +163,6 @@ class PhasePlanner:
     min_slack_s: float = 0.001
     margin: float = 0.05  # two phases only when this much shorter a round than one
     max_late: int = 2  # a stream late this many times in a row is not waited for
-    # a stream's drafting batch whose sequences' drafts said they had more than this many tokens of context to feed
-    # in all is not waited for (see the module's docstring): draft_model.CATCH_UP_FREE_TOKENS, the draft's test of
-    # a batch that feeds a catch-up (feeds_catch_up)
-    catch_up_backlog: int = 8
     split: bool = True  # False: one phase always (--phases hold)
     max_step_tokens: int | None = None  # the step's token budget: no merge past it is ever waited for
     merge_rounds: int = 4  # a hold that merges two phases waits up to this many savings, once per as many steps
@@ -192,16 +176,6 @@ class PhasePlanner:
     _awaited: dict[SeqKey, float] = field(default_factory=dict, init=False, repr=False)
     _outstanding: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # in, not answered
     _block_tokens: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)  # its next block's
-    # the draft's word with its last proposal, where that followed a choice of k = 0: the context it must still
-    # feed before it drafts (Proposal.draft_backlog_tokens; absent: unknown, an older draft, or a proposal the draft
-    # may have warmed since)
-    _backlog: dict[SeqKey, int] = field(default_factory=dict, init=False, repr=False)
-    # (stream id, step number) of the steps whose drafting batch on that stream feeds a catch-up first
-    # (`catch_up_backlog`; _catches_up), while it is away
-    _catch_up_rounds: set[tuple[int, int]] = field(default_factory=set, init=False, repr=False)
-    # the step being answered (replied) and, per stream, the words of the sequences it asked to draft, summed
-    _answering: int | None = field(default=None, init=False, repr=False)
-    _batch_backlog: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     _streams: dict[int, _StreamTimes] = field(default_factory=dict, init=False, repr=False)
     # awaited past twice their expected turnaround: counted late once, held for no more
     _expired: set[SeqKey] = field(default_factory=set, init=False, repr=False)
@@ -224,16 +198,11 @@ class PhasePlanner:
                 return
             self._outstanding[key] = self._outstanding.get(key, 0) + 1
             times = self._streams.setdefault(key.stream_id, _StreamTimes())
-            caught_up = key in self._awaited and self._catches_up(key)  # before it changes with the proposal
-            asked_plain = self._asked_plain(key)
-            if caught_up:
-                self._batch_back(key, now)
             sent = self._awaited.pop(key, None)
             expired = key in self._expired
             self._expired.discard(key)
-            # a block drafted after a catch-up (Proposal.catch_up_tokens, or its batch's: _catches_up) came late for
-            # that: not a usual round
-            usual = not command.catch_up_tokens and not caught_up
+            # a block drafted after a catch-up (Proposal.catch_up_tokens) came late for that: not a usual round
+            usual = not command.catch_up_tokens
             if sent is not None and usual:
                 plain = self._asked_plain(key)
                 due = times.due(sent, self.min_slack_s, plain=plain)
@@ -244,10 +213,6 @@ class PhasePlanner:
                 else:
                     times.plain_turnaround = _add(times.plain_turnaround, max(0.0, now - sent), self.decay)
             self._block_tokens[key] = command.num_draft_tokens + 1
-            if command.draft_backlog_tokens is not None and asked_plain:  # a first proposal counts as asked plain
-                self._backlog[key] = command.draft_backlog_tokens
-            else:  # a round asked to draft that drafted nothing (deferred) is warmed meanwhile: its word is stale
-                self._backlog.pop(key, None)
             if command.draft_seconds is not None and command.num_draft_tokens and usual:
                 times.compute = _add(times.compute, command.draft_seconds, self.decay)
         elif isinstance(command, CloseCmd):
@@ -260,20 +225,16 @@ class PhasePlanner:
         self.num_present += 1
 
     def stream_closed(self, stream_id: int) -> None:
-        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered, self._opening,
-                      self._backlog):
+        for table in (self._awaited, self._outstanding, self._block_tokens, self._answered, self._opening):
             for key in [k for k in table if k.stream_id == stream_id]:
                 del table[key]
         self._expired = {k for k in self._expired if k.stream_id != stream_id}
-        self._catch_up_rounds = {r for r in self._catch_up_rounds if r[0] != stream_id}
         self._streams.pop(stream_id, None)
 
     def step_started(self) -> None:
         self.num_present = 0
         self._opening.clear()
         self._turns += 1
-        if self._catch_up_rounds:  # kept while a sequence they asked to draft is away
-            self._catch_up_rounds &= {(k.stream_id, self._answered.get(k)) for k in self._awaited}
 
     def stepped(self, num_tokens: int, seconds: float) -> None:
         """A step that verified or computed something (an empty turn of the loop is none): call it before
@@ -283,19 +244,17 @@ class PhasePlanner:
 
     def awaited_keys(self) -> frozenset[SeqKey]:
         """The sequences answered and not back that the plan has not given up on: under one phase, those whose
-        stream has a turnaround estimate and is not late twice in a row, not past twice their turnaround, and
-        not waiting for a drafting batch that feeds a catch-up first (_catches_up); empty under two phases (a
-        capped step's other half is the other phase). The goodput choice prices the batch with them. A hold may
-        still start the step without some (due past what it may wait)."""
+        stream has a turnaround estimate and is not late twice in a row, and not past twice their turnaround
+        (empty under two phases: a capped step's other half is the other phase). The goodput choice prices the
+        batch with them. A hold may still start the step without some (due past what it may wait)."""
         if self.plan is not None and self.plan.num_phases != 1:
             return frozenset()
         return frozenset(key for key, sent in self._awaited.items() if self._due(key, sent) is not None)
 
     def awaits_drafting(self) -> bool:
-        """Whether a sequence the plan waits for was asked to draft (not one whose batch feeds a catch-up first,
-        _catches_up: no hold waits for it): a hold then waits for drafting, which is no part of plain decoding's own
-        wait (a hold for plain proposals alone is)."""
-        return any(not self._asked_plain(key) and not self._catches_up(key) for key in self._awaited)
+        """Whether a sequence the plan waits for was asked to draft: a hold then waits for drafting, which is no
+        part of plain decoding's own wait (a hold for plain proposals alone is)."""
+        return any(not self._asked_plain(key) for key in self._awaited)
 
     def replied(self, outcome: Outcome, now: float) -> None:
         """An outcome sent to an open stream: a verdict the sequence goes on from is awaited back, unless its
@@ -323,14 +282,6 @@ class PhasePlanner:
             return
         if outcome.next_draft_tokens is not None:
             self._block_tokens[key] = outcome.next_draft_tokens + 1
-        if not self._asked_plain(key) and key in self._backlog:
-            if self._answering != self._num_steps:
-                self._answering = self._num_steps
-                self._batch_backlog.clear()
-            total = self._batch_backlog.get(key.stream_id, 0) + self._backlog[key]
-            self._batch_backlog[key.stream_id] = total
-            if total > self.catch_up_backlog:
-                self._catch_up_rounds.add((key.stream_id, self._num_steps))
         self._awaited[key] = now
 
     # -- the decisions -----------------------------------------------------------------------------------------
@@ -344,7 +295,7 @@ class PhasePlanner:
         turnarounds = []
         for k in keys:
             times = self._streams.get(k.stream_id)
-            t = None if times is None or self._catches_up(k) else times.turnaround_for(self._asked_plain(k))
+            t = None if times is None else times.turnaround_for(self._asked_plain(k))
             if t is not None:
                 turnarounds.append(t.mean)
         if not self.split or len(keys) < 2 or not turnarounds or not self.step_time.ready:
@@ -456,42 +407,18 @@ class PhasePlanner:
                 silent.append(key)
         for key in silent:
             times = self._streams.get(key.stream_id)
-            if times is not None and key not in self._expired and not self._catches_up(key):
-                times.count_late(self._asked_plain(key), True)  # silence is lateness (a catch-up has no due)
+            if times is not None and key not in self._expired:
+                times.count_late(self._asked_plain(key), True)  # silence is lateness
             self._forget(key)
 
     def _due(self, key: SeqKey, sent: float) -> float | None:
         """When `key`, answered at `sent`, is expected back; None when it is not waited for: its stream has no
-        estimate yet or came late twice in a row, it passed twice its turnaround, or its draft feeds a catch-up
-        first (`catch_up_backlog`)."""
+        estimate yet or came late twice in a row, or it passed twice its turnaround."""
         times = self._streams.get(key.stream_id)
         plain = self._asked_plain(key)
-        if times is None or times.late(plain) >= self.max_late or key in self._expired or self._catches_up(key):
+        if times is None or times.late(plain) >= self.max_late or key in self._expired:
             return None
         return times.due(sent, self.min_slack_s, plain=plain)
-
-    def _catches_up(self, key: SeqKey) -> bool:
-        """Whether `key`, asked to draft, waits for a drafting batch of its stream that feeds a catch-up first:
-        the one the step that last answered it made, or an earlier one still away (see the module's docstring)."""
-        if not self._catch_up_rounds or self._asked_plain(key):
-            return False
-        answered = self._answered.get(key)
-        return answered is not None and any(stream == key.stream_id and step <= answered
-                                            for stream, step in self._catch_up_rounds)
-
-    def _batch_back(self, key: SeqKey, now: float) -> None:
-        """`key`'s proposal is in, from a drafting batch that fed a catch-up (_catches_up): the batches of its
-        stream up to the one that answered it are done. The rest of its own batch left the draft with it, and is
-        due at once; the stream's later drafting rounds, which waited behind it, are due a turnaround from now."""
-        answered = self._answered[key]
-        times = self._streams.get(key.stream_id)
-        turnaround = times.turnaround.mean if times is not None and times.turnaround is not None else 0.0
-        waiting = [k for k in self._awaited if k.stream_id == key.stream_id and k != key and self._catches_up(k)]
-        self._catch_up_rounds = {(stream, step) for stream, step in self._catch_up_rounds
-                                 if stream != key.stream_id or step > answered}
-        for k in waiting:
-            if not self._catches_up(k):
-                self._awaited[k] = now if self._answered[k] > answered else now - turnaround
 
     def _asked_plain(self, key: SeqKey) -> bool:
         """Whether `key`'s next block is to draft nothing (its verdict chose k = 0, or it drafted none last)."""
@@ -499,7 +426,6 @@ class PhasePlanner:
 
     def _forget(self, key: SeqKey) -> None:
         self._expired.discard(key)
-        self._backlog.pop(key, None)
         self._awaited.pop(key, None)
         self._outstanding.pop(key, None)
         self._block_tokens.pop(key, None)
