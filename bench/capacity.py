@@ -402,12 +402,34 @@ def _versus_best(by: dict, level: int, key: str, others: list[str]) -> str:
     return f"{auto / max(theirs):.2f}x" if auto and theirs and all(theirs) else ""
 
 
+def _halves_cell(by: dict, level: int, others: list[str]) -> str:
+    """Under --order abba: auto over the best of `others` in each half of the level, then how far apart k = 0's
+    two halves came out (plain decoding measured against itself minutes apart, on the same processes where it
+    runs on auto's stack: what the run can resolve at that level; a fixed k > 0's halves also differ by where
+    its requests' acceptance makes them finish). "" where a row has no halves (a level in one part, an older
+    run's JSON); no spread without a k = 0 mode."""
+    auto = by.get(("auto", level), {}).get("halves")
+    present = [m for m in others if (m, level) in by]
+    theirs = [by[(m, level)].get("halves") for m in present]
+    if not auto or len(auto) != 2 or not theirs or any(not h or len(h) != 2 for h in theirs):
+        return ""
+    if not all(h["tok_s"] for half in (auto, *theirs) for h in half):
+        return ""
+    ratios = [auto[i]["tok_s"] / max(h[i]["tok_s"] for h in theirs) for i in range(2)]
+    plain = [h for m, h in zip(present, theirs, strict=True) if k_of(m) == 0]
+    apart = "".join(f"; {100 * (max(h[0]['tok_s'], h[1]['tok_s']) / min(h[0]['tok_s'], h[1]['tok_s']) - 1):.1f} %"
+                    for h in plain[:1])
+    return f"{ratios[0]:.2f}x / {ratios[1]:.2f}x{apart}"
+
+
 def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     head = "| streams | " + " | ".join(f"{label_of(m)} tok/s" for m in modes)
     same_stack = [m for m in modes if m.endswith(ON_AUTO)]
     head += " | auto / best fixed" + (" | auto / best on auto's stack" if same_stack else "")
     head += " | the same at full load"
+    halves = any(r.get("halves") for r in rows)
+    head += " | auto / best in each half; k = 0's halves apart" if halves else ""
     head += " | " + " | ".join(f"{label_of(m)} TTFT p50/p99 ms" for m in modes)
     head += " | " + " | ".join(f"{label_of(m)} ITL p50/p99 ms" for m in modes) + " | auto drafts/verification"
     head += " | auto draft CPU; rows prompt / catch-up / round / draft (+warming) |"
@@ -422,6 +444,8 @@ def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
             ratio += " | " + _versus_best(by, c, "tok_s", same_stack)
         # the last ratio again, over the streams' full-load spans (full_load_tok_s: without the level's tail)
         ratio += " | " + _versus_best(by, c, "full_load_tok_s", same_stack or fixed)
+        if halves:  # the same ratio in each half, beside what separates a fixed mode's two halves
+            ratio += " | " + _halves_cell(by, c, same_stack or fixed)
         ttft = [f"{by[(m, c)]['ttft_p50_ms']:.0f} / {by[(m, c)]['ttft_p99_ms']:.0f}" if (m, c) in by else ""
                 for m in modes]
         itl = [f"{by[(m, c)]['itl_p50_ms']:.0f} / {by[(m, c)]['itl_p99_ms']:.0f}" if (m, c) in by else ""
@@ -431,6 +455,15 @@ def table(rows: list[dict], modes: list[str], levels: list[int]) -> str:
         lines.append(f"| {c} | " + " | ".join(cells) + f" | {ratio} | " + " | ".join(ttft) + " | "
                      + " | ".join(itl) + f" | {k_auto} | {rows_auto} |")
     return "\n".join(lines)
+
+
+def table_of_run(run: dict) -> str:
+    """A run's JSON ({"title", "rows"}) as its title and table: the modes in the order first measured, the levels
+    in rising order."""
+    rows = run["rows"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    return f"{run.get('title', '')}\n\n{table(rows, modes, levels)}"
 
 
 def plot(rows: list[dict], modes: list[str], path: Path, title: str) -> None:
@@ -492,7 +525,12 @@ def main() -> int:
                    help="more verifier flags for every mode's verifier, as one string (--verifier-args='--phases split')")
     p.add_argument("--models", type=Path, default=ROOT / ".models")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "capacity")
+    p.add_argument("--table-from", type=Path, default=None, metavar="JSON",
+                   help="print the table of a run's JSON (this version's columns) and run nothing")
     args = p.parse_args()
+    if args.table_from is not None:
+        print(table_of_run(json.loads(args.table_from.read_text())))
+        return 0
     levels = [int(c) for c in args.concurrency.split(",")]
     modes = args.modes.split(",")
     if (refusal := plan_refusal(modes, levels, args.order, args.requests_per_stream, args.min_requests)):

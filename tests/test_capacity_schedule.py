@@ -172,6 +172,40 @@ def test_the_table_gives_auto_against_the_best_mode_over_the_level_and_at_full_l
     assert [c.strip() for c in row.split("|")][5:7] == ["0.90x", ""] and head.count("|") == row.count("|")
 
 
+def test_the_table_gives_auto_against_the_best_in_each_half_beside_k0_s_own_halves_apart(tmp_path):
+    """Under abba: auto over the best on its stack in each half, in time order, and how far apart k = 0's two
+    halves came out (the run's resolution: a fixed k's halves differ by their acceptance too, and are not it); a
+    run without halves has no such column. --table-from renders a run's JSON so, the modes in the order measured."""
+    import capacity
+
+    def row(mode, halves, **extra):
+        tok = sum(halves) / 2
+        return {"mode": mode, "concurrency": 32, "tok_s": tok, "full_load_tok_s": tok, "ttft_p50_ms": 1,
+                "ttft_p99_ms": 2, "itl_p50_ms": 3, "itl_p99_ms": 4, "draft_tokens_per_verification": 0.0,
+                "halves": [{"tok_s": h} for h in halves], **extra}
+
+    # k = 0 20.0 then 21.6 (8.0 % apart), k = 4 19.0 then 22.0 (15.8 %: not the figure), auto 19.0 then 21.6
+    rows = [row("0@auto", (20.0, 21.6)), row("4@auto", (19.0, 22.0)), row("auto", (19.0, 21.6))]
+    head, _, line = capacity.table(rows, ["0@auto", "4@auto", "auto"], [32]).splitlines()
+    cells = [c.strip() for c in line.split("|")]
+    assert "auto / best in each half; k = 0's halves apart" in head and head.count("|") == line.count("|")
+    assert cells[8] == "0.95x / 0.98x; 8.0 %"
+    # without k = 0 among the modes, no spread; a mode without halves leaves the cell empty
+    _, _, line = capacity.table(rows[1:], ["4@auto", "auto"], [32]).splitlines()
+    assert [c.strip() for c in line.split("|")][7] == "1.00x / 0.98x"
+    _, _, line = capacity.table([dict(rows[0], halves=None), *rows[1:]], ["0@auto", "4@auto", "auto"],
+                                [32]).splitlines()
+    assert [c.strip() for c in line.split("|")][8] == ""
+    # rows measured whole (level order): no column
+    whole = [{k: v for k, v in r.items() if k != "halves"} for r in rows]
+    assert "each half" not in capacity.table(whole, ["0@auto", "4@auto", "auto"], [32])
+    run = tmp_path / "run.json"
+    run.write_text(capacity.json.dumps({"title": "a run", "rows": [rows[2], rows[0], rows[1]]}))
+    text = capacity.table_of_run(capacity.json.loads(run.read_text()))
+    assert text.startswith("a run\n\n| streams | auto tok/s | k = 0 on auto's stack tok/s")
+    assert "0.95x / 0.98x; 8.0 %" in text
+
+
 def test_a_level_s_full_load_span_ends_when_the_first_stream_finds_no_request_left(monkeypatch):
     """run_level with a client whose chunks move a clock: two streams, three requests; the second stream's
     request ends after the first's first request, and it then finds none left while the first runs a slow tail."""
