@@ -20,8 +20,11 @@ each start a stack of their own. The clients run from their own virtual environm
 bench/.venv-aiperf, which bench/external_clients.sh installs), offline: the tokenizer is the target's directory
 and nothing is fetched from a model hub. The clients run niced (--client-nice, 19), so that on a host they share
 with the services they take only the CPU the services leave. Each row also holds the CPU seconds the verifier, the
-draft, the gateway and the client used in that run, and what the draft's model computed (its rows by kind). Writes
-summary.json and each client's own output under --out.
+draft, the gateway and the client used in that run, and what the draft's model computed (its rows by kind). With
+--order abba each level runs the modes of a stack twice, client by client (ABBA, the level's requests each time),
+and a mode's two runs are one row (merge_parts: output tokens/s over both, the latency percentiles the mean of the
+two runs'), with each run's output tokens/s beside it. Writes summary.json and each client's own output under
+--out.
 """
 
 from __future__ import annotations
@@ -305,6 +308,13 @@ def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: in
     return row
 
 
+def _parts_cell(row: dict) -> str:
+    """A merged row's output tokens/s in each of its parts (--order abba), in the order run: a mode against
+    itself minutes apart, what the run can resolve."""
+    parts = row.get("parts")
+    return " (" + " / ".join(f"{p['output_tok_s']:.2f}" for p in parts) + ")" if parts else ""
+
+
 def table(rows: list[dict]) -> str:
     head = ("| mode | client | streams | requests ok/err | TTFT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | "
             "CPU s: verifier / draft / gateway / client | draft rows: prompt / catch-up / round / draft |\n"
@@ -318,7 +328,7 @@ def table(rows: list[dict]) -> str:
         cpu_cell = " / ".join(f"{cpu[k]:.1f}" if k in cpu else "" for k in ("verifier", "draft", "gateway", "client"))
         lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | {r['requests_ok']}/"
                      f"{r['requests_errored']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['output_tok_s']:.1f} | {cpu_cell} | "
+                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['output_tok_s']:.2f}{_parts_cell(r)} | {cpu_cell} | "
                      f"{rows_cell(r.get('draft_rows')) if 'draft_rows' in r else ''} |")
     return "\n".join(lines)
 
@@ -340,6 +350,10 @@ def main() -> int:
                         "CPU the services leave; 0: as the services, as the runs before 2026-12-06 evening)")
     p.add_argument("--verifier-args", default="", help="extra flags for `specwire verifier` (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for `specwire draft` (one string)")
+    p.add_argument("--order", choices=["alternate", "abba"], default="alternate",
+                   help="for modes that share a stack: alternate (default) runs each level's modes once, in an order "
+                        "reversed at every second level; abba runs them twice a level, in that order and then in "
+                        "reverse, each time with the level's requests, and merges the two (merge_parts)")
     p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")
     args = p.parse_args()
     REQUESTS.update(per_stream=args.requests_per_stream, min=args.min_requests)
@@ -381,9 +395,52 @@ def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
+FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def merge_parts(first: dict, second: dict) -> dict:
+    """One mode's level run twice by the same client (--order abba) as one row: output tokens/s over both parts
+    (each part's tokens are its requests' output tokens, equal in both: the harmonic mean of the parts' rates,
+    their tokens over their summed times); requests, CPU seconds and draft rows summed; the latency percentiles
+    the mean of the parts' (the clients report percentiles, not the requests: each part's own are in `parts`).
+    A part that failed fails the row, with its error."""
+    parts = [first, second]
+    failed = [p for p in parts if "error" in p]
+    merged = {**first, "parts": [{k: p.get(k) for k in ("output_tok_s", *FIGURES, "wall_s", "error")
+                                  if k in p} for p in parts],
+              "wall_s": round(first.get("wall_s", 0.0) + second.get("wall_s", 0.0), 1),
+              "exit_code": next((p["exit_code"] for p in parts if p.get("exit_code")), first.get("exit_code"))}
+    if failed:
+        merged["error"] = failed[0]["error"]
+        return merged
+    rates = [p["output_tok_s"] for p in parts]
+    merged["output_tok_s"] = 2 / sum(1 / r for r in rates) if all(r > 0 for r in rates) else 0.0
+    for key in FIGURES:
+        merged[key] = (first[key] + second[key]) / 2
+    for key in ("requests", "requests_ok", "requests_errored"):
+        if key in first and key in second:
+            merged[key] = first[key] + second[key]
+    for key in ("cpu_s", "draft_rows"):
+        if key in first and key in second:
+            merged[key] = {k: round(first[key].get(k, 0.0) + second[key].get(k, 0.0), 1)
+                           for k in {**first[key], **second[key]}}
+    return merged
+
+
+def level_order(group: list[str], level_index: int, order: str) -> list[tuple[str, int]]:
+    """(mode, part) in the order a level runs them on one stack for one client: under "alternate" the modes
+    once, in the order given at even levels and reversed at odd ones; under "abba" twice, that order and then
+    its reverse (a drift linear over the level falls on both modes alike)."""
+    first = group if level_index % 2 == 0 else group[::-1]
+    if order != "abba":
+        return [(mode, 0) for mode in first]
+    return [(mode, 0) for mode in first] + [(mode, 1) for mode in first[::-1]]
+
+
 def run_all(args, modes: list[str], clients: list[str], levels: list[int], tokenizer: Path, model: str,
             log_dir: Path) -> list[dict]:
     rows: list[dict] = []
+    order = getattr(args, "order", "alternate")
     for stack_mode, group in stack_groups(modes).items():
         with Stack() as stack:
             served = start_stack(stack, stack_mode, args.models, log_dir, args.verifier_args.split(),
@@ -394,13 +451,19 @@ def run_all(args, modes: list[str], clients: list[str], levels: list[int], token
                     time.sleep(3600)
             for i, c in enumerate(levels):
                 for name in clients:
-                    for mode in (group if i % 2 == 0 else group[::-1]):
+                    firsts: dict[str, dict] = {}
+                    for mode, part in level_order(group, i, order):
+                        out = args.out / mode / (f"{name}-c{c}" + (f"-part{part}" if order == "abba" else ""))
                         row = {"mode": mode, **measured(served, partial(
                             run_client, name, served.url, model, tokenizer, c, args.prompt_tokens, args.output_tokens,
-                            args.out / mode / f"{name}-c{c}", args.timeout, request_body(mode),
-                            nice=args.client_nice))}
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+                            out, args.timeout, request_body(mode), nice=args.client_nice))}
+                        print(json.dumps({**row, **({"part": part} if order == "abba" else {})}), flush=True)
+                        if order != "abba":
+                            rows.append(row)
+                        elif part == 0:
+                            firsts[mode] = row
+                        else:
+                            rows.append(merge_parts(firsts.pop(mode), row))
     return rows
 
 

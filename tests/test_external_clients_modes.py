@@ -78,6 +78,62 @@ def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_p
     assert [r["mode"] for r in rows] == ["k0@auto", "auto", "auto", "k0@auto"]
 
 
+def test_abba_runs_each_levels_modes_twice_in_mirrored_order_and_merges_each_modes_two_runs(monkeypatch, tmp_path):
+    """--order abba: per level and client, the modes of a stack in the level's order and then in reverse, each run
+    with the level's requests and an output directory of its own; each mode's two runs become one row."""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class FakeStack:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(ec, "Stack", FakeStack)
+    monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: ec.Served("url", {}, ""))
+    monkeypatch.setattr(ec, "draft_rows", lambda url: {})
+    rates = iter([2.0, 3.0, 6.0, 4.0, 1.0, 1.0, 1.0, 1.0])
+
+    def client(name, url, model, tok, c, pt, ot, out, timeout, body, nice):
+        calls.append((name, c, body["cache_salt"], out.name))
+        return {"client": name, "concurrency": c, "requests": 4, "requests_ok": 4, "requests_errored": 0,
+                "exit_code": 0, "wall_s": 10.0, "output_tok_s": next(rates), "ttft_p50_ms": 100.0 * len(calls),
+                "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0}
+
+    monkeypatch.setattr(ec, "run_client", client)
+    args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
+                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19, order="abba")
+    rows = ec.run_all(args, ["k0@auto", "auto"], ["aiperf"], [1, 4], tmp_path, "m", tmp_path)
+    assert calls == [("aiperf", 1, "k0@auto", "aiperf-c1-part0"), ("aiperf", 1, "auto", "aiperf-c1-part0"),
+                     ("aiperf", 1, "auto", "aiperf-c1-part1"), ("aiperf", 1, "k0@auto", "aiperf-c1-part1"),
+                     ("aiperf", 4, "auto", "aiperf-c4-part0"), ("aiperf", 4, "k0@auto", "aiperf-c4-part0"),
+                     ("aiperf", 4, "k0@auto", "aiperf-c4-part1"), ("aiperf", 4, "auto", "aiperf-c4-part1")]
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("auto", 1), ("k0@auto", 1), ("k0@auto", 4), ("auto", 4)]
+    auto = rows[0]
+    # 3.0 then 6.0 tokens/s over equal tokens: 4.0 over both; the percentiles the mean of the two runs'
+    assert auto["output_tok_s"] == pytest.approx(4.0) and [p["output_tok_s"] for p in auto["parts"]] == [3.0, 6.0]
+    assert auto["ttft_p50_ms"] == pytest.approx(250.0) and auto["requests_ok"] == 8 and auto["wall_s"] == 20.0
+    assert rows[1]["output_tok_s"] == pytest.approx(2 / (1 / 2.0 + 1 / 4.0))
+    assert "| 4.00 (3.00 / 6.00) |" in ec.table(rows)
+    # without --order (alternate), one run a mode and level, as before
+    assert [p for _, p in ec.level_order(["a", "b"], 1, "alternate")] == [0, 0]
+    assert ec.level_order(["a", "b"], 1, "alternate") == [("b", 0), ("a", 0)]
+
+
+def test_a_failed_part_fails_its_merged_row():
+    ok = {"client": "guidellm", "output_tok_s": 2.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0,
+          "itl_p99_ms": 1.0, "exit_code": 0, "wall_s": 5.0, "cpu_s": {"verifier": 1.0}, "draft_rows": {"a": 2.0}}
+    failed = {"client": "guidellm", "error": "TimeoutError: stopped after 1 s", "exit_code": -9, "wall_s": 1.0}
+    row = ec.merge_parts(ok, failed)
+    assert row["error"].startswith("TimeoutError") and row["exit_code"] == -9
+    assert "failed: TimeoutError" in ec.table([{"mode": "auto", "concurrency": 1, **row}])
+    both = ec.merge_parts(ok, {**ok, "cpu_s": {"verifier": 2.5, "draft": 1.0}, "draft_rows": {"b": 1.0}})
+    assert both["cpu_s"] == {"verifier": 3.5, "draft": 1.0} and both["draft_rows"] == {"a": 2.0, "b": 1.0}
+
+
 def test_aiperf_counts_the_tokens_the_server_reports():
     """aiperf's own count tokenizes the streamed text again, which sampled text need not give back (48 generated
     tokens counted 21): the stream's usage is the count, as guidellm's."""
@@ -109,7 +165,7 @@ def test_a_run_records_what_each_service_and_the_client_used(monkeypatch, tmp_pa
     assert row["draft_rows"] == {"catch_up/drafting": 70.0, "prompt/warming": 64.0}
     line = ec.table([{"mode": "auto", "concurrency": 4, "requests_ok": 8, "requests_errored": 0, "ttft_p50_ms": 1.0,
                       "ttft_p99_ms": 2.0, "itl_p50_ms": 3.0, "itl_p99_ms": 4.0, **row}]).splitlines()[-1]
-    assert line.endswith(f"| 2.0 | 2.5 / 0.0 / 0.2 / {row['cpu_s']['client']:.1f} | 0+64 / 70 / 0 / 0 |")
+    assert line.endswith(f"| 2.00 | 2.5 / 0.0 / 0.2 / {row['cpu_s']['client']:.1f} | 0+64 / 70 / 0 / 0 |")
 
 
 def test_the_clients_run_at_the_niceness_asked(monkeypatch, tmp_path):
