@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.append(str(ROOT / "bench"))
 
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
-from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell  # noqa: E402
+from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell, summed  # noqa: E402
 
 from specwire import AsyncClient  # noqa: E402
 from specwire.launch import Stack, free_port, scrape_metric  # noqa: E402
@@ -144,8 +144,7 @@ def merge_parts(first: dict, second: dict) -> dict:
     joined, the parts' wall times and full-load spans added) and the figures taken again from them; the
     services' CPU seconds and the draft's rows summed."""
     raw = {key: first["raw"][key] + second["raw"][key] for key in first["raw"]}
-    rows = {key: first["draft_rows"].get(key, 0.0) + second["draft_rows"].get(key, 0.0)
-            for key in sorted({*first["draft_rows"], *second["draft_rows"]})}
+    rows = summed(first["draft_rows"], second["draft_rows"])
     halves = [{key: half[key] for key in ("tok_s", "wall_s", "full_load_tok_s", "draft_tokens_per_verification")
                if key in half} for half in (first, second)]
     merged = {**first, **figures(raw), "raw": raw, "draft_rows": rows, "parts": 2, "halves": halves,

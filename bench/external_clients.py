@@ -7,7 +7,8 @@ bounded number of requests: max(--min-requests, --requests-per-stream x C) per l
 they write: time to first token, inter-token latency (p50 and p99, ms) and output tokens/s.
 
     bench/external_clients.sh [--modes k0,auto] [--concurrency 1,4,16] [--clients guidellm,aiperf]
-                              [--prompt-tokens 64] [--output-tokens 48] [--out bench/out/external]
+                              [--prompt-tokens 64] [--output-tokens 48] [--order alternate|abba]
+                              [--out bench/out/external]
 
 Modes: k0 starts the draft with --num-speculative-tokens 0 (the target alone, through the same path); auto with
 --speculation auto (the verifier chooses each round's draft length); fixed-K with --speculation fixed
@@ -22,8 +23,9 @@ and nothing is fetched from a model hub. The clients run niced (--client-nice, 1
 with the services they take only the CPU the services leave. Each row also holds the CPU seconds the verifier, the
 draft, the gateway and the client used in that run, and what the draft's model computed (its rows by kind). With
 --order abba each level runs the modes of a stack twice, client by client (ABBA, the level's requests each time),
-and a mode's two runs are one row (merge_parts: output tokens/s over both, the latency percentiles the mean of the
-two runs'), with each run's output tokens/s beside it. Writes summary.json and each client's own output under
+and a mode's two runs are one row (merge_halves: output tokens/s over both, the latency percentiles the mean of the
+two runs'), with each run's output tokens/s beside it. Every run's requests carry a prefix-cache salt of their own
+(request_body), so none finds an earlier run's prompts cached. Writes summary.json and each client's own output under
 --out.
 """
 
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))
 
-from service_usage import children_cpu_seconds, cpu_seconds, draft_rows, rows_between, rows_cell  # noqa: E402
+from service_usage import children_cpu_seconds, cpu_seconds, draft_rows, rows_between, rows_cell, summed  # noqa: E402
 
 from specwire.launch import Stack, free_port  # noqa: E402
 
@@ -66,12 +68,14 @@ def stack_of(mode: str) -> str:
     return "auto" if mode == SAME_STACK_K0 else mode
 
 
-def request_body(mode: str) -> dict:
-    """Fields every request of `mode` adds to its body. Each mode's requests carry a prefix-cache salt of their
-    own (the gateway's cache_salt, as vLLM's): the clients draw the same synthetic prompts for every run, so on a
-    shared stack a mode measured second would find the first's prompts cached (about a second less to its first
-    token here, and no prefill work), where on a stack of its own it finds only its own."""
-    return {"cache_salt": mode, **({"num_speculative_tokens": 0} if mode == SAME_STACK_K0 else {})}
+def request_body(mode: str, run: str = "") -> dict:
+    """Fields every request of `mode` adds to its body, in the client run named `run` (its level, and its half
+    under --order abba). Each run's requests carry a prefix-cache salt of their own (the gateway's cache_salt, as
+    vLLM's): the clients draw the same synthetic prompts for every run, so a run would find the prompts of any
+    run before it on the stack cached (about a second less to its first token here, and no prefill work): another
+    mode's on a shared stack, the same mode's at another level of as many requests, or its own first half."""
+    salt = f"{mode}/{run}" if run else mode
+    return {"cache_salt": salt, **({"num_speculative_tokens": 0} if mode == SAME_STACK_K0 else {})}
 
 
 def stack_groups(modes: list[str]) -> dict[str, list[str]]:
@@ -79,6 +83,8 @@ def stack_groups(modes: list[str]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for mode in modes:
         mode_args(stack_of(mode))  # refuses an unknown mode before anything starts
+        if modes.count(mode) > 1:
+            raise ValueError(f"mode {mode!r} is given twice")
         groups.setdefault(stack_of(mode), []).append(mode)
     return groups
 
@@ -308,11 +314,53 @@ def run_client(name: str, url: str, model: str, tokenizer: Path, concurrency: in
     return row
 
 
-def _parts_cell(row: dict) -> str:
-    """A merged row's output tokens/s in each of its parts (--order abba), in the order run: a mode against
-    itself minutes apart, what the run can resolve."""
-    parts = row.get("parts")
-    return " (" + " / ".join(f"{p['output_tok_s']:.2f}" for p in parts) + ")" if parts else ""
+FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def level_order(group: list[str], level_index: int, order: str) -> list[tuple[str, int]]:
+    """(mode, half) in the order a level runs the modes of one stack for one client: under "alternate" each mode
+    once, in the order given at even levels and reversed at odd ones; under "abba" twice, that order and then its
+    reverse, so that a drift linear over the level falls on both modes alike (the inner mode's two runs are back to
+    back, the outer's furthest apart)."""
+    first = group if level_index % 2 == 0 else group[::-1]
+    if order != "abba":
+        return [(mode, 0) for mode in first]
+    return [(mode, 0) for mode in first] + [(mode, 1) for mode in first[::-1]]
+
+
+def merge_halves(first: dict, second: dict) -> dict:
+    """One mode's level run twice by one client (--order abba) as one row, each run's own figures in `halves`.
+    Output tokens/s over both runs: their requests' tokens (equal per request: a fixed output length, EOS
+    ignored) over their summed times, weighted by the requests each completed; the latency percentiles are the
+    mean of the two runs' (the clients report percentiles, not each request); requests, CPU seconds and draft rows
+    summed. A run that failed, or measured no output, fails the row: only its error and the runs' own figures stay."""
+    halves = [{key: run[key] for key in ("output_tok_s", *FIGURES, "requests_ok", "wall_s", "error") if key in run}
+              for run in (first, second)]
+    merged = {key: first[key] for key in ("mode", "client", "concurrency", "nice") if key in first}
+    merged.update(halves=halves, wall_s=round(first.get("wall_s", 0.0) + second.get("wall_s", 0.0), 1),
+                  exit_code=next((run["exit_code"] for run in (first, second) if run.get("exit_code")),
+                                 first.get("exit_code")))
+    failed = next((run["error"] for run in (first, second) if "error" in run), None)
+    rates = [run.get("output_tok_s", 0.0) for run in (first, second)]
+    counts = [run.get("requests_ok", 0) for run in (first, second)]
+    if failed is None and not all(rate > 0 and count > 0 for rate, count in zip(rates, counts, strict=True)):
+        failed = f"ValueError: a run measured no output (output tok/s {rates[0]} and {rates[1]})"
+    if failed is not None:
+        return {**merged, "error": failed}
+    merged["output_tok_s"] = sum(counts) / sum(n / rate for n, rate in zip(counts, rates, strict=True))
+    merged.update({key: (first[key] + second[key]) / 2 for key in FIGURES})
+    merged.update({key: first[key] + second[key] for key in ("requests", "requests_ok", "requests_errored")})
+    merged["cpu_s"] = {key: round(value, 1) for key, value in summed(first["cpu_s"], second["cpu_s"]).items()}
+    merged["draft_rows"] = summed(first["draft_rows"], second["draft_rows"])
+    return merged
+
+
+def _tok_s_cell(row: dict) -> str:
+    """Output tokens/s; for a merged row (--order abba) to two places, each run's after it in the order run."""
+    halves = row.get("halves")
+    if not halves:
+        return f"{row['output_tok_s']:.1f}"
+    return f"{row['output_tok_s']:.2f} (" + " / ".join(f"{h['output_tok_s']:.2f}" for h in halves) + ")"
 
 
 def table(rows: list[dict]) -> str:
@@ -328,7 +376,7 @@ def table(rows: list[dict]) -> str:
         cpu_cell = " / ".join(f"{cpu[k]:.1f}" if k in cpu else "" for k in ("verifier", "draft", "gateway", "client"))
         lines.append(f"| {r['mode']} | {r['client']} | {r['concurrency']} | {r['requests_ok']}/"
                      f"{r['requests_errored']} | {r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
-                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {r['output_tok_s']:.2f}{_parts_cell(r)} | {cpu_cell} | "
+                     f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {_tok_s_cell(r)} | {cpu_cell} | "
                      f"{rows_cell(r.get('draft_rows')) if 'draft_rows' in r else ''} |")
     return "\n".join(lines)
 
@@ -351,9 +399,10 @@ def main() -> int:
     p.add_argument("--verifier-args", default="", help="extra flags for `specwire verifier` (one string)")
     p.add_argument("--draft-args", default="", help="extra flags for `specwire draft` (one string)")
     p.add_argument("--order", choices=["alternate", "abba"], default="alternate",
-                   help="for modes that share a stack: alternate (default) runs each level's modes once, in an order "
-                        "reversed at every second level; abba runs them twice a level, in that order and then in "
-                        "reverse, each time with the level's requests, and merges the two (merge_parts)")
+                   help="for the modes of one stack (k0@auto beside auto): alternate (default) runs each level's modes "
+                        "once, in an order reversed at every second level; abba runs them twice a level, in that "
+                        "order and then in reverse, each time with the level's requests, and merges each mode's two "
+                        "runs (merge_halves); it needs a stack of two modes")
     p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")
     args = p.parse_args()
     REQUESTS.update(per_stream=args.requests_per_stream, min=args.min_requests)
@@ -364,9 +413,11 @@ def main() -> int:
     modes, clients = args.modes.split(","), args.clients.split(",")
     levels = [int(c) for c in args.concurrency.split(",")]
     try:
-        stack_groups(modes)
+        groups = stack_groups(modes)
     except ValueError as err:
         p.error(str(err))
+    if args.order == "abba" and all(len(group) < 2 for group in groups.values()):
+        p.error("--order abba alternates the modes of one stack: give two (--modes k0@auto,auto)")
     for name in clients:
         if name not in CLIENTS:
             p.error(f"unknown client {name!r}")
@@ -382,7 +433,9 @@ def main() -> int:
     if args.serve:
         return 0
     title = (f"outside clients against `specwire gateway`, default pair, {args.prompt_tokens} prompt tokens "
-             f"(synthetic), {args.output_tokens} output tokens, streamed /v1/completions")
+             f"(synthetic), {args.output_tokens} output tokens, streamed /v1/completions"
+             + (", each level's modes run twice (ABBA): output tok/s over both runs, then each run's; TTFT and ITL "
+                "the mean of the two runs' percentiles" if args.order == "abba" else ""))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
     md = table(rows)
@@ -395,52 +448,10 @@ def _interrupt(_signum, _frame) -> None:
     raise KeyboardInterrupt
 
 
-FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-
-
-def merge_parts(first: dict, second: dict) -> dict:
-    """One mode's level run twice by the same client (--order abba) as one row: output tokens/s over both parts
-    (each part's tokens are its requests' output tokens, equal in both: the harmonic mean of the parts' rates,
-    their tokens over their summed times); requests, CPU seconds and draft rows summed; the latency percentiles
-    the mean of the parts' (the clients report percentiles, not the requests: each part's own are in `parts`).
-    A part that failed fails the row, with its error."""
-    parts = [first, second]
-    failed = [p for p in parts if "error" in p]
-    merged = {**first, "parts": [{k: p.get(k) for k in ("output_tok_s", *FIGURES, "wall_s", "error")
-                                  if k in p} for p in parts],
-              "wall_s": round(first.get("wall_s", 0.0) + second.get("wall_s", 0.0), 1),
-              "exit_code": next((p["exit_code"] for p in parts if p.get("exit_code")), first.get("exit_code"))}
-    if failed:
-        merged["error"] = failed[0]["error"]
-        return merged
-    rates = [p["output_tok_s"] for p in parts]
-    merged["output_tok_s"] = 2 / sum(1 / r for r in rates) if all(r > 0 for r in rates) else 0.0
-    for key in FIGURES:
-        merged[key] = (first[key] + second[key]) / 2
-    for key in ("requests", "requests_ok", "requests_errored"):
-        if key in first and key in second:
-            merged[key] = first[key] + second[key]
-    for key in ("cpu_s", "draft_rows"):
-        if key in first and key in second:
-            merged[key] = {k: round(first[key].get(k, 0.0) + second[key].get(k, 0.0), 1)
-                           for k in {**first[key], **second[key]}}
-    return merged
-
-
-def level_order(group: list[str], level_index: int, order: str) -> list[tuple[str, int]]:
-    """(mode, part) in the order a level runs them on one stack for one client: under "alternate" the modes
-    once, in the order given at even levels and reversed at odd ones; under "abba" twice, that order and then
-    its reverse (a drift linear over the level falls on both modes alike)."""
-    first = group if level_index % 2 == 0 else group[::-1]
-    if order != "abba":
-        return [(mode, 0) for mode in first]
-    return [(mode, 0) for mode in first] + [(mode, 1) for mode in first[::-1]]
-
-
 def run_all(args, modes: list[str], clients: list[str], levels: list[int], tokenizer: Path, model: str,
             log_dir: Path) -> list[dict]:
     rows: list[dict] = []
-    order = getattr(args, "order", "alternate")
+    order = args.order
     for stack_mode, group in stack_groups(modes).items():
         with Stack() as stack:
             served = start_stack(stack, stack_mode, args.models, log_dir, args.verifier_args.split(),
@@ -451,19 +462,17 @@ def run_all(args, modes: list[str], clients: list[str], levels: list[int], token
                     time.sleep(3600)
             for i, c in enumerate(levels):
                 for name in clients:
-                    firsts: dict[str, dict] = {}
-                    for mode, part in level_order(group, i, order):
-                        out = args.out / mode / (f"{name}-c{c}" + (f"-part{part}" if order == "abba" else ""))
+                    runs: dict[str, list[dict]] = {mode: [] for mode in group}
+                    for mode, half in level_order(group, i, order):
+                        run = f"c{c}" + (f"-half{half}" if order == "abba" else "")
                         row = {"mode": mode, **measured(served, partial(
                             run_client, name, served.url, model, tokenizer, c, args.prompt_tokens, args.output_tokens,
-                            out, args.timeout, request_body(mode), nice=args.client_nice))}
-                        print(json.dumps({**row, **({"part": part} if order == "abba" else {})}), flush=True)
-                        if order != "abba":
-                            rows.append(row)
-                        elif part == 0:
-                            firsts[mode] = row
-                        else:
-                            rows.append(merge_parts(firsts.pop(mode), row))
+                            args.out / mode / f"{name}-{run}", args.timeout, request_body(mode, run),
+                            nice=args.client_nice))}
+                        print(json.dumps({**row, **({"half": half} if order == "abba" else {})}), flush=True)
+                        runs[mode].append(row)
+                    # the level's rows in the order the modes were given, whichever ran first
+                    rows.extend(merge_halves(*runs[mode]) if order == "abba" else runs[mode][0] for mode in group)
     return rows
 
 

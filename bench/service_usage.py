@@ -35,6 +35,11 @@ def rows_between(before: dict[str, float], after: dict[str, float]) -> dict[str,
     return {key: after[key] - before.get(key, 0.0) for key in sorted(after) if after[key] - before.get(key, 0.0)}
 
 
+def summed(first: dict[str, float], second: dict[str, float]) -> dict[str, float]:
+    """Two runs' counters (draft rows, CPU seconds) as one: each key's sum, keys in order."""
+    return {key: first.get(key, 0.0) + second.get(key, 0.0) for key in sorted({*first, *second})}
+
+
 def rows_cell(rows: dict[str, float] | None) -> str:
     """A level's draft rows as prompt / catch-up / round / draft, warming's share after a +."""
     rows = rows or {}

@@ -69,18 +69,22 @@ def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_p
     monkeypatch.setattr(ec, "run_client", lambda name, url, model, tok, c, pt, ot, out, timeout, body, nice:
                         calls.append((name, c, body, nice)) or {})
     args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
-                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19)
+                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19, order="alternate")
     rows = ec.run_all(args, ["k0@auto", "auto"], ["guidellm"], [1, 4], tmp_path, "m", tmp_path)
-    k0, auto = ec.request_body("k0@auto"), ec.request_body("auto")
+    k0, auto = ec.request_body("k0@auto", "c1"), ec.request_body("auto", "c1")
     assert k0 != auto
-    assert calls == [("start", "auto"), ("guidellm", 1, k0, 19), ("guidellm", 1, auto, 19), ("guidellm", 4, auto, 19),
-                     ("guidellm", 4, k0, 19)]
-    assert [r["mode"] for r in rows] == ["k0@auto", "auto", "auto", "k0@auto"]
+    assert calls == [("start", "auto"), ("guidellm", 1, k0, 19), ("guidellm", 1, auto, 19),
+                     ("guidellm", 4, ec.request_body("auto", "c4"), 19), ("guidellm", 4, ec.request_body("k0@auto", "c4"), 19)]
+    # each level's requests are salted apart from the other level's (the same prompts when as many requests)
+    assert ec.request_body("auto", "c4")["cache_salt"] != auto["cache_salt"]
+    assert [r["mode"] for r in rows] == ["k0@auto", "auto", "k0@auto", "auto"]
 
 
 def test_abba_runs_each_levels_modes_twice_in_mirrored_order_and_merges_each_modes_two_runs(monkeypatch, tmp_path):
     """--order abba: per level and client, the modes of a stack in the level's order and then in reverse, each run
-    with the level's requests and an output directory of its own; each mode's two runs become one row."""
+    with the level's requests, a prefix-cache salt and an output directory of its own (a mode's second run must
+    not find its first run's prompts cached); each mode's two runs become one row, in the order the modes were
+    given."""
     from types import SimpleNamespace
 
     calls = []
@@ -99,39 +103,64 @@ def test_abba_runs_each_levels_modes_twice_in_mirrored_order_and_merges_each_mod
 
     def client(name, url, model, tok, c, pt, ot, out, timeout, body, nice):
         calls.append((name, c, body["cache_salt"], out.name))
+        n = len(calls)
         return {"client": name, "concurrency": c, "requests": 4, "requests_ok": 4, "requests_errored": 0,
-                "exit_code": 0, "wall_s": 10.0, "output_tok_s": next(rates), "ttft_p50_ms": 100.0 * len(calls),
-                "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0}
+                "exit_code": 0, "wall_s": 10.0, "output_tok_s": next(rates), "ttft_p50_ms": 100.0 * n,
+                "ttft_p99_ms": 10.0 * n, "itl_p50_ms": 1.0 * n, "itl_p99_ms": 2.0 * n}
 
     monkeypatch.setattr(ec, "run_client", client)
     args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
                            output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19, order="abba")
     rows = ec.run_all(args, ["k0@auto", "auto"], ["aiperf"], [1, 4], tmp_path, "m", tmp_path)
-    assert calls == [("aiperf", 1, "k0@auto", "aiperf-c1-part0"), ("aiperf", 1, "auto", "aiperf-c1-part0"),
-                     ("aiperf", 1, "auto", "aiperf-c1-part1"), ("aiperf", 1, "k0@auto", "aiperf-c1-part1"),
-                     ("aiperf", 4, "auto", "aiperf-c4-part0"), ("aiperf", 4, "k0@auto", "aiperf-c4-part0"),
-                     ("aiperf", 4, "k0@auto", "aiperf-c4-part1"), ("aiperf", 4, "auto", "aiperf-c4-part1")]
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [("auto", 1), ("k0@auto", 1), ("k0@auto", 4), ("auto", 4)]
-    auto = rows[0]
-    # 3.0 then 6.0 tokens/s over equal tokens: 4.0 over both; the percentiles the mean of the two runs'
-    assert auto["output_tok_s"] == pytest.approx(4.0) and [p["output_tok_s"] for p in auto["parts"]] == [3.0, 6.0]
-    assert auto["ttft_p50_ms"] == pytest.approx(250.0) and auto["requests_ok"] == 8 and auto["wall_s"] == 20.0
-    assert rows[1]["output_tok_s"] == pytest.approx(2 / (1 / 2.0 + 1 / 4.0))
+    assert [(c, salt) for _, c, salt, _ in calls] == [
+        (1, "k0@auto/c1-half0"), (1, "auto/c1-half0"), (1, "auto/c1-half1"), (1, "k0@auto/c1-half1"),
+        (4, "auto/c4-half0"), (4, "k0@auto/c4-half0"), (4, "k0@auto/c4-half1"), (4, "auto/c4-half1")]
+    assert [out for *_, out in calls][:2] == ["aiperf-c1-half0", "aiperf-c1-half0"] and calls[2][3] == "aiperf-c1-half1"
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [("k0@auto", 1), ("auto", 1), ("k0@auto", 4), ("auto", 4)]
+    auto = rows[1]
+    # 3.0 then 6.0 tokens/s over equal tokens: 4.0 over both; every percentile the mean of the two runs'
+    assert auto["output_tok_s"] == pytest.approx(4.0) and [h["output_tok_s"] for h in auto["halves"]] == [3.0, 6.0]
+    assert (auto["ttft_p50_ms"], auto["ttft_p99_ms"], auto["itl_p50_ms"], auto["itl_p99_ms"]) == (250.0, 25.0, 2.5, 5.0)
+    assert auto["requests_ok"] == 8 and auto["wall_s"] == 20.0
+    assert rows[0]["output_tok_s"] == pytest.approx(2 / (1 / 2.0 + 1 / 4.0))
     assert "| 4.00 (3.00 / 6.00) |" in ec.table(rows)
-    # without --order (alternate), one run a mode and level, as before
-    assert [p for _, p in ec.level_order(["a", "b"], 1, "alternate")] == [0, 0]
+    # without --order abba (alternate), one run a mode and level
     assert ec.level_order(["a", "b"], 1, "alternate") == [("b", 0), ("a", 0)]
 
 
-def test_a_failed_part_fails_its_merged_row():
-    ok = {"client": "guidellm", "output_tok_s": 2.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0,
-          "itl_p99_ms": 1.0, "exit_code": 0, "wall_s": 5.0, "cpu_s": {"verifier": 1.0}, "draft_rows": {"a": 2.0}}
-    failed = {"client": "guidellm", "error": "TimeoutError: stopped after 1 s", "exit_code": -9, "wall_s": 1.0}
-    row = ec.merge_parts(ok, failed)
-    assert row["error"].startswith("TimeoutError") and row["exit_code"] == -9
-    assert "failed: TimeoutError" in ec.table([{"mode": "auto", "concurrency": 1, **row}])
-    both = ec.merge_parts(ok, {**ok, "cpu_s": {"verifier": 2.5, "draft": 1.0}, "draft_rows": {"b": 1.0}})
-    assert both["cpu_s"] == {"verifier": 3.5, "draft": 1.0} and both["draft_rows"] == {"a": 2.0, "b": 1.0}
+def test_merging_two_runs_weighs_each_by_its_completed_requests_and_fails_with_either():
+    """Output tok/s over both runs' tokens: a run that completed 3 of its 4 requests weighs 3 (each request's
+    output is the same length). A failed run, or one that measured nothing, fails the merged row, which then
+    carries no figures of the other run as its own."""
+    def run(rate, ok=4, **extra):
+        return {"mode": "auto", "client": "guidellm", "concurrency": 4, "requests": 4, "requests_ok": ok,
+                "requests_errored": 4 - ok, "exit_code": 0, "wall_s": 5.0, "output_tok_s": rate, "ttft_p50_ms": 1.0,
+                "ttft_p99_ms": 1.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0, "cpu_s": {"verifier": 1.0},
+                "draft_rows": {"a": 2.0}, **extra}
+
+    both = ec.merge_halves(run(2.0, ok=3), run(4.0, cpu_s={"verifier": 2.5, "draft": 1.0}, draft_rows={"b": 1.0}))
+    assert both["output_tok_s"] == pytest.approx(7 / (3 / 2.0 + 4 / 4.0)) and both["requests_errored"] == 1
+    assert both["cpu_s"] == {"draft": 1.0, "verifier": 3.5} and both["draft_rows"] == {"a": 2.0, "b": 1.0}
+    failed = {"mode": "auto", "client": "guidellm", "concurrency": 4, "error": "TimeoutError: stopped after 1 s",
+              "exit_code": -9, "wall_s": 1.0}
+    for first, second in ((run(2.0), failed), (failed, run(2.0))):
+        row = ec.merge_halves(first, second)
+        assert row["error"].startswith("TimeoutError") and row["exit_code"] == -9
+        assert "output_tok_s" not in row and "cpu_s" not in row and "requests_ok" not in row
+        assert "failed: TimeoutError" in ec.table([row])
+    for nothing in (run(0.0), run(2.0, ok=0)):
+        assert "no output" in ec.merge_halves(run(2.0), nothing)["error"]
+
+
+def test_abba_needs_a_stack_of_two_modes_and_no_mode_twice(monkeypatch, capsys):
+    monkeypatch.setattr(ec, "VENVS", {})
+    with pytest.raises(ValueError, match="given twice"):
+        ec.stack_groups(["auto", "k0@auto", "auto"])
+    for argv in (["--modes", "k0,auto", "--order", "abba"], ["--modes", "auto,auto"]):
+        monkeypatch.setattr(sys, "argv", ["external_clients.py", *argv])
+        with pytest.raises(SystemExit):
+            ec.main()
+    assert "give two" in capsys.readouterr().err
 
 
 def test_aiperf_counts_the_tokens_the_server_reports():
@@ -165,7 +194,7 @@ def test_a_run_records_what_each_service_and_the_client_used(monkeypatch, tmp_pa
     assert row["draft_rows"] == {"catch_up/drafting": 70.0, "prompt/warming": 64.0}
     line = ec.table([{"mode": "auto", "concurrency": 4, "requests_ok": 8, "requests_errored": 0, "ttft_p50_ms": 1.0,
                       "ttft_p99_ms": 2.0, "itl_p50_ms": 3.0, "itl_p99_ms": 4.0, **row}]).splitlines()[-1]
-    assert line.endswith(f"| 2.00 | 2.5 / 0.0 / 0.2 / {row['cpu_s']['client']:.1f} | 0+64 / 70 / 0 / 0 |")
+    assert line.endswith(f"| 2.0 | 2.5 / 0.0 / 0.2 / {row['cpu_s']['client']:.1f} | 0+64 / 70 / 0 / 0 |")
 
 
 def test_the_clients_run_at_the_niceness_asked(monkeypatch, tmp_path):
