@@ -403,10 +403,11 @@ def _versus_best(by: dict, level: int, key: str, others: list[str]) -> str:
 
 def _halves_cell(by: dict, level: int, others: list[str]) -> str:
     """Under --order abba: auto over the best of `others` in each half of the level, then how far apart k = 0's
-    two halves came out (plain decoding measured against itself minutes apart, on the same processes where it
-    runs on auto's stack: what the run can resolve at that level; a fixed k > 0's halves also differ by where
-    its requests' acceptance makes them finish). "" where a row has no halves (a level in one part, an older
-    run's JSON); no spread without a k = 0 mode."""
+    two halves came out: plain decoding measured against itself, on the same processes where it runs on auto's
+    stack, what the run can resolve at that level (a fixed k > 0's halves also differ by where its requests'
+    acceptance makes them finish). Where k = 0 runs first in the level its halves are the level's first and
+    last runs; where it runs in the middle, they are back to back, and the spread is likely smaller. "" where a
+    row has no halves (a level in one part, an older run's JSON); no spread without a k = 0 mode."""
     auto = by.get(("auto", level), {}).get("halves")
     present = [m for m in others if (m, level) in by]
     theirs = [by[(m, level)].get("halves") for m in present]
