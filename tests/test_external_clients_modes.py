@@ -49,28 +49,35 @@ def test_modes_of_one_stack_share_it_and_the_others_get_their_own():
         ec.stack_groups(["auto", "k9"])
 
 
-def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_path):
-    """Both modes of the auto stack run each level back to back, and neither always goes first."""
+class FakeStack:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _run_all_without_services(monkeypatch, tmp_path, client, order: str, clients: list[str], calls: list) -> list:
+    """run_all over modes k0@auto and auto at 1 and 4 streams, with no stack started (each start recorded in
+    `calls`) and `client` standing in for run_client."""
     from types import SimpleNamespace
-
-    calls = []
-
-    class FakeStack:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
 
     monkeypatch.setattr(ec, "Stack", FakeStack)
     served = ec.Served("url", {}, "")
     monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: calls.append(("start", mode)) or served)
     monkeypatch.setattr(ec, "draft_rows", lambda url: {})
-    monkeypatch.setattr(ec, "run_client", lambda name, url, model, tok, c, pt, ot, out, timeout, body, nice:
-                        calls.append((name, c, body, nice)) or {})
+    monkeypatch.setattr(ec, "run_client", client)
     args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
-                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19, order="alternate")
-    rows = ec.run_all(args, ["k0@auto", "auto"], ["guidellm"], [1, 4], tmp_path, "m", tmp_path)
+                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19, order=order)
+    return ec.run_all(args, ["k0@auto", "auto"], clients, [1, 4], tmp_path, "m", tmp_path)
+
+
+def test_modes_sharing_a_stack_alternate_their_order_by_level(monkeypatch, tmp_path):
+    """Both modes of the auto stack run each level back to back, and neither always goes first."""
+    calls = []
+    rows = _run_all_without_services(
+        monkeypatch, tmp_path, lambda name, url, model, tok, c, pt, ot, out, timeout, body, nice:
+        calls.append((name, c, body, nice)) or {}, "alternate", ["guidellm"], calls)
     k0, auto = ec.request_body("k0@auto", "c1"), ec.request_body("auto", "c1")
     assert k0 != auto
     assert calls == [("start", "auto"), ("guidellm", 1, k0, 19), ("guidellm", 1, auto, 19),
@@ -85,20 +92,7 @@ def test_abba_runs_each_levels_modes_twice_in_mirrored_order_and_merges_each_mod
     with the level's requests, a prefix-cache salt and an output directory of its own (a mode's second run must
     not find its first run's prompts cached); each mode's two runs become one row, in the order the modes were
     given."""
-    from types import SimpleNamespace
-
     calls = []
-
-    class FakeStack:
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    monkeypatch.setattr(ec, "Stack", FakeStack)
-    monkeypatch.setattr(ec, "start_stack", lambda stack, mode, *a: ec.Served("url", {}, ""))
-    monkeypatch.setattr(ec, "draft_rows", lambda url: {})
     rates = iter([2.0, 3.0, 6.0, 4.0, 1.0, 1.0, 1.0, 1.0])
 
     def client(name, url, model, tok, c, pt, ot, out, timeout, body, nice):
@@ -108,10 +102,7 @@ def test_abba_runs_each_levels_modes_twice_in_mirrored_order_and_merges_each_mod
                 "exit_code": 0, "wall_s": 10.0, "output_tok_s": next(rates), "ttft_p50_ms": 100.0 * n,
                 "ttft_p99_ms": 10.0 * n, "itl_p50_ms": 1.0 * n, "itl_p99_ms": 2.0 * n}
 
-    monkeypatch.setattr(ec, "run_client", client)
-    args = SimpleNamespace(models=tmp_path, verifier_args="", draft_args="", serve=False, prompt_tokens=64,
-                           output_tokens=48, out=tmp_path, timeout=1.0, client_nice=19, order="abba")
-    rows = ec.run_all(args, ["k0@auto", "auto"], ["aiperf"], [1, 4], tmp_path, "m", tmp_path)
+    rows = _run_all_without_services(monkeypatch, tmp_path, client, "abba", ["aiperf"], [])
     assert [(c, salt) for _, c, salt, _ in calls] == [
         (1, "k0@auto/c1-half0"), (1, "auto/c1-half0"), (1, "auto/c1-half1"), (1, "k0@auto/c1-half1"),
         (4, "auto/c4-half0"), (4, "k0@auto/c4-half0"), (4, "k0@auto/c4-half1"), (4, "auto/c4-half1")]
