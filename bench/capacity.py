@@ -57,6 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.append(str(ROOT / "bench"))
 
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
+from pooling import everywhere_line, load_runs, summary_cells, summary_line  # noqa: E402
 from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell, summed  # noqa: E402
 
 from specwire import AsyncClient  # noqa: E402
@@ -466,6 +467,43 @@ def table_of_run(run: dict) -> str:
     return f"{run.get('title', '')}\n\n{table(rows, modes, levels)}"
 
 
+def auto_ratios(run: dict) -> dict[int, tuple[float, float | None]]:
+    """A run's JSON as (auto / the best of the other modes, auto / k = 0 or None where k = 0 was not run), by
+    level: the table's "auto / best" as a number. A level counts only where auto and every other mode of the run
+    have whole rows there (not a first half alone, "part": a run cut within a level would compare auto with some
+    of the modes) with figures above 0. k = 0 is `0@auto` where the run has it, else `0`."""
+    by = {(r["mode"], r["concurrency"]): r for r in run["rows"]}
+    modes = {m for m, _ in by} - {"auto"}
+    out: dict[int, tuple[float, float | None]] = {}
+    for level in sorted({c for _, c in by}):
+        rows = [by.get((m, level)) for m in ("auto", *sorted(modes))]
+        if not modes or any(r is None or "part" in r or not r.get("tok_s") for r in rows):
+            continue
+        auto = rows[0]["tok_s"]
+        plain = next((by[(m, level)]["tok_s"] for m in (f"0{ON_AUTO}", "0") if (m, level) in by), None)
+        out[level] = (auto / max(r["tok_s"] for r in rows[1:]), auto / plain if plain else None)
+    return out
+
+
+def pool_table(runs: list[tuple[str, dict]], goal: float = 0.95, one_stream_goal: float = 1.8) -> str:
+    """Several runs' JSON ((label, run), in the order given) as one table (bench/pooling.py): by level, auto / best
+    over the runs that measured it; then auto / k = 0 at one stream against `one_stream_goal`, and the runs that
+    reached `goal` at every level (of those that measured every level any of them did)."""
+    ratios = [(label, auto_ratios(run)) for label, run in runs]
+    levels = sorted({c for _, r in ratios for c in r})
+    lines = [f"| streams | runs | auto / best: mean | median | lowest | runs at {goal:g}x or more |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {c} | " + summary_cells([(r[c][0], label) for label, r in ratios if c in r], goal) + " |"
+              for c in levels]
+    text = "\n".join(lines)
+    one = [(r[1][1], label) for label, r in ratios if 1 in r and r[1][1] is not None]
+    if one:
+        text += "\n\nauto / k = 0 at one stream: " + summary_line(one, one_stream_goal)
+    every = everywhere_line([(label, {c: v[0] for c, v in r.items()}) for label, r in ratios], goal,
+                            f"every level ({', '.join(map(str, levels))} streams)")
+    return text + (f"\n\n{every}" if every else "")
+
+
 def plot(rows: list[dict], modes: list[str], path: Path, title: str) -> None:
     import matplotlib
 
@@ -527,7 +565,15 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "capacity")
     p.add_argument("--table-from", type=Path, default=None, metavar="JSON",
                    help="print the table of a run's JSON (this version's columns) and run nothing")
+    p.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print auto / best by level over several runs' JSON (pool_table) and run nothing")
     args = p.parse_args()
+    if args.pool:
+        try:
+            print(pool_table(load_runs(args.pool)))
+        except ValueError as err:
+            p.error(str(err))
+        return 0
     if args.table_from is not None:
         print(table_of_run(json.loads(args.table_from.read_text())))
         return 0

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))
 
+from pooling import everywhere_line, load_runs, summary_cells  # noqa: E402
 from service_usage import children_cpu_seconds, cpu_seconds, draft_rows, rows_between, rows_cell, summed  # noqa: E402
 
 from specwire.launch import Stack, free_port  # noqa: E402
@@ -381,6 +382,37 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def auto_over_k0(run: dict) -> dict[tuple[str, int], float]:
+    """A run's summary.json as auto / k = 0 output tokens/s by (client, streams): k = 0 is SAME_STACK_K0 where the
+    run has that mode (the ratio within one stack), else "k0". A cell counts only where both rows completed (no
+    error, exit code 0) with output above 0: a failed SAME_STACK_K0 row leaves the cell out, it does not fall back
+    to "k0"."""
+    rows = {(r["mode"], r["client"], r["concurrency"]): r for r in run["rows"]}
+    plain_mode = SAME_STACK_K0 if any(mode == SAME_STACK_K0 for mode, _, _ in rows) else "k0"
+    out: dict[tuple[str, int], float] = {}
+    for (mode, client, level), auto in rows.items():
+        plain = rows.get((plain_mode, client, level))
+        if mode == "auto" and plain is not None and all(
+                "error" not in r and r.get("exit_code") == 0 and r.get("output_tok_s") for r in (auto, plain)):
+            out[(client, level)] = auto["output_tok_s"] / plain["output_tok_s"]
+    return out
+
+
+def pool_table(runs: list[tuple[str, dict]], goal: float = 0.95) -> str:
+    """Several runs' summary.json ((label, run), in the order given) as one table (bench/pooling.py): by client
+    and level, auto / k = 0 over the runs that measured it; then the runs that reached `goal` in every cell (of
+    those that measured every cell any of them did)."""
+    ratios = [(label, auto_over_k0(run)) for label, run in runs]
+    cells = sorted({cell for _, r in ratios for cell in r})
+    lines = [f"| client | streams | runs | auto / k = 0: mean | median | lowest | runs at {goal:g}x or more |",
+             "|---|---|---|---|---|---|---|"]
+    for client, level in cells:
+        got = [(r[(client, level)], label) for label, r in ratios if (client, level) in r]
+        lines.append(f"| {client} | {level} | {summary_cells(got, goal)} |")
+    every = everywhere_line(ratios, goal, "every cell")
+    return "\n".join(lines) + (f"\n\n{every}" if every else "")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--modes", default="k0,auto", help=f"k0, auto, {SAME_STACK_K0}, fixed-K (comma-separated)")
@@ -404,7 +436,16 @@ def main() -> int:
                         "order and then in reverse, each time with the level's requests, and merges each mode's two "
                         "runs (merge_halves); it needs a stack of two modes")
     p.add_argument("--serve", action="store_true", help="start the first mode's stack, print its URL, and wait")
+    p.add_argument("--pool", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="print auto / k = 0 by client and level over several runs' summary JSON (pool_table) and run "
+                        "nothing")
     args = p.parse_args()
+    if args.pool:
+        try:
+            print(pool_table(load_runs(args.pool)))
+        except ValueError as err:
+            p.error(str(err))
+        return 0
     REQUESTS.update(per_stream=args.requests_per_stream, min=args.min_requests)
     # SIGTERM (and SIGINT, which a background job inherits ignored) end the run through the stacks' cleanup, so no
     # verifier or draft outlives it

@@ -334,3 +334,65 @@ def test_a_run_plan_is_refused_before_anything_starts_where_it_cannot_pair_its_r
     assert rows.plan("auto", 4, "abba", 9) == (0, (0, 4))
     rows._halves[("auto", 4)] = 1  # (Rows.add's record of the first half)
     assert rows.plan("auto", 4, "abba", 9) == (1, (4, 5))
+
+
+
+def test_several_runs_pool_into_auto_against_the_best_by_level(tmp_path, capsys, monkeypatch):
+    """pool_table: by level, auto / the best other mode over the runs that measured it (mean, median, lowest and
+    which run, runs at the goal), auto / k = 0 at one stream against its goal, and the runs that met the goal at
+    every level (a run of fewer levels is named, not counted there). A level counts only where every mode of the
+    run is whole: a first half alone (a run cut within the level) or a mode missing there is no measurement.
+    --pool prints it for files, each labelled by what its name adds to the names' shared prefix."""
+    import capacity
+    import pooling
+
+    def run(*levels):
+        rows = []
+        for c, k0, k4, auto in levels:
+            rows += [{"mode": m, "concurrency": c, "tok_s": tok} for m, tok in
+                     (("0@auto", k0), ("4@auto", k4), ("auto", auto))]
+        return {"title": "t", "rows": rows}
+
+    a = run((1, 1.0, 2.0, 1.9), (16, 10.0, 9.0, 9.7))  # 0.95 and 0.97: met at both; 1.9x k = 0 at one stream
+    b = run((1, 1.0, 2.0, 1.7), (16, 10.0, 11.0, 10.89))  # 0.85 and 0.99: against k = 4 at 16, the better there
+    c = run((1, 1.0, 1.0, 5.0), (16, 10.0, 9.0, 9.0))  # 0.90 at 16; at one stream auto's first half alone:
+    c["rows"][2]["part"] = 0  # no measurement (else 5.0x, counted)
+    assert capacity.auto_ratios(c) == {16: (0.9, 0.9)}
+    assert capacity.auto_ratios(run((2, 0.0, 2.0, 1.0))) == {}  # a figure of 0: not a measurement
+    cut = run((16, 10.0, 9.0, 9.0))
+    cut["rows"][0]["part"] = 0  # k = 0's first half alone: auto against k = 4 only would be 1.00x
+    assert capacity.auto_ratios(cut) == {}
+    short = run((1, 1.0, 2.0, 1.9), (16, 10.0, 9.0, 9.0))
+    del short["rows"][4]  # k = 4 missing at 16 streams: 0.90x against k = 0 alone would count
+    assert capacity.auto_ratios(short) == {1: (0.95, 1.9)}
+    both = {"rows": [*run((4, 4.0, 3.0, 5.0))["rows"], {"mode": "0", "concurrency": 4, "tok_s": 2.0}]}
+    assert capacity.auto_ratios(both) == {4: (1.25, 1.25)}  # k = 0 on auto's stack, not the one of its own
+    text = capacity.pool_table([("a", a), ("b", b), ("c", c)])
+    lines = text.splitlines()
+    assert lines[2] == "| 1 | 2 | 0.900x | 0.900x | 0.850x (b) | 1 of 2 |"
+    assert lines[3] == "| 16 | 3 | 0.953x | 0.970x | 0.900x (c) | 2 of 3 |"
+    assert "auto / k = 0 at one stream: mean 1.80x, lowest 1.70x (b), 1 of 2 runs at 1.8x or more" in text
+    assert text.endswith("every level (1, 16 streams) at 0.95x or more: 1 of 2 runs that measured them all (a); "
+                         "not counted there, measured in part: c")
+    assert capacity.pool_table([("b", b), ("x", run())]).endswith(
+        "0 of 1 runs that measured them all; nothing measured: x")
+    paths = []
+    for name, body in (("default-colocated-abba-7ac262e", a), ("default-colocated-abba-c16-744ae9a", c)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(capacity.json.dumps(body))
+    assert pooling.run_labels(paths) == ["7ac262e", "c16-744ae9a"]
+    assert pooling.run_labels(paths[:1]) == ["default-colocated-abba-7ac262e"]
+    # the shared prefix is cut at a "-", not within a word; two files of one name keep their paths
+    assert pooling.run_labels([Path("ab-c16-run1-cf5e93f.json"), Path("ab-c16-run2-f32e36a.json")]) == [
+        "run1-cf5e93f", "run2-f32e36a"]
+    assert pooling.run_labels([Path("x/summary.json"), Path("y/summary.json")]) == ["x/summary.json",
+                                                                                      "y/summary.json"]
+    monkeypatch.setattr(capacity.sys, "argv", ["capacity.py", "--pool", *map(str, paths)])
+    assert capacity.main() == 0
+    assert "| 16 | 2 | 0.935x | 0.935x | 0.900x (c16-744ae9a) | 1 of 2 |" in capsys.readouterr().out
+    steps = tmp_path / "steps.json"
+    steps.write_text(capacity.json.dumps({"levels": {}, "source": "a log"}))  # a bench's extracted steps, say
+    monkeypatch.setattr(capacity.sys, "argv", ["capacity.py", "--pool", str(paths[0]), str(steps)])
+    with pytest.raises(SystemExit):
+        capacity.main()
+    assert f"{steps}: not a run's JSON" in capsys.readouterr().err

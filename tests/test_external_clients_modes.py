@@ -243,3 +243,46 @@ def test_aiperf_without_usage_is_a_failed_level_not_nan(tmp_path):
         "request_count": {"avg": 4}}}))
     with pytest.raises(ValueError, match="usage"):
         ec.aiperf_figures(tmp_path)
+
+
+def test_several_runs_pool_into_auto_against_k0_by_client_and_level(tmp_path, monkeypatch, capsys):
+    """pool_table: by client and level, auto / k = 0 over the runs that measured both (k0@auto where a run has that
+    mode, else k0; a failed row is no measurement, and a failed k0@auto does not fall back to k0), then the runs
+    that met the goal in every cell; --pool prints it for files, each labelled by what its name adds to the names'
+    shared prefix, before any client is looked for, and refuses a file that is not a run's."""
+    def run(*cells, k0="k0@auto"):
+        rows = []
+        for client, level, plain, auto in cells:
+            rows += [{"mode": m, "client": client, "concurrency": level, "exit_code": 0, "output_tok_s": tok}
+                     for m, tok in ((k0, plain), ("auto", auto))]
+        return {"title": "t", "rows": rows}
+
+    a = run(("guidellm", 4, 10.0, 9.6), ("aiperf", 4, 10.0, 10.2))  # 0.96 and 1.02
+    b = run(("guidellm", 4, 10.0, 9.0), ("aiperf", 4, 8.0, 8.0), k0="k0")  # 0.90 and 1.00, on stacks of their own
+    c = run(("guidellm", 4, 10.0, 9.9))
+    c["rows"] += [{"mode": "k0", "client": "guidellm", "concurrency": 4, "exit_code": 0, "output_tok_s": 5.0},
+                  {"mode": "auto", "client": "aiperf", "concurrency": 4, "exit_code": 0, "output_tok_s": 9.0},
+                  {"mode": "k0@auto", "client": "aiperf", "concurrency": 4, "exit_code": 1, "output_tok_s": 9.0},
+                  {"mode": "k0", "client": "aiperf", "concurrency": 4, "exit_code": 0, "output_tok_s": 9.0}]
+    # within one stack (k0@auto, not k0); aiperf's k0@auto failed, and k0 does not stand in for it
+    assert ec.auto_over_k0(c) == pytest.approx({("guidellm", 4): 0.99})
+    text = ec.pool_table([("a", a), ("b", b), ("c", c)])
+    lines = text.splitlines()
+    assert lines[2] == "| aiperf | 4 | 2 | 1.010x | 1.010x | 1.000x (b) | 2 of 2 |"
+    assert lines[3] == "| guidellm | 4 | 3 | 0.950x | 0.960x | 0.900x (b) | 2 of 3 |"
+    assert text.endswith("every cell at 0.95x or more: 1 of 2 runs that measured them all (a); not counted there, "
+                         "measured in part: c")
+    paths = []
+    for name, body in (("external-clients-abba-k0atauto-6d237cc", a), ("external-clients-abba-k0atauto-ffffff0", b)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(body))
+    monkeypatch.setattr(sys, "argv", ["external_clients.py", "--pool", *map(str, paths)])
+    monkeypatch.setattr(ec, "VENVS", {})  # no client is needed to pool
+    assert ec.main() == 0
+    assert "| guidellm | 4 | 2 | 0.930x | 0.930x | 0.900x (ffffff0) | 1 of 2 |" in capsys.readouterr().out
+    steps = tmp_path / "steps.json"
+    steps.write_text(json.dumps({"levels": {}, "source": "a log"}))
+    monkeypatch.setattr(sys, "argv", ["external_clients.py", "--pool", str(steps)])
+    with pytest.raises(SystemExit):
+        ec.main()
+    assert f"{steps}: not a run's JSON" in capsys.readouterr().err
