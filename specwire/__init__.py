@@ -1,6 +1,6 @@
 """specwire: lossless speculative decoding split across the network.
 
-The client SDK needs only grpcio and protobuf:
+The client SDK needs only grpcio, grpcio-health-checking and protobuf:
 
     import specwire
     with specwire.Client("127.0.0.1:50052") as client:
