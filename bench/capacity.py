@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.append(str(ROOT / "bench"))
 
 from delay_proxy import LinkShape, ProxyThread  # noqa: E402
-from pooling import everywhere_line, load_runs, summary_cells, summary_line  # noqa: E402
+from pooling import everywhere_line, load_runs, positive, summary_cells, summary_line  # noqa: E402
 from service_usage import cpu_seconds, draft_rows, rows_between, rows_cell, summed  # noqa: E402
 
 from specwire import AsyncClient  # noqa: E402
@@ -471,13 +471,13 @@ def auto_ratios(run: dict) -> dict[int, tuple[float, float | None]]:
     """A run's JSON as (auto / the best of the other modes, auto / k = 0 or None where k = 0 was not run), by
     level: the table's "auto / best" as a number. A level counts only where auto and every other mode of the run
     have whole rows there (not a first half alone, "part": a run cut within a level would compare auto with some
-    of the modes) with figures above 0. k = 0 is `0@auto` where the run has it, else `0`."""
+    of the modes) with figures above 0 (pooling.positive). k = 0 is `0@auto` where the run has it, else `0`."""
     by = {(r["mode"], r["concurrency"]): r for r in run["rows"]}
     modes = {m for m, _ in by} - {"auto"}
     out: dict[int, tuple[float, float | None]] = {}
     for level in sorted({c for _, c in by}):
         rows = [by.get((m, level)) for m in ("auto", *sorted(modes))]
-        if not modes or any(r is None or "part" in r or not r.get("tok_s") for r in rows):
+        if not modes or any(r is None or "part" in r or not positive(r.get("tok_s")) for r in rows):
             continue
         auto = rows[0]["tok_s"]
         plain = next((by[(m, level)]["tok_s"] for m in (f"0{ON_AUTO}", "0") if (m, level) in by), None)
@@ -570,9 +570,10 @@ def main() -> int:
     args = p.parse_args()
     if args.pool:
         try:
-            print(pool_table(load_runs(args.pool)))
+            runs = load_runs(args.pool, ("mode", "concurrency", "tok_s"))
         except ValueError as err:
             p.error(str(err))
+        print(pool_table(runs))
         return 0
     if args.table_from is not None:
         print(table_of_run(json.loads(args.table_from.read_text())))

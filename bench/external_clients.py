@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.append(str(ROOT / "bench"))
 
-from pooling import everywhere_line, load_runs, summary_cells  # noqa: E402
+from pooling import everywhere_line, load_runs, positive, summary_cells  # noqa: E402
 from service_usage import children_cpu_seconds, cpu_seconds, draft_rows, rows_between, rows_cell, summed  # noqa: E402
 
 from specwire.launch import Stack, free_port  # noqa: E402
@@ -385,17 +385,23 @@ def table(rows: list[dict]) -> str:
 def auto_over_k0(run: dict) -> dict[tuple[str, int], float]:
     """A run's summary.json as auto / k = 0 output tokens/s by (client, streams): k = 0 is SAME_STACK_K0 where the
     run has that mode (the ratio within one stack), else "k0". A cell counts only where both rows completed (no
-    error, exit code 0) with output above 0: a failed SAME_STACK_K0 row leaves the cell out, it does not fall back
-    to "k0"."""
+    error, exit code 0, every request counted by the client and none errored) with output above 0: a failed
+    SAME_STACK_K0 row leaves the cell out, it does not fall back to "k0". (guidellm has counted 3 of 4 requests at
+    one stream, and its tokens/s over those is not the level's.)"""
     rows = {(r["mode"], r["client"], r["concurrency"]): r for r in run["rows"]}
     plain_mode = SAME_STACK_K0 if any(mode == SAME_STACK_K0 for mode, _, _ in rows) else "k0"
     out: dict[tuple[str, int], float] = {}
     for (mode, client, level), auto in rows.items():
         plain = rows.get((plain_mode, client, level))
-        if mode == "auto" and plain is not None and all(
-                "error" not in r and r.get("exit_code") == 0 and r.get("output_tok_s") for r in (auto, plain)):
+        if mode == "auto" and plain is not None and all(_complete(r) for r in (auto, plain)):
             out[(client, level)] = auto["output_tok_s"] / plain["output_tok_s"]
     return out
+
+
+def _complete(row: dict) -> bool:
+    """A row every request of which the client counted, with none errored, and output measured."""
+    return ("error" not in row and row.get("exit_code") == 0 and positive(row.get("output_tok_s"))
+            and row.get("requests_ok") == row.get("requests") and not row.get("requests_errored"))
 
 
 def pool_table(runs: list[tuple[str, dict]], goal: float = 0.95) -> str:
@@ -403,7 +409,8 @@ def pool_table(runs: list[tuple[str, dict]], goal: float = 0.95) -> str:
     and level, auto / k = 0 over the runs that measured it; then the runs that reached `goal` in every cell (of
     those that measured every cell any of them did)."""
     ratios = [(label, auto_over_k0(run)) for label, run in runs]
-    cells = sorted({cell for _, r in ratios for cell in r})
+    clients = list(dict.fromkeys(client for _, r in ratios for client, _ in r))  # in the order the runs list them
+    cells = sorted({cell for _, r in ratios for cell in r}, key=lambda cell: (clients.index(cell[0]), cell[1]))
     lines = [f"| client | streams | runs | auto / k = 0: mean | median | lowest | runs at {goal:g}x or more |",
              "|---|---|---|---|---|---|---|"]
     for client, level in cells:
@@ -442,9 +449,10 @@ def main() -> int:
     args = p.parse_args()
     if args.pool:
         try:
-            print(pool_table(load_runs(args.pool)))
+            runs = load_runs(args.pool, ("mode", "client", "concurrency"))
         except ValueError as err:
             p.error(str(err))
+        print(pool_table(runs))
         return 0
     REQUESTS.update(per_stream=args.requests_per_stream, min=args.min_requests)
     # SIGTERM (and SIGINT, which a background job inherits ignored) end the run through the stacks' cleanup, so no

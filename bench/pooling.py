@@ -22,16 +22,27 @@ def run_labels(paths: list[Path]) -> list[str]:
     return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
 
 
-def load_runs(paths: list[Path]) -> list[tuple[str, dict]]:
-    """(label, run) for each file, in the order given; ValueError naming a file that is not a run's JSON (a
-    {"title", "rows": [...]} object: a bench's extracted steps, say, are not)."""
+def load_runs(paths: list[Path], row_keys: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """(label, run) for each file, in the order given; ValueError naming a file that cannot be read or is not a
+    run's JSON of this bench: a {"title", "rows": [...]} object whose every row has `row_keys` (a bench's extracted
+    steps are not, nor is the other bench's run)."""
     runs = []
     for label, path in zip(run_labels(paths), paths, strict=True):
-        run = json.loads(path.read_text())
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"{path}: {err}") from err
         if not isinstance(run, dict) or not isinstance(run.get("rows"), list):
             raise ValueError(f"{path}: not a run's JSON (no list of rows)")
+        if not all(isinstance(row, dict) and all(key in row for key in row_keys) for row in run["rows"]):
+            raise ValueError(f"{path}: not this bench's run (a row without {', '.join(row_keys)})")
         runs.append((label, run))
     return runs
+
+
+def positive(value: object) -> bool:
+    """A figure that measured something: a number above 0 (not None, 0, a negative or NaN)."""
+    return isinstance(value, int | float) and value > 0
 
 
 def summary_cells(got: list[tuple[float, str]], goal: float) -> str:

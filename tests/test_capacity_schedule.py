@@ -336,7 +336,6 @@ def test_a_run_plan_is_refused_before_anything_starts_where_it_cannot_pair_its_r
     assert rows.plan("auto", 4, "abba", 9) == (1, (4, 5))
 
 
-
 def test_several_runs_pool_into_auto_against_the_best_by_level(tmp_path, capsys, monkeypatch):
     """pool_table: by level, auto / the best other mode over the runs that measured it (mean, median, lowest and
     which run, runs at the goal), auto / k = 0 at one stream against its goal, and the runs that met the goal at
@@ -359,6 +358,7 @@ def test_several_runs_pool_into_auto_against_the_best_by_level(tmp_path, capsys,
     c["rows"][2]["part"] = 0  # no measurement (else 5.0x, counted)
     assert capacity.auto_ratios(c) == {16: (0.9, 0.9)}
     assert capacity.auto_ratios(run((2, 0.0, 2.0, 1.0))) == {}  # a figure of 0: not a measurement
+    assert capacity.auto_ratios(run((2, float("nan"), 2.0, 1.0))) == {}  # nor NaN
     cut = run((16, 10.0, 9.0, 9.0))
     cut["rows"][0]["part"] = 0  # k = 0's first half alone: auto against k = 4 only would be 1.00x
     assert capacity.auto_ratios(cut) == {}

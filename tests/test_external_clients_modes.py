@@ -264,12 +264,17 @@ def test_several_runs_pool_into_auto_against_k0_by_client_and_level(tmp_path, mo
                   {"mode": "auto", "client": "aiperf", "concurrency": 4, "exit_code": 0, "output_tok_s": 9.0},
                   {"mode": "k0@auto", "client": "aiperf", "concurrency": 4, "exit_code": 1, "output_tok_s": 9.0},
                   {"mode": "k0", "client": "aiperf", "concurrency": 4, "exit_code": 0, "output_tok_s": 9.0}]
+    short = run(("guidellm", 1, 10.0, 12.0))
+    short["rows"][0].update(requests=4, requests_ok=3)  # k = 0's client counted 3 of its 4 requests
+    assert ec.auto_over_k0(short) == {}
+    assert ec.auto_over_k0(run(("guidellm", 1, float("nan"), 12.0))) == {}
     # within one stack (k0@auto, not k0); aiperf's k0@auto failed, and k0 does not stand in for it
     assert ec.auto_over_k0(c) == pytest.approx({("guidellm", 4): 0.99})
     text = ec.pool_table([("a", a), ("b", b), ("c", c)])
     lines = text.splitlines()
-    assert lines[2] == "| aiperf | 4 | 2 | 1.010x | 1.010x | 1.000x (b) | 2 of 2 |"
-    assert lines[3] == "| guidellm | 4 | 3 | 0.950x | 0.960x | 0.900x (b) | 2 of 3 |"
+    # the clients in the order the runs list them
+    assert lines[2] == "| guidellm | 4 | 3 | 0.950x | 0.960x | 0.900x (b) | 2 of 3 |"
+    assert lines[3] == "| aiperf | 4 | 2 | 1.010x | 1.010x | 1.000x (b) | 2 of 2 |"
     assert text.endswith("every cell at 0.95x or more: 1 of 2 runs that measured them all (a); not counted there, "
                          "measured in part: c")
     paths = []
@@ -286,3 +291,10 @@ def test_several_runs_pool_into_auto_against_k0_by_client_and_level(tmp_path, mo
     with pytest.raises(SystemExit):
         ec.main()
     assert f"{steps}: not a run's JSON" in capsys.readouterr().err
+    capacity_run = tmp_path / "capacity.json"  # bench/capacity.py's run: rows without a client
+    capacity_run.write_text(json.dumps({"title": "t", "rows": [{"mode": "auto", "concurrency": 1, "tok_s": 2.0}]}))
+    for path in (capacity_run, tmp_path / "missing.json"):
+        monkeypatch.setattr(sys, "argv", ["external_clients.py", "--pool", str(path)])
+        with pytest.raises(SystemExit):
+            ec.main()
+        assert str(path) in capsys.readouterr().err
